@@ -1,0 +1,5 @@
+import sys
+
+from optimus.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""The `optimus` command: train, data, launch (and the subcommands later issues add).
+
+`optimus train [overrides]` composes the Hydra config from `recipes/` with the
+given overrides (`model=mula-7b-a1b train.steps=100 ...`), then trains: inside a
+launcher (torchrun, srun, mpiexec) it joins the job, outside one with
+`parallel.nproc=N` it starts N local processes through torch's elastic launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from optimus.config import ConfigError, OptimusConfig, validate
+from optimus.data.errors import DataError
+from optimus.launch import SpawnError
+
+USAGE = """usage: optimus <command> [args]
+
+Commands:
+  train [overrides]     train a model from a Hydra recipe (default: the tiny model on the built-in corpus)
+  data prepare|tokenizer  tokenise a corpus into token shards, or train a tokenizer
+  launch                render (and submit) a PBS or SLURM job script for a recipe
+
+Run `optimus <command> --help` for the options of one command.
+"""
+
+TRAIN_HELP = """usage: optimus train [KEY=VALUE ...]
+
+Trains a model. Settings come from the Hydra recipes in {recipes}; every
+setting can be overridden on the command line as KEY=VALUE.
+
+Recipe groups (pick one with GROUP=NAME):
+{groups}
+Frequently used keys (see ARCHITECTURE.md for all):
+  model.n_layers, model.dim, model.n_heads, model.n_kv_heads, model.vocab_size
+  model.moe.n_experts, model.moe.top_k, model.moe.expert_dim, model.moe.n_shared_experts
+  model.moe.router=softmax|sigmoid, model.moe.capacity_factor=null|1.25
+  train.steps, train.global_batch, train.micro_batch, train.seq_len, train.dtype=bf16|fp32
+  optim.lr, parallel.nproc, parallel.ep, parallel.dispatcher=alltoall|allgather
+  kernels=auto|torch|triton, run.dir, logging.wandb=true
+
+Examples:
+  optimus train                                   # tiny MoE on the built-in corpus, a few minutes on a CPU
+  optimus train train.steps=50 model.moe.router=sigmoid
+  optimus train parallel.nproc=4 parallel.ep=2    # 4 local processes, experts split over pairs
+  torchrun --nproc-per-node 8 -m optimus train model=mula-7b-a1b machine=nvidia
+"""
+
+
+def recipes_dir() -> Path:
+    """Recipes ship inside the wheel (optimus/recipes) or sit at the repository root (editable install)."""
+    packaged = Path(__file__).parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+
+
+def recipe_groups() -> dict[str, list[str]]:
+    root = recipes_dir()
+    return {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in sorted(root.iterdir())
+        if group.is_dir() and any(group.glob("*.yaml"))
+    }
+
+
+def _explain_compose_error(err: Exception, overrides: list[str]) -> str:
+    """Turn Hydra's multi-line errors into one sentence that says what to change."""
+    text = str(err)
+    for group, names in recipe_groups().items():
+        if f"Could not find '{group}/" in text:
+            bad = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "?")
+            return f"Unknown {group} recipe {bad!r}: choose one of {', '.join(names)}."
+    if text.startswith("Could not override '"):
+        key = text.split("'")[1]
+        return f"Unknown config key {key!r}: check the spelling against `optimus train --help` and ARCHITECTURE.md."
+    if text.startswith("Error merging override "):
+        override = text.removeprefix("Error merging override ").strip()
+        cause = str(err.__cause__).strip().splitlines()[0] if err.__cause__ else "wrong type"
+        return f"Bad value in {override} ({cause}): give a value of the key's type."
+    first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return f"Invalid override ({first_line}): fix it or see `optimus train --help`."
+
+
+def load_config(overrides: list[str]) -> OptimusConfig:
+    """Compose recipes + overrides into a typed, validated-for-types OptimusConfig."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="optimus_schema", node=OptimusConfig)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+            composed = compose(config_name="config", overrides=list(overrides))
+        cfg = OmegaConf.to_object(composed)
+    except ConfigError:
+        raise
+    except Exception as err:  # Hydra and OmegaConf raise many types; all mean "bad override"
+        raise ConfigError(_explain_compose_error(err, list(overrides))) from None
+    return cfg
+
+
+def _worker(cfg: OptimusConfig) -> dict:
+    """Body of one rank: join the process group (if any), train, leave."""
+    import torch.distributed as dist
+
+    from optimus.launch import discover, init_process_group
+    from optimus.platform import detect_platform
+    from optimus.train.trainer import train
+
+    info = discover()
+    if info.world_size > 1:
+        platform = detect_platform(cfg.machine, info.local_rank)
+        init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
+    try:
+        return train(cfg, info.local_rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def cmd_train(overrides: list[str]) -> int:
+    from optimus.launch import discover, spawn_local
+
+    cfg = load_config(overrides)
+    info = discover()
+    world_size = info.world_size if info.launcher != "none" else cfg.parallel.nproc
+    validate(cfg, world_size)
+    if info.launcher == "none" and cfg.parallel.nproc > 1:
+        results = spawn_local(cfg.parallel.nproc, _worker, (cfg,))
+        summary = results[0]
+    else:
+        summary = _worker(cfg)
+    if info.rank == 0 and summary:
+        print(f"Finished {summary['steps']} steps; run directory: {summary['run_dir']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            if any(a in ("-h", "--help") for a in rest):
+                groups = "".join(f"  {g:<11}{', '.join(n)}\n" for g, n in recipe_groups().items())
+                print(TRAIN_HELP.format(recipes=recipes_dir(), groups=groups))
+                return 0
+            return cmd_train(rest)
+        if command == "data":
+            from optimus.data.cli import main as data_main
+
+            return data_main(rest)
+        if command == "launch":
+            from optimus.jobs import main as launch_main
+
+            return launch_main(rest)
+    except (ConfigError, DataError) as err:
+        print(f"optimus: error: {err}", file=sys.stderr)
+        return 2
+    except SpawnError as err:  # a local worker failed; its own message says why
+        print(f"optimus: error: {err}", file=sys.stderr)
+        return 1
+    print(f"optimus: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

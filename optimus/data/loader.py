@@ -1,0 +1,144 @@
+"""Deterministic, layout-invariant batch loading with background prefetch.
+
+Global sample position p holds dataset item `global_indices(ds, seed, [p])`.
+Global batch g is positions [g*GB, (g+1)*GB), cut in order into GB/mb
+micro-batches; rank r of W takes micro-batches [r*A, (r+1)*A) with
+A = GB/(mb*W). The micro-batches of a step are therefore the same for every
+world size, and a single process accumulating over all of them sees exactly
+what W ranks see together.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from optimus.config import ConfigError
+from optimus.data.errors import DataError
+from optimus.data.order import global_indices
+
+
+def _accelerator_present() -> bool:
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available())
+
+
+def _gather(dataset: Any, idx: np.ndarray) -> torch.Tensor:
+    if hasattr(dataset, "gather"):
+        return dataset.gather(idx)
+    return torch.stack([torch.as_tensor(dataset[int(i)]) for i in idx])
+
+
+def rank_micro_batches(
+    dataset: Any, seed: int, first: int, global_batch: int, micro_batch: int, rank: int, world_size: int
+) -> list[torch.Tensor]:
+    """This rank's micro-batches of the global batch starting at global position `first`."""
+    accum = global_batch // (micro_batch * world_size)
+    start = first + rank * accum * micro_batch
+    idx = global_indices(dataset, seed, np.arange(start, start + accum * micro_batch))
+    rows = _gather(dataset, idx)  # [accum * mb, S + 1]
+    return list(rows.view(accum, micro_batch, -1).unbind(0))  # accum x [mb, S + 1]
+
+
+class BatchLoader:
+    """Yields this rank's micro-batches of each optimizer step; a thread prepares up to `prefetch` steps ahead."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        samples_consumed: int = 0,
+        prefetch: int = 4,
+    ):
+        if micro_batch <= 0 or world_size <= 0 or global_batch % (micro_batch * world_size):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by micro_batch x world size = "
+                f"{micro_batch} x {world_size}: make global_batch a multiple of {micro_batch * world_size}."
+            )
+        if len(dataset) == 0:
+            raise DataError("the dataset has no window of seq_len + 1 tokens: add data or lower train.seq_len.")
+        self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.rank, self.world_size, self.seed, self.prefetch = rank, world_size, seed, prefetch
+        self.pin = _accelerator_present()
+        self._thread: threading.Thread | None = None
+        self._start(samples_consumed)
+
+    def _make(self, first: int) -> list[torch.Tensor]:
+        mbs = rank_micro_batches(
+            self.dataset, self.seed, first, self.global_batch, self.micro_batch, self.rank, self.world_size
+        )
+        return [m.pin_memory() for m in mbs] if self.pin else mbs
+
+    def _start(self, samples_consumed: int) -> None:
+        self._consumed = samples_consumed
+        if self.prefetch <= 0:
+            return
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._run, args=(samples_consumed,), daemon=True, name="optimus-data")
+        self._thread.start()
+
+    def _run(self, first: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item: Any = self._make(first)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            first += self.global_batch
+
+    def next_step(self) -> list[torch.Tensor]:
+        """This rank's micro-batches of the next step: global_batch // (micro_batch * world_size) x [mb, S + 1]."""
+        if self._thread is None:
+            item = self._make(self._consumed)
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+        self._consumed += self.global_batch
+        return item
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples_consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.close()
+        self._start(int(state["samples_consumed"]))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+
+def eval_batches(dataset: Any, n: int, micro_batch: int, rank: int, world_size: int, seed: int = 0) -> list:
+    """This rank's evaluation micro-batches: ceil(n / world_size) x [mb, S + 1], the same for every call.
+
+    The global evaluation set is the first ceil(n / W) * W micro-batches of
+    `dataset` in its seed-`seed` order (wrapping around a small dataset); rank r
+    takes a contiguous block of them, as in training. So with W dividing n every
+    layout evaluates the same n micro-batches, and every rank runs the same
+    number of forwards (needed by expert-parallel collectives).
+    """
+    if len(dataset) == 0:
+        raise DataError("the validation set has no complete window: raise data.val_fraction or lower train.seq_len.")
+    per_rank = -(-n // world_size)
+    return rank_micro_batches(dataset, seed, 0, per_rank * world_size * micro_batch, micro_batch, rank, world_size)

@@ -1,0 +1,246 @@
+"""`optimus launch`: render (and submit) a PBS or SLURM job script for a recipe.
+
+The scripts in `pbs/` and `slurm/` are complete job scripts, one per machine; rendering copies
+one and rewrites its scheduler directives and its block of job settings (ranks per node, Python,
+setup file, training arguments), after checking that the recipe's layout fits the nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from optimus.config import ConfigError, OptimusConfig, validate
+
+SCHEDULERS = {
+    # scheduler: (directory, file suffix, directive prefix, submit command)
+    "pbs": ("pbs", ".pbs", "#PBS", "qsub"),
+    "slurm": ("slurm", ".sbatch", "#SBATCH", "sbatch"),
+}
+DEFAULT_SCHEDULER = {"aurora": "pbs", "frontier": "slurm", "nvidia": "slurm"}
+
+
+def _load_config(overrides: list[str]) -> OptimusConfig:
+    from optimus.cli import load_config
+
+    return load_config(overrides)
+
+
+def scripts_root() -> Path:
+    """pbs/ and slurm/ ship inside the wheel (optimus/pbs) or sit at the repository root."""
+    packaged = Path(__file__).parent
+    return packaged if (packaged / "pbs").is_dir() else packaged.parent
+
+
+def template_path(scheduler: str, machine: str) -> Path:
+    directory, suffix, _, _ = SCHEDULERS[scheduler]
+    path = scripts_root() / directory / f"{machine}{suffix}"
+    if not path.is_file():
+        known = sorted(p.stem for p in (scripts_root() / directory).glob(f"*{suffix}"))
+        raise ConfigError(
+            f"there is no {scheduler} job script for machine={machine} ({path} is missing): "
+            f"choose machine={' or machine='.join(known) or '?'}, or add that script."
+        )
+    return path
+
+
+def check_layout(cfg: OptimusConfig, nodes: int) -> int:
+    """Validate the recipe for `nodes` nodes; returns the number of ranks."""
+    rpn = cfg.machine.ranks_per_node
+    if nodes < 1:
+        raise ConfigError(f"--nodes={nodes} must be at least 1.")
+    if not rpn:
+        raise ConfigError(
+            f"machine={cfg.machine.name} does not say how many ranks run per node: "
+            "choose machine=aurora, frontier or nvidia, or set machine.ranks_per_node."
+        )
+    if rpn % cfg.parallel.ep:
+        raise ConfigError(
+            f"parallel.ep={cfg.parallel.ep} does not divide the {rpn} ranks per node of machine={cfg.machine.name}: "
+            f"choose an ep that divides {rpn}, so each expert-parallel group stays inside one node."
+        )
+    world = nodes * rpn
+    validate(cfg, world)
+    return world
+
+
+def default_run_dir(cfg: OptimusConfig) -> Path:
+    if cfg.run.dir:
+        return Path(cfg.run.dir).expanduser().resolve()
+    return Path("runs", f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def _directives(scheduler: str, nodes: int, job_name: str, account, queue, walltime: str, run_dir: Path) -> list[str]:
+    if scheduler == "pbs":
+        lines = [
+            f"#PBS -N {job_name}",
+            f"#PBS -l select={nodes}",
+            "#PBS -l place=scatter",
+            f"#PBS -l walltime={walltime}",
+            "#PBS -l filesystems=home:flare",  # Aurora: the file systems the job needs mounted
+            "#PBS -j oe",
+            "#PBS -k doe",  # write the log straight to its final place, so it can be followed live
+            f"#PBS -o {run_dir / 'job.log'}",
+        ]
+        lines += [f"#PBS -A {account}"] if account else []
+        lines += [f"#PBS -q {queue}"] if queue else []
+        return lines
+    lines = [
+        f"#SBATCH -J {job_name}",
+        f"#SBATCH -N {nodes}",
+        f"#SBATCH -t {walltime}",
+        f"#SBATCH -o {run_dir / 'job-%j.log'}",
+    ]
+    lines += [f"#SBATCH -A {account}"] if account else []
+    lines += [f"#SBATCH -p {queue}"] if queue else []
+    return lines
+
+
+def _set_line(script: str, pattern: str, line: str) -> str:
+    """Replace the one line of the template that matches `pattern` (a regex anchored at line start)."""
+    new, count = re.subn(rf"^{pattern}.*$", lambda _: line, script, count=1, flags=re.M)
+    if count != 1:
+        raise RuntimeError(f"job script template has no line matching {pattern!r}")
+    return new
+
+
+def render(
+    scheduler: str,
+    nodes: int,
+    cfg: OptimusConfig,
+    overrides: list[str],
+    account: str | None = None,
+    queue: str | None = None,
+    walltime: str = "01:00:00",
+    run_dir: str | Path | None = None,
+    job_name: str = "optimus",
+    python: str | None = None,
+    setup: str | None = None,
+) -> str:
+    """The job script that trains `cfg` (composed from `overrides`) on `nodes` nodes."""
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(f"--scheduler={scheduler} is not supported: choose pbs or slurm.")
+    if not re.fullmatch(r"\d+(:\d{1,2}){0,2}", walltime):
+        raise ConfigError(f"--walltime={walltime} is not a time: write it as HH:MM:SS.")
+    check_layout(cfg, nodes)
+    template = template_path(scheduler, cfg.machine.name).read_text()
+    run_dir = Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(cfg)
+    args = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
+
+    prefix = SCHEDULERS[scheduler][2]
+    lines = [ln for ln in template.splitlines() if not ln.startswith(prefix + " ")]
+    first_code = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
+    directives = _directives(scheduler, nodes, job_name, account, queue, walltime, run_dir)
+    script = "\n".join(lines[:first_code] + directives + lines[first_code:]) + "\n"
+
+    script = _set_line(script, "RANKS_PER_NODE=", f"RANKS_PER_NODE={cfg.machine.ranks_per_node}")
+    script = _set_line(script, "PYTHON=", f"PYTHON=${{OPTIMUS_PYTHON:-{shlex.quote(python or sys.executable)}}}")
+    script = _set_line(script, "SETUP=", f"SETUP=${{OPTIMUS_SETUP:-{shlex.quote(setup) if setup else ''}}}")
+    script = _set_line(script, r"read -r -a ARGS ", f"ARGS=({' '.join(shlex.quote(a) for a in args)})")
+    if "CPU_BIND=" in script:  # Aurora: the binding follows the rank count
+        bind, workers = aurora_cpu_bind(cfg.machine.ranks_per_node)
+        script = _set_line(script, "CPU_BIND=", f'CPU_BIND="{bind}"')
+        script = _set_line(script, "export CCL_WORKER_AFFINITY=", f'export CCL_WORKER_AFFINITY="{workers}"')
+    return script
+
+
+def aurora_cpu_bind(ranks_per_node: int, cores_per_socket: int = 52) -> tuple[str, str]:
+    """(mpiexec --cpu-bind list, CCL_WORKER_AFFINITY) for an Aurora node.
+
+    Core 0 of each socket is the OS's; the first half of the ranks (tiles) sit on socket 0.
+    Each rank gets a block of cores on its socket: one for the oneCCL worker, the rest for itself.
+    """
+    if ranks_per_node % 2:
+        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} must be even on Aurora: one half per socket.")
+    per_socket = ranks_per_node // 2
+    block = min(8, (cores_per_socket - 1) // per_socket)
+    if block < 2:
+        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} leaves under 2 cores per rank on Aurora.")
+    ranges, workers = [], []
+    for socket in range(2):
+        for i in range(per_socket):
+            first = socket * cores_per_socket + 1 + i * block
+            workers.append(str(first))
+            ranges.append(f"{first + 1}-{first + block - 1}")
+    return "list:" + ":".join(ranges), ",".join(workers)
+
+
+def submit(script_path: Path, scheduler: str) -> str:
+    """Submit with qsub/sbatch from the current directory; returns the scheduler's reply (the job id)."""
+    command = SCHEDULERS[scheduler][3]
+    if shutil.which(command) is None:
+        raise ConfigError(
+            f"{command} was not found on PATH: run `optimus launch --submit` on the cluster's login node, "
+            "or leave out --submit to print the script."
+        )
+    done = subprocess.run([command, str(script_path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"{command} {script_path} failed: {(done.stderr or done.stdout).strip()}")
+    return done.stdout.strip()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="optimus launch",
+        description="Render a PBS (Aurora) or SLURM (Frontier, NVIDIA) job script that runs `optimus train` "
+        "with the given overrides; print it, or write it into the run directory and submit it.",
+    )
+    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: pbs for aurora, slurm otherwise")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p.add_argument("--submit", action="store_true", help="write <run-dir>/job.<suffix> and submit it")
+    p.add_argument("--account", help="project to charge (-A)")
+    p.add_argument("--queue", help="queue (PBS -q) or partition (SLURM -p)")
+    p.add_argument("--walltime", default="01:00:00", help="HH:MM:SS (default 01:00:00)")
+    p.add_argument("--run-dir", help="run directory (default: run.dir, or runs/<model>-<time>)")
+    p.add_argument("--job-name", default="optimus")
+    p.add_argument("--python", help="Python that runs on the nodes (default: this one)")
+    p.add_argument("--setup", help="shell file sourced at job start (modules, virtual environment)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    opts = _parser().parse_intermixed_args(argv)
+    cfg = _load_config(opts.overrides)
+    scheduler = opts.scheduler or DEFAULT_SCHEDULER.get(cfg.machine.name)
+    if scheduler is None:
+        raise ConfigError(f"machine={cfg.machine.name} has no default scheduler: pass --scheduler pbs or slurm.")
+    run_dir = Path(opts.run_dir).expanduser().resolve() if opts.run_dir else default_run_dir(cfg)
+    setup = str(Path(opts.setup).expanduser().resolve()) if opts.setup else None
+    script = render(
+        scheduler,
+        opts.nodes,
+        cfg,
+        opts.overrides,
+        opts.account,
+        opts.queue,
+        opts.walltime,
+        run_dir,
+        opts.job_name,
+        opts.python,
+        setup,
+    )
+    ranks = opts.nodes * cfg.machine.ranks_per_node
+    where = (
+        f"{opts.nodes} nodes x {cfg.machine.ranks_per_node} = {ranks} ranks of machine={cfg.machine.name}\n"
+        f"run directory: {run_dir}\n"
+        f"  job log:  {run_dir / ('job.log' if scheduler == 'pbs' else 'job-<jobid>.log')}\n"
+        f"  metrics:  {run_dir / 'metrics.jsonl'}  (config.yaml, run_info.json beside it)"
+    )
+    if not opts.submit:
+        print(script, end="")
+        note = f"{where}\nnot submitted: add --submit, or save this script, mkdir -p {run_dir} and submit it yourself"
+        print("# " + note.replace("\n", "\n# "), file=sys.stderr)
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler writes the job log here
+    script_path = run_dir / f"job{SCHEDULERS[scheduler][1]}"
+    script_path.write_text(script)
+    reply = submit(script_path, scheduler)
+    print(f"submitted {script_path}: {reply}\n{where}")
+    return 0

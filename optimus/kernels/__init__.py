@@ -1,0 +1,95 @@
+"""Expert-path kernels behind one interface, chosen by the `kernels` config key.
+
+A backend provides three differentiable operations (see `reference.py` for the
+shapes and the exact meaning of each):
+
+    permute(x_TD, token_idx_A) -> x_AD
+    expert_swiglu_mlp(x_AD, w13_EDF2, w2_EFD, offsets_E) -> y_AD
+    combine(y_AD, token_idx_A, weight_A, n_tokens) -> out_TD
+
+and `grouped_mm(x_AK, w_EKN, offsets_E) -> y_AN`, the plain grouped GEMM.
+
+Backends: `torch` (plain PyTorch, fastest on CPUs), `triton` (portable Triton kernels,
+optional: imported only when chosen), `auto` (triton on a GPU where it compiles, else torch).
+Triton is never imported by `import optimus.kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from optimus.config import ConfigError
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    permute: Callable
+    expert_swiglu_mlp: Callable
+    combine: Callable
+    grouped_mm: Callable
+
+
+def triton_importable() -> bool:
+    """Whether `import triton` works (without importing it when it is not installed)."""
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return False
+        import triton  # noqa: F401
+    except Exception:  # a broken install (e.g. missing driver libraries) counts as absent
+        return False
+    return True
+
+
+def gpu_present() -> bool:
+    """A CUDA/ROCm or Intel XPU device is visible to torch."""
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or (xpu is not None and xpu.is_available())
+
+
+@functools.cache
+def triton_compiles() -> bool:
+    """Whether Triton compiles and runs a small kernel on this machine's GPU (checked once)."""
+    try:
+        from optimus.kernels import triton_backend
+
+        return triton_backend.smoke_test()
+    except Exception:
+        return False
+
+
+def _torch_backend() -> KernelBackend:
+    from optimus.kernels import torch_backend as tb
+
+    return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op)
+
+
+def _triton_backend() -> KernelBackend:
+    from optimus.kernels import triton_backend as tb
+
+    return KernelBackend("triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm)
+
+
+def get_backend(name: str = "auto") -> KernelBackend:
+    """Return the backend for `kernels=<name>` (auto | torch | triton)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"kernels={name!r} is not a kernel backend; use one of {', '.join(BACKENDS)}.")
+    if name == "torch":
+        return _torch_backend()
+    if name == "triton":
+        if not triton_importable():
+            raise ConfigError(
+                "kernels=triton needs the triton package, which cannot be imported here: "
+                "install it with `pip install triton` (or set kernels=torch)."
+            )
+        return _triton_backend()
+    if gpu_present() and triton_importable() and triton_compiles():
+        return _triton_backend()
+    return _torch_backend()

@@ -1,0 +1,45 @@
+"""Which dtype the expert path computes in, shared by every backend.
+
+Under `torch.autocast` the expert path computes in the autocast dtype (autocast
+itself does not cover `torch._grouped_mm` or custom kernels); outside autocast it
+computes in the dtype of its input.
+"""
+
+import functools
+
+import torch
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for t's device, else t's own dtype."""
+    device_type = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+@functools.cache
+def cpu_has_fast_half_gemm() -> bool:
+    """True when this CPU has native 16-bit matmul units (AVX512-BF16/FP16 or AMX).
+
+    Without them PyTorch's bf16/fp16 CPU matmul is a scalar fallback that runs at a few
+    GFLOP/s, far below the fp32 BLAS path.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability.startswith("AVX512") or "AMX" in capability
+
+
+def math_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype GEMMs run in for values of `dtype`: fp32 for 16-bit floats on a CPU without 16-bit units.
+
+    Upcasting 16-bit operands to fp32 and accumulating in fp32 is exactly a 16-bit GEMM with
+    fp32 accumulation (products of 16-bit floats are exact in fp32), only faster on such CPUs.
+    """
+    if dtype in (torch.bfloat16, torch.float16) and device.type == "cpu" and not cpu_has_fast_half_gemm():
+        return torch.float32
+    return dtype
+
+
+def round_to(t: torch.Tensor, dtype: torch.dtype, math: torch.dtype) -> torch.Tensor:
+    """t rounded to `dtype` and held in `math` (no copy when both already match)."""
+    return t.to(dtype).to(math)

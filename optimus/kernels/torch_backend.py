@@ -1,0 +1,219 @@
+"""The plain-PyTorch expert path, tuned for CPUs (works on any device).
+
+- permute / combine: one `index_select` / `index_add_` each way, no Python loop over tokens.
+- expert MLP: one custom autograd.Function for the whole SwiGLU MLP; GEMMs are
+  `torch._grouped_mm` (one call per GEMM for all experts, weight grads included) with a
+  per-expert `torch.mm(out=)` loop when `_grouped_mm` is missing or strides are not 16-byte
+  aligned. Backward saves x, h13 = x @ W13 and h only, and fuses the SwiGLU derivative
+  into `silu_backward`.
+- 16-bit compute on a CPU without 16-bit matmul units runs every GEMM on fp32 copies of
+  the 16-bit-rounded operands (see `dtypes.math_dtype`), numerically a 16-bit GEMM with
+  fp32 accumulation.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """`_grouped_mm` needs every non-unit stride and the base address 16-byte aligned."""
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        for size, stride in zip(t.shape, t.stride()):
+            if size > 1 and stride != 1 and (stride * t.element_size()) % 16:
+                return False
+    return True
+
+
+def _use_grouped(*tensors: torch.Tensor) -> bool:
+    # CUDA's _grouped_mm only takes bf16; everywhere else fall back to the loop on doubt.
+    if not _HAS_GROUPED_MM or not _aligned(*tensors):
+        return False
+    return tensors[0].device.type == "cpu" or tensors[0].dtype == torch.bfloat16
+
+
+def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]  -> [A, N]. `bounds` = [0] + offsets as Python ints."""
+    if _use_grouped(x_AK, w_EKN):
+        return torch._grouped_mm(x_AK, w_EKN, offsets_E)
+    y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
+    for e in range(w_EKN.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
+    return y_AN
+
+
+def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """dw[e] = x[rows of e]^T @ g[rows of e]  -> [E, K, N]; zero for experts without rows."""
+    x_KA = x_AK.t()
+    if _use_grouped(x_KA, g_AN):
+        return torch._grouped_mm(x_KA, g_AN, offsets_E)
+    n_experts = offsets_E.shape[0]
+    dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])
+    for e in range(n_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.mm(x_KA[:, lo:hi], g_AN[lo:hi], out=dw_EKN[e])
+        else:
+            dw_EKN[e].zero_()
+    return dw_EKN
+
+
+def _no_autocast(device_type: str):
+    # The Functions pick their own dtypes; autocast must not re-cast the GEMMs inside them.
+    return torch.autocast(device_type, enabled=False)
+
+
+def _bounds(offsets_E: torch.Tensor) -> list[int]:
+    return [0] + offsets_E.tolist()
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, token_idx_A, dtype):
+        ctx.save_for_backward(token_idx_A)
+        ctx.n_tokens, ctx.x_dtype = x_TD.shape[0], x_TD.dtype
+        return x_TD.to(dtype).index_select(0, token_idx_A)  # [A, D]
+
+    @staticmethod
+    def backward(ctx, dy_AD):
+        (token_idx_A,) = ctx.saved_tensors
+        # Accumulate the K copies of each token in at least fp32.
+        acc = torch.promote_types(dy_AD.dtype, torch.float32)
+        dx_TD = dy_AD.new_zeros(ctx.n_tokens, dy_AD.shape[1], dtype=acc)
+        dx_TD.index_add_(0, token_idx_A, dy_AD.to(acc))
+        return dx_TD.to(ctx.x_dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_AD, token_idx_A, weight_A, n_tokens, dtype):
+        acc = torch.promote_types(dtype, torch.float32)
+        y_c = y_AD.to(dtype)
+        w_c = weight_A.to(dtype)
+        ctx.save_for_backward(y_c, token_idx_A, w_c)
+        ctx.y_dtype, ctx.w_dtype = y_AD.dtype, weight_A.dtype
+        out_TD = y_AD.new_zeros(n_tokens, y_AD.shape[1], dtype=acc)
+        out_TD.index_add_(0, token_idx_A, y_c.to(acc) * w_c.to(acc).unsqueeze(1))
+        return out_TD.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        y_c, token_idx_A, w_c = ctx.saved_tensors
+        acc = torch.promote_types(y_c.dtype, torch.float32)
+        g_AD = dout_TD.to(acc).index_select(0, token_idx_A)  # [A, D]
+        dy_AD = dw_A = None
+        if ctx.needs_input_grad[0]:
+            dy_AD = (g_AD * w_c.to(acc).unsqueeze(1)).to(ctx.y_dtype)
+        if ctx.needs_input_grad[2]:
+            dw_A = torch.linalg.vecdot(g_AD, y_c.to(acc)).to(ctx.w_dtype)
+        return dy_AD, None, dw_A, None, None
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """y = (silu(x @ W1) * (x @ W3)) @ W2 per expert, with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
+        math = math_dtype(dtype, x_AD.device)
+        n_ffn = w2_EFD.shape[1]
+        bounds = _bounds(offsets_E)
+        x_m = round_to(x_AD, dtype, math)
+        w13_m = round_to(w13_EDF2, dtype, math)
+        w2_m = round_to(w2_EFD, dtype, math)
+        h13_AF2 = grouped_mm(x_m, w13_m, offsets_E, bounds)  # [A, 2F]
+        h_AF = torch.mul(F.silu(h13_AF2[:, :n_ffn]), h13_AF2[:, n_ffn:])  # [A, F]
+        h_AF = round_to(h_AF, dtype, math)
+        y_AD = grouped_mm(h_AF, w2_m, offsets_E, bounds)  # [A, D]
+        ctx.save_for_backward(x_m, w13_m, w2_m, offsets_E, h13_AF2, h_AF)
+        ctx.bounds, ctx.dtype, ctx.math = bounds, dtype, math
+        ctx.in_dtypes = (x_AD.dtype, w13_EDF2.dtype, w2_EFD.dtype)
+        return y_AD.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy_AD):
+        with _no_autocast(dy_AD.device.type):
+            return _SwiGLUExperts._backward(ctx, dy_AD)
+
+    @staticmethod
+    def _backward(ctx, dy_AD):
+        x_m, w13_m, w2_m, offsets_E, h13_AF2, h_AF = ctx.saved_tensors
+        bounds, dtype, math = ctx.bounds, ctx.dtype, ctx.math
+        n_ffn = w2_m.shape[1]
+        # _grouped_mm's own backward rejects stride-0 grads; ours needs dense rows too.
+        dy_m = round_to(dy_AD, dtype, math).contiguous()
+        dh_AF = grouped_mm(dy_m, w2_m.transpose(1, 2), offsets_E, bounds)  # [A, F]
+        dw2_EFD = grouped_wgrad(h_AF, dy_m, offsets_E, bounds) if ctx.needs_input_grad[2] else None
+        gate_AF, up_AF = h13_AF2[:, :n_ffn], h13_AF2[:, n_ffn:]
+        dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
+        torch.mul(dh_AF, F.silu(gate_AF), out=dh13_AF2[:, n_ffn:])
+        torch.mul(dh_AF, up_AF, out=dh_AF)
+        torch.ops.aten.silu_backward.grad_input(dh_AF, gate_AF, grad_input=dh13_AF2[:, :n_ffn])
+        dh13_AF2 = round_to(dh13_AF2, dtype, math)
+        dx_AD = dw13_EDF2 = None
+        if ctx.needs_input_grad[0]:
+            dx_AD = grouped_mm(dh13_AF2, w13_m.transpose(1, 2), offsets_E, bounds).to(ctx.in_dtypes[0])
+        if ctx.needs_input_grad[1]:
+            dw13_EDF2 = grouped_wgrad(x_m, dh13_AF2, offsets_E, bounds).to(ctx.in_dtypes[1])
+        if dw2_EFD is not None:
+            dw2_EFD = dw2_EFD.to(ctx.in_dtypes[2])
+        return dx_AD, dw13_EDF2, dw2_EFD, None, None
+
+
+def permute(x_TD: torch.Tensor, token_idx_A: torch.Tensor) -> torch.Tensor:
+    """x_AD[a] = x_TD[token_idx_A[a]]."""
+    dtype = compute_dtype(x_TD)
+    with _no_autocast(x_TD.device.type):
+        return _Permute.apply(x_TD, token_idx_A, dtype)
+
+
+def expert_swiglu_mlp(
+    x_AD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """Per-expert SwiGLU MLP over expert-sorted rows (see reference.expert_swiglu_mlp)."""
+    dtype = compute_dtype(x_AD)
+    with _no_autocast(x_AD.device.type):
+        return _SwiGLUExperts.apply(x_AD, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), dtype)
+
+
+def combine(y_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """out[t] = sum over assignments a of token t of weight_A[a] * y_AD[a]."""
+    dtype = compute_dtype(y_AD)
+    with _no_autocast(y_AD.device.type):
+        return _Combine.apply(y_AD, token_idx_A, weight_A, n_tokens, dtype)
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_AK, w_EKN, offsets_E, dtype):
+        math = math_dtype(dtype, x_AK.device)
+        bounds = _bounds(offsets_E)
+        x_m, w_m = round_to(x_AK, dtype, math), round_to(w_EKN, dtype, math)
+        ctx.save_for_backward(x_m, w_m, offsets_E)
+        ctx.bounds, ctx.dtype, ctx.math, ctx.in_dtypes = bounds, dtype, math, (x_AK.dtype, w_EKN.dtype)
+        return grouped_mm(x_m, w_m, offsets_E, bounds).to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy_AN):
+        x_m, w_m, offsets_E = ctx.saved_tensors
+        with _no_autocast(dy_AN.device.type):
+            dy_m = round_to(dy_AN, ctx.dtype, ctx.math).contiguous()
+            dx = dw = None
+            if ctx.needs_input_grad[0]:
+                dx = grouped_mm(dy_m, w_m.transpose(1, 2), offsets_E, ctx.bounds).to(ctx.in_dtypes[0])
+            if ctx.needs_input_grad[1]:
+                dw = grouped_wgrad(x_m, dy_m, offsets_E, ctx.bounds).to(ctx.in_dtypes[1])
+        return dx, dw, None, None
+
+
+def grouped_mm_op(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Differentiable grouped GEMM: y[rows of e] = x[rows of e] @ w[e]."""
+    dtype = compute_dtype(x_AK)
+    with _no_autocast(x_AK.device.type):
+        return _GroupedMM.apply(x_AK, w_EKN, offsets_E.to(torch.int32), dtype)

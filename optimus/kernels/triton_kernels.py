@@ -1,0 +1,365 @@
+"""Portable Triton kernels for the expert path (no vendor intrinsics).
+
+Grouped GEMMs work on rows sorted by expert: expert e owns rows [offsets[e-1], offsets[e]).
+Row tiles never straddle two experts; each program finds its (expert, row tile) by walking
+the offsets, so BLOCK_M can be autotuned and experts may own zero rows. The grid has
+cdiv(A, BLOCK_M) + E row tiles, an upper bound; programs without a tile exit at once.
+
+Kernels:
+  _grouped_gemm_kernel    y[rows of e] = x[rows of e] @ w[e]   (forward and input grad; any strides)
+  _swiglu_fwd_kernel      h13 = x @ w13[e]; h = silu(gate) * up, fused in the epilogue
+  _swiglu_bwd_kernel      dh = dy @ w2[e]^T, then d gate / d up from h13, fused in the epilogue
+  _grouped_wgrad_kernel   dw[e] = x[rows of e]^T @ g[rows of e]
+  _gather_rows_kernel     out[a] = src[idx[a]]                       (permute)
+  _segment_sum_kernel     out[t] = sum_{a of t} w[a] * src[a]        (combine, permute backward)
+  _combine_bwd_kernel     dy[a] = w[a] * dout[t(a)], dw[a] = <dout[t(a)], y[a]>
+
+Autotune configs are a list per vendor (NVIDIA, AMD, Intel XPU), picked from the device.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def vendor() -> str:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter"
+    if torch.version.hip:
+        return "amd"
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return "intel"
+    return "nvidia"
+
+
+def _cfg(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+# Tiles per vendor. Intel PVC's grouped GEMM runs best with large 256x256x32 tiles and 32 warps
+# (its XMX engines are fed by big sub-group tiles); NVIDIA and AMD prefer 64-128 wide tiles.
+# The interpreter gets one tiny tile so small test shapes still span several tiles.
+_GEMM_CONFIGS = {
+    "nvidia": [
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(128, 128, 32, 4, 4),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 64, 64, 4, 3),
+    ],
+    "amd": [
+        _cfg(128, 128, 64, 8, 2),
+        _cfg(256, 128, 32, 8, 2),
+        _cfg(128, 64, 64, 4, 2),
+        _cfg(64, 128, 64, 4, 2),
+        _cfg(64, 64, 64, 4, 2),
+    ],
+    "intel": [
+        _cfg(256, 256, 32, 32, 2),
+        _cfg(128, 256, 32, 32, 2),
+        _cfg(128, 128, 32, 16, 2),
+        _cfg(64, 128, 32, 8, 2),
+    ],
+    "interpreter": [_cfg(16, 16, 16, 1, 1)],
+}
+
+
+def gemm_configs() -> list:
+    return _GEMM_CONFIGS[vendor()]
+
+
+@triton.jit
+def _expert_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of row tile pid_m; expert -1 when pid_m is past the last tile."""
+    zero = pid_m * 0  # int32 scalars, so the loop-carried values keep one type
+    expert = zero - 1
+    row0 = zero
+    row_end = zero
+    tiles_before = zero
+    start = zero
+    for e in range(0, E):
+        end = tl.load(offsets_ptr + e)
+        n_tiles = tl.cdiv(end - start, BLOCK_M)
+        hit = (pid_m >= tiles_before) & (pid_m < tiles_before + n_tiles)
+        expert = tl.where(hit, e, expert)
+        row0 = tl.where(hit, start + (pid_m - tiles_before) * BLOCK_M, row0)
+        row_end = tl.where(hit, end, row_end)
+        tiles_before += n_tiles
+        start = end
+    return expert, row0, row_end
+
+
+@triton.jit
+def _tile_dot(
+    x_ptr, w_ptr, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N] = x[rows, :K] @ w[:K, cols] (w already offset to its expert)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :] * sxk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptr + ks[:, None] * swk + cols[None, :] * swn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.autotune(configs=gemm_configs(), key=["N", "K"])
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, offsets_ptr, E, N, K,
+    sxm, sxk, swe, swk, swn, sym, syn,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
+    if expert >= 0:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < row_end, cols < N
+        w_e = w_ptr + expert.to(tl.int64) * swe
+        acc = _tile_dot(x_ptr, w_e, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(y_ptr + rows[:, None] * sym + cols[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=gemm_configs(), key=["F", "K"])
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr, w_ptr, h13_ptr, h_ptr, offsets_ptr, E, F, K,
+    sxm, sxk, swe, swk, swn,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # h13 and h are contiguous: [A, 2F] and [A, F].
+    expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
+    if expert >= 0:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < row_end, cols < F
+        w_e = w_ptr + expert.to(tl.int64) * swe
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # one pass over x feeds both the gate and the up tile
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(
+                x_ptr + rows[:, None] * sxm + ks[None, :] * sxk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            b_ptrs = w_e + ks[:, None] * swk + cols[None, :] * swn
+            gate = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), gate, input_precision=PREC)
+            up = tl.dot(a, tl.load(b_ptrs + F * swn, mask=b_mask, other=0.0), up, input_precision=PREC)
+        out_ty = h_ptr.dtype.element_ty
+        gate, up = gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32)  # what backward will read
+        h = gate * tl.sigmoid(gate) * up
+        mask = row_mask[:, None] & col_mask[None, :]
+        h13_ptrs = h13_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        tl.store(h13_ptrs, gate.to(out_ty), mask=mask)
+        tl.store(h13_ptrs + F, up.to(out_ty), mask=mask)
+        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(out_ty), mask=mask)
+
+
+@triton.autotune(configs=gemm_configs(), key=["F", "K"])
+@triton.jit
+def _swiglu_bwd_kernel(
+    dy_ptr, w_ptr, h13_ptr, dh13_ptr, offsets_ptr, E, F, K,
+    sdm, sdk, swe, swk, swn,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # dh = dy @ w2[e]^T (w strides given transposed), then through h = silu(gate) * up.
+    expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
+    if expert >= 0:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < row_end, cols < F
+        w_e = w_ptr + expert.to(tl.int64) * swe
+        dh = _tile_dot(dy_ptr, w_e, rows, row_mask, cols, col_mask, K, sdm, sdk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None] * (2 * F) + cols[None, :]
+        gate = tl.load(h13_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h13_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_up = dh * gate * sig
+        d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+        out_ty = dh13_ptr.dtype.element_ty
+        tl.store(dh13_ptr + offs, d_gate.to(out_ty), mask=mask)
+        tl.store(dh13_ptr + offs + F, d_up.to(out_ty), mask=mask)
+
+
+@triton.autotune(configs=gemm_configs(), key=["M", "N"])
+@triton.jit
+def _grouped_wgrad_kernel(
+    x_ptr, g_ptr, dw_ptr, offsets_ptr, M, N,
+    sxa, sxm, sga, sgn, sde, sdm, sdn,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # dw[e][M, N] = x[rows of e][:, M]^T @ g[rows of e][:, N]; BLOCK_K walks the expert's rows.
+    expert = tl.program_id(0)
+    n_col_tiles = tl.cdiv(N, BLOCK_N)
+    ms = (tl.program_id(1) // n_col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = (tl.program_id(1) % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = ms < M, ns < N
+    start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(offsets_ptr + expert)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rs = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        r_mask = rs < end
+        a = tl.load(x_ptr + rs[None, :] * sxa + ms[:, None] * sxm, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(g_ptr + rs[:, None] * sga + ns[None, :] * sgn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * sde + ms[:, None] * sdm + ns[None, :] * sdn
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
+    # src and out contiguous [*, D]; one program per (output row, D block).
+    row = tl.program_id(0).to(tl.int64)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    src_row = tl.load(idx_ptr + row).to(tl.int64)
+    vals = tl.load(src_ptr + src_row * D + ds, mask=ds < D)
+    tl.store(out_ptr + row * D + ds, vals.to(out_ptr.dtype.element_ty), mask=ds < D)
+
+
+@triton.jit
+def _segment_sum_kernel(
+    src_ptr, order_ptr, seg_end_ptr, w_ptr, out_ptr, D, HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    # out[t] = sum over j in segment t of w[order[j]] * src[order[j]], accumulated in fp32, no atomics.
+    t = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(seg_end_ptr + t - 1, mask=t > 0, other=0)
+    end = tl.load(seg_end_ptr + t)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(start, end):
+        a = tl.load(order_ptr + j).to(tl.int64)
+        row = tl.load(src_ptr + a * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            row = row * tl.load(w_ptr + a).to(tl.float32)
+        acc += row
+    tl.store(out_ptr + t.to(tl.int64) * D + ds, acc.to(out_ptr.dtype.element_ty), mask=ds < D)
+
+
+@triton.jit
+def _combine_bwd_kernel(dout_ptr, y_ptr, idx_ptr, w_ptr, dy_ptr, dw_ptr, D, BLOCK_D: tl.constexpr):
+    # One program per assignment a: dy[a] = w[a] * dout[t], dw[a] = <dout[t], y[a]>.
+    a = tl.program_id(0).to(tl.int64)
+    t = tl.load(idx_ptr + a).to(tl.int64)
+    w = tl.load(w_ptr + a).to(tl.float32)
+    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        g = tl.load(dout_ptr + t * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + a * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + a * D + ds, (w * g).to(dy_ptr.dtype.element_ty), mask=ds < D)
+        dot += g * y
+    tl.store(dw_ptr + a, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+# ---- launchers (shapes checked by the callers in triton_backend) ----
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: IEEE fp32 dots unless torch allows TF32 (fp32 runs must match the fp32 oracle).
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and vendor() == "nvidia":
+        return "tf32"
+    return "ieee"
+
+
+def _block_d(D: int) -> int:
+    return min(triton.next_power_of_2(D), 1024)
+
+
+def grouped_gemm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; w may be any strided view (e.g. a transpose). -> [A, N]."""
+    A, K = x_AK.shape
+    E, _, N = w_EKN.shape
+    y_AN = x_AK.new_empty(A, N)
+    grid = lambda meta: (triton.cdiv(A, meta["BLOCK_M"]) + E, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    _grouped_gemm_kernel[grid](
+        x_AK, w_EKN, y_AN, offsets_E, E, N, K,
+        *x_AK.stride(), *w_EKN.stride(), *y_AN.stride(), PREC=_prec(x_AK.dtype),
+    )  # fmt: skip
+    return y_AN
+
+
+def swiglu_forward(x_AD: torch.Tensor, w13_EDF2: torch.Tensor, offsets_E: torch.Tensor):
+    """(h13 = x @ w13[e] -> [A, 2F], h = silu(gate) * up -> [A, F])."""
+    A, D = x_AD.shape
+    E, _, F2 = w13_EDF2.shape
+    F = F2 // 2
+    h13_AF2 = x_AD.new_empty(A, F2)
+    h_AF = x_AD.new_empty(A, F)
+    grid = lambda meta: (triton.cdiv(A, meta["BLOCK_M"]) + E, triton.cdiv(F, meta["BLOCK_N"]))  # noqa: E731
+    _swiglu_fwd_kernel[grid](
+        x_AD, w13_EDF2, h13_AF2, h_AF, offsets_E, E, F, D,
+        *x_AD.stride(), *w13_EDF2.stride(), PREC=_prec(x_AD.dtype),
+    )  # fmt: skip
+    return h13_AF2, h_AF
+
+
+def swiglu_backward(dy_AD: torch.Tensor, w2_EFD: torch.Tensor, h13_AF2: torch.Tensor, offsets_E: torch.Tensor):
+    """[d gate | d up] -> [A, 2F] from dy and the saved h13."""
+    A, D = dy_AD.shape
+    E, F, _ = w2_EFD.shape
+    dh13_AF2 = torch.empty_like(h13_AF2)
+    w2_t = w2_EFD.transpose(1, 2)  # [E, D, F] view
+    grid = lambda meta: (triton.cdiv(A, meta["BLOCK_M"]) + E, triton.cdiv(F, meta["BLOCK_N"]))  # noqa: E731
+    _swiglu_bwd_kernel[grid](
+        dy_AD, w2_t, h13_AF2, dh13_AF2, offsets_E, E, F, D,
+        *dy_AD.stride(), *w2_t.stride(), PREC=_prec(dy_AD.dtype),
+    )  # fmt: skip
+    return dh13_AF2
+
+
+def grouped_wgrad(x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype):
+    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype` (zero for experts without rows)."""
+    M, N = x_AM.shape[1], g_AN.shape[1]
+    E = offsets_E.shape[0]
+    dw_EMN = x_AM.new_empty(E, M, N, dtype=dtype)
+    grid = lambda meta: (E, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    _grouped_wgrad_kernel[grid](
+        x_AM, g_AN, dw_EMN, offsets_E, M, N,
+        *x_AM.stride(), *g_AN.stride(), *dw_EMN.stride(), PREC=_prec(x_AM.dtype),
+    )  # fmt: skip
+    return dw_EMN
+
+
+def gather_rows(src_ND: torch.Tensor, idx_A: torch.Tensor) -> torch.Tensor:
+    """out[a] = src[idx[a]] -> [A, D]."""
+    src_ND = src_ND.contiguous()
+    D = src_ND.shape[1]
+    out_AD = src_ND.new_empty(idx_A.shape[0], D)
+    if out_AD.numel():
+        block = _block_d(D)
+        _gather_rows_kernel[(idx_A.shape[0], triton.cdiv(D, block))](src_ND, idx_A, out_AD, D, BLOCK_D=block)
+    return out_AD
+
+
+def segment_sum(src_AD, order_A, seg_end_T, weight_A, dtype) -> torch.Tensor:
+    """out[t] = sum over j in [seg_end[t-1], seg_end[t]) of weight[order[j]] * src[order[j]] -> [T, D]."""
+    src_AD = src_AD.contiguous()
+    T, D = seg_end_T.shape[0], src_AD.shape[1]
+    out_TD = src_AD.new_empty(T, D, dtype=dtype)
+    if out_TD.numel():
+        block = _block_d(D)
+        w = weight_A if weight_A is not None else src_AD  # unused pointer when HAS_WEIGHT is False
+        _segment_sum_kernel[(T, triton.cdiv(D, block))](
+            src_AD, order_A, seg_end_T, w, out_TD, D, HAS_WEIGHT=weight_A is not None, BLOCK_D=block
+        )
+    return out_TD
+
+
+def combine_backward(dout_TD, y_AD, idx_A, weight_A, y_dtype, w_dtype):
+    """(dy[a] = w[a] * dout[idx[a]] -> [A, D], dw[a] = <dout[idx[a]], y[a]> -> [A])."""
+    dout_TD, y_AD = dout_TD.contiguous(), y_AD.contiguous()
+    A, D = y_AD.shape
+    dy_AD = y_AD.new_empty(A, D, dtype=y_dtype)
+    dw_A = weight_A.new_empty(A, dtype=w_dtype)
+    if A:
+        _combine_bwd_kernel[(A,)](dout_TD, y_AD, idx_A, weight_A, dy_AD, dw_A, D, BLOCK_D=min(_block_d(D), 256))
+    return dy_AD, dw_A

@@ -1,0 +1,83 @@
+"""All-gather expert-parallel dispatch: every rank sees every token, computes its own experts, reduce-scatters.
+
+The scheme used on Aurora, where the all-gather and reduce-scatter collectives are
+better tuned than all-to-all with uneven splits. One step, as data on one rank
+(P = EP group size, the same T on every rank):
+
+    all_gather tokens and routing     x_ND, expert_idx_NK, weight_NK   with N = P * T
+    keep assignments to local experts, sorted by expert
+    grouped SwiGLU experts            y_AD
+    weighted combine into N rows      partial_ND   (this rank's experts' share of every token)
+    reduce_scatter (sum)              y_TD         the rows of this rank's own tokens
+
+Sends (P - 1) * T rows each way per rank whatever the routing, so it suits small
+EP groups and balanced fast links. Differentiable: all-gather and reduce-scatter
+are each other's backward, and the routing weights are gathered with gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimus.config import ConfigError
+from optimus.model.moe.dispatch import run_experts
+from optimus.model.moe.experts import GroupedExperts
+from optimus.model.moe.router import Routing
+from optimus.parallel.collectives import all_gather, all_gather_sizes, reduce_scatter
+
+
+def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
+    """Flat positions (into N * K) of the assignments to experts [first, first + n_local), sorted by expert.
+
+    Dropped assignments carry expert id -1 and are never selected. Returns (flat_pos_A, local_expert_A, counts_L).
+    """
+    local_NK = expert_idx_NK - first
+    mine_NK = (local_NK >= 0) & (local_NK < n_local)
+    flat_pos_A = torch.nonzero(mine_NK.reshape(-1), as_tuple=True)[0]
+    local_A = local_NK.reshape(-1)[flat_pos_A]
+    order_A = torch.sort(local_A, stable=True).indices
+    counts_L = torch.bincount(local_A, minlength=n_local)
+    return flat_pos_A[order_A], local_A[order_A], counts_L
+
+
+class AllGatherDispatcher:
+    """Expert-parallel dispatcher built on all_gather_into_tensor and reduce_scatter_tensor."""
+
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int):
+        self.group = group
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.n_local = n_local_experts
+
+    def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
+        sizes = all_gather_sizes(n_tokens, device, self.group)
+        if len(set(sizes)) != 1:
+            raise ConfigError(
+                f"parallel.dispatcher=allgather needs the same number of tokens on every EP rank, got {sizes}: "
+                "use the same train.micro_batch and train.seq_len everywhere, or parallel.dispatcher=alltoall."
+            )
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        if experts.n_experts != self.n_local:
+            raise ValueError(
+                f"the dispatcher expects {self.n_local} local experts, the layer holds {experts.n_experts}."
+            )
+        n_tokens, top_k = routing.expert_idx_TK.shape
+        self._check_equal_tokens(n_tokens, x_TD.device)
+        keep_TK = (
+            routing.keep_TK if routing.keep_TK is not None else torch.ones_like(routing.expert_idx_TK, dtype=torch.bool)
+        )
+        # Expert id and keep flag travel in one integer tensor: -1 marks a dropped assignment.
+        packed_TK = torch.where(keep_TK, routing.expert_idx_TK, -1)
+        packed_NK = all_gather(packed_TK, self.group)
+        weight_NK = all_gather(routing.weight_TK, self.group)
+        x_ND = all_gather(x_TD, self.group)
+
+        first = self.ep_rank * self.n_local
+        flat_pos_A, _, counts_L = local_assignments(packed_NK, first, self.n_local)
+        token_idx_A = flat_pos_A // top_k
+        kernels = experts.kernels
+        x_AD = kernels.permute(x_ND, token_idx_A)
+        y_AD = run_experts(experts, x_AD, counts_L)
+        partial_ND = kernels.combine(y_AD, token_idx_A, weight_NK.reshape(-1)[flat_pos_A], x_ND.shape[0])
+        return reduce_scatter(partial_ND, self.group)

@@ -1,0 +1,68 @@
+"""Token dispatch: who computes which (token, expert) assignment, and how results come back.
+
+A dispatcher is called as `dispatcher(x_TD, routing, experts) -> y_TD`. The local
+dispatcher here runs every expert on this rank; the expert-parallel dispatchers
+(all-to-all, all-gather) implement the same call and move tokens across the EP
+group in between. The MoE layer does not know which one it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optimus.model.moe.experts import GroupedExperts
+from optimus.model.moe.router import Routing
+
+
+@dataclass
+class Assignments:
+    """Kept (token, expert) assignments in expert-sorted order."""
+
+    token_idx_A: torch.Tensor  # int64, the token each row comes from
+    expert_idx_A: torch.Tensor  # int64, non-decreasing
+    weight_A: torch.Tensor  # fp32 combine weight
+    counts_E: torch.Tensor  # int64, rows per expert (sums to A)
+
+
+def sort_by_expert(routing: Routing, n_experts: int) -> Assignments:
+    expert_idx_TK = routing.expert_idx_TK
+    top_k = expert_idx_TK.shape[1]
+    flat_pos_A = torch.arange(expert_idx_TK.numel(), device=expert_idx_TK.device)
+    if routing.keep_TK is not None:
+        flat_pos_A = flat_pos_A[routing.keep_TK.reshape(-1)]
+    flat_expert_A = expert_idx_TK.reshape(-1)[flat_pos_A]
+    order_A = torch.sort(flat_expert_A, stable=True).indices
+    flat_pos_A = flat_pos_A[order_A]
+    return Assignments(
+        token_idx_A=flat_pos_A // top_k,
+        expert_idx_A=flat_expert_A[order_A],
+        weight_A=routing.weight_TK.reshape(-1)[flat_pos_A],
+        counts_E=torch.bincount(flat_expert_A, minlength=n_experts),
+    )
+
+
+def run_experts(experts: GroupedExperts, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Grouped experts whose output stays in the autograd graph even when no rows arrive.
+
+    Expert-parallel backward passes run collectives, and every rank must run them: an
+    empty output cut off from its input would skip them on this rank only. The expert
+    weights also get a zero gradient instead of none, so gradient reductions see the
+    same tensors on every rank.
+    """
+    y_AD = experts(x_AD, counts_E)
+    if x_AD.shape[0] == 0 and torch.is_grad_enabled():
+        y_AD = y_AD + x_AD + 0.0 * (experts.w13.sum() + experts.w2.sum()).to(y_AD.dtype)
+    return y_AD
+
+
+class LocalDispatcher:
+    """All experts live on this rank: permute, grouped MLP, weighted combine."""
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        assign = sort_by_expert(routing, experts.n_experts)
+        kernels = experts.kernels
+        x_AD = kernels.permute(x_TD, assign.token_idx_A)
+        y_AD = experts(x_AD, assign.counts_E)
+        return kernels.combine(y_AD, assign.token_idx_A, assign.weight_A, x_TD.shape[0])

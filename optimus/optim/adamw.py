@@ -1,0 +1,42 @@
+"""AdamW on flat fp32 shards, step for step the arithmetic of torch.optim.AdamW (single-tensor path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optimus.optim.flat_buffer import Segment
+
+
+@dataclass
+class AdamWHyper:
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+@torch.no_grad()
+def adamw_update(
+    segments: list[Segment],
+    param_N: torch.Tensor,  # fp32 shard being updated (master copy, or the fp32 parameters themselves)
+    grad_N: torch.Tensor,  # gradient shard, already averaged and clipped
+    exp_avg_N: torch.Tensor,
+    exp_avg_sq_N: torch.Tensor,
+    lr: float,
+    step: int,
+    h: AdamWHyper,
+) -> None:
+    """One decoupled-weight-decay Adam step on each segment (decay only where the segment says so)."""
+    bias_correction1 = 1 - h.beta1**step
+    bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
+    step_size = lr / bias_correction1
+    for seg in segments:
+        p, g = param_N[seg.lo : seg.hi], grad_N[seg.lo : seg.hi].float()
+        m, v = exp_avg_N[seg.lo : seg.hi], exp_avg_sq_N[seg.lo : seg.hi]
+        p.mul_(1 - lr * (h.weight_decay if seg.weight_decay else 0.0))
+        m.lerp_(g, 1 - h.beta1)
+        v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
+        p.addcdiv_(m, denom, value=-step_size)

@@ -1,0 +1,167 @@
+"""Flat parameter buffers cut into buckets, each bucket split evenly over the ranks of a shard group.
+
+One `FlatParams` holds one parameter group (dense or expert) of one rank:
+
+    flat buffer  [N_pad]  = params laid end to end (reverse model order, so the
+                            buckets fill in the order backward produces grads),
+                            zero padding at the end
+    buckets               = consecutive ranges of the flat buffer, each of at
+                            most `bucket_numel` elements and a multiple of
+                            world x align, so one reduce-scatter / all-gather
+                            per bucket never exceeds the collective size limit
+    rank r's shard [N_pad / world] = its 1/world slice of every bucket, in order
+
+Parameters become views into the flat buffer, so an all-gather into a bucket
+writes straight into them. Every element of the group is owned by exactly one
+rank of the shard group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParamSlot:
+    name: str
+    param: torch.nn.Parameter
+    start: int  # range [start, end) in the flat buffer
+    end: int
+    weight_decay: bool  # matrices and embeddings decay; norms and biases (1-D) do not
+    global_offset: int  # index of this rank's first element in the full parameter (experts: all E experts)
+    global_shape: tuple[int, ...]
+
+
+@dataclass
+class Bucket:
+    start: int  # range [start, end) in the flat buffer; (end - start) is a multiple of world x align
+    end: int
+    shard_offset: int  # where this bucket's owned slice sits in the rank's shard
+
+    def owned(self, world: int, rank: int) -> tuple[int, int]:
+        size = (self.end - self.start) // world
+        return self.start + rank * size, self.start + (rank + 1) * size
+
+
+@dataclass
+class Segment:
+    """A run [lo, hi) of one bucket's owned slice with one weight-decay setting (what AdamW loops over)."""
+
+    lo: int
+    hi: int
+    weight_decay: bool
+
+
+@dataclass
+class OwnedRange:
+    """Elements [global_lo, global_hi) of parameter `name` that this rank owns, at shard [shard_lo, shard_hi)."""
+
+    name: str
+    global_lo: int
+    global_hi: int
+    shard_lo: int
+    shard_hi: int
+    global_shape: tuple[int, ...]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class FlatParams:
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        world: int,
+        rank: int,
+        bucket_numel: int,
+        align: int,
+        global_offsets: dict[str, tuple[int, tuple[int, ...]]] | None = None,
+    ):
+        """`global_offsets[name]` = (first element in the full parameter, full shape); default: the local tensor."""
+        self.world, self.rank = world, rank
+        params = [p for _, p in named_params]
+        self.dtype = params[0].dtype if params else torch.float32
+        self.device = params[0].device if params else torch.device("cpu")
+        if any(p.dtype != self.dtype or p.device != self.device for p in params):
+            raise ValueError("all parameters of one optimizer group must share one dtype and device")
+        global_offsets = global_offsets or {}
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p in reversed(named_params):
+            g_off, g_shape = global_offsets.get(name, (0, tuple(p.shape)))
+            self.slots.append(ParamSlot(name, p, offset, offset + p.numel(), p.dim() >= 2, g_off, g_shape))
+            offset += p.numel()
+        self.numel = offset  # real elements
+        unit = world * align
+        self.padded_numel = round_up(max(offset, 1), unit) if params else 0
+        self.shard_numel = self.padded_numel // world
+        step = max(unit, bucket_numel // unit * unit)
+        self.buckets = [
+            Bucket(lo, min(lo + step, self.padded_numel), lo // world) for lo in range(0, self.padded_numel, step)
+        ]
+        self.buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)  # [N_pad]
+        with torch.no_grad():
+            for s in self.slots:
+                view = self.buffer[s.start : s.end].view_as(s.param)
+                view.copy_(s.param)
+                s.param.data = view  # the parameter now lives in the flat buffer
+        self.segments = self._segments()
+        self.owned_ranges = self._owned_ranges()
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def owned_view(self, buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        lo, hi = bucket.owned(self.world, self.rank)
+        return buffer[lo:hi]
+
+    def shard_view(self, shard: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        size = (bucket.end - bucket.start) // self.world
+        return shard[bucket.shard_offset : bucket.shard_offset + size]
+
+    def _owned_flat_ranges(self):
+        """(flat lo, flat hi, shard lo) of each bucket's owned slice."""
+        for b in self.buckets:
+            lo, hi = b.owned(self.world, self.rank)
+            yield lo, hi, b.shard_offset
+
+    def _segments(self) -> list[list[Segment]]:
+        """Per bucket: its owned slice (local coordinates) cut at parameter boundaries, runs of one decay setting merged.
+
+        Padding joins the run before it (its grads, params and moments stay zero under AdamW).
+        """
+        per_bucket = []
+        for b in self.buckets:
+            lo, hi = b.owned(self.world, self.rank)
+            segments: list[Segment] = []
+            for s in self.slots:
+                a, z = max(lo, s.start), min(hi, s.end)
+                if a < z:
+                    self._append(segments, Segment(a - lo, z - lo, s.weight_decay))
+            first_pad = max(lo, min(hi, self.numel))
+            if first_pad < hi:
+                decay = segments[-1].weight_decay if segments else False
+                self._append(segments, Segment(first_pad - lo, hi - lo, decay))
+            per_bucket.append(segments)
+        return per_bucket
+
+    @staticmethod
+    def _append(segments: list[Segment], seg: Segment) -> None:
+        if segments and segments[-1].hi == seg.lo and segments[-1].weight_decay == seg.weight_decay:
+            segments[-1].hi = seg.hi
+        else:
+            segments.append(seg)
+
+    def _owned_ranges(self) -> list[OwnedRange]:
+        ranges = []
+        for lo, hi, shard_lo in self._owned_flat_ranges():
+            for s in self.slots:
+                a, b = max(lo, s.start), min(hi, s.end)
+                if a < b:
+                    g = s.global_offset + a - s.start
+                    ranges.append(OwnedRange(s.name, g, g + b - a, shard_lo + a - lo, shard_lo + b - lo, s.global_shape))
+        return ranges

@@ -1,0 +1,136 @@
+"""Differentiable collectives over a process group, for moving tokens between expert-parallel ranks.
+
+Each forward collective has the adjoint collective as its backward:
+
+    all_to_all (splits in -> out)   <->  all_to_all (splits out -> in)
+    all_gather (concatenate ranks)  <->  reduce_scatter (sum, keep own block)
+
+so autograd carries gradients back across ranks. Every rank of the group must
+run the same sequence of collectives, forward and backward; the dispatchers
+guarantee that by calling each one unconditionally, even with zero rows.
+
+A failed collective (a peer process died, or did not arrive within the process
+group's timeout) is re-raised as `CollectiveError` with a message that says so.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor forms (the old names warn); older releases only have the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective over the EP group failed because a peer rank died or timed out."""
+
+
+@contextmanager
+def _explained(op: str, group):
+    try:
+        yield
+    except RuntimeError as err:
+        size = dist.get_world_size(group)
+        raise CollectiveError(
+            f"{op} over a group of {size} ranks failed: a peer rank died or timed out "
+            f"(the limit is parallel.timeout_s); check the other ranks' logs. Cause: {err}"
+        ) from err
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_to_all_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    """Exchange equal-sized blocks of int64 counts: row j of [world, n] goes to rank j; not differentiable."""
+    recv_counts = torch.empty_like(send_counts)
+    with _explained("all_to_all of token counts", group):
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    return recv_counts
+
+
+def all_gather_sizes(n: int, device: torch.device, group) -> list[int]:
+    """Every rank's `n`, in group-rank order (a small synchronous all-gather)."""
+    size = group_size(group)
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    out = torch.empty(size, dtype=torch.int64, device=device)
+    with _explained("all_gather of token counts", group):
+        _all_gather_tensor(out, mine, group=group)
+    return out.tolist()
+
+
+def _all_to_all_rows(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+    out_MD = x_ND.new_empty((sum(out_rows), *x_ND.shape[1:]))
+    with _explained("all_to_all of token rows", group):
+        dist.all_to_all_single(out_MD, x_ND.contiguous(), out_rows, in_rows, group=group)
+    return out_MD
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, out_rows, in_rows, group):
+        ctx.out_rows, ctx.in_rows, ctx.group = out_rows, in_rows, group
+        return _all_to_all_rows(x_ND, out_rows, in_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        return _all_to_all_rows(grad_MD, ctx.in_rows, ctx.out_rows, ctx.group), None, None, None
+
+
+def all_to_all(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+    """Send rows `in_rows[j]` (consecutive blocks of x) to rank j; receive `out_rows[j]` rows from rank j."""
+    return _AllToAll.apply(x_ND, list(out_rows), list(in_rows), group)
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    with _explained("all_gather", group):
+        _all_gather_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter needs a row count divisible by the group size {size}, got {x.shape[0]}.")
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    with _explained("reduce_scatter", group):
+        _reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's loss depends on every rank's copy: our block's gradient is the sum over ranks.
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[N, ...] on each rank -> [world * N, ...], blocks in group-rank order; every rank must pass the same N."""
+    return _AllGather.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """[world * N, ...] on each rank -> [N, ...]: this rank's block of the sum over ranks."""
+    return _ReduceScatter.apply(x, group)

@@ -1,0 +1,232 @@
+"""Which accelerator this rank drives, which collective backend it uses, and its peak FLOP/s.
+
+Intel GPUs appear as `xpu`; AMD GPUs under ROCm appear as `cuda` (torch.version.hip is set)
+and use RCCL through the `nccl` backend name; NVIDIA GPUs are `cuda` + NCCL; CPUs use gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import platform as _pyplatform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from optimus.config import ConfigError, MachineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # cuda | xpu | cpu
+    vendor: str  # nvidia | amd | intel | cpu
+    device: torch.device  # cuda:i / xpu:i / cpu, for the local rank
+    backend: str  # nccl | xccl | ccl | gloo
+    device_name: str
+
+
+# Backends each device type can run; a machine.backend override must be one of these.
+_BACKENDS = {"cuda": ("nccl", "gloo"), "xpu": ("xccl", "ccl", "gloo"), "cpu": ("gloo", "mpi")}
+
+
+def _xpu_available() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def _pick_device_type(machine: MachineConfig) -> str:
+    want = machine.device
+    if want not in ("auto", "xpu", "cuda", "cpu"):
+        raise ConfigError(f"machine.device={want!r} is not supported: set it to auto, cpu, cuda or xpu.")
+    if want == "auto":
+        if _xpu_available():
+            return "xpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "xpu" and not _xpu_available():
+        raise ConfigError("machine.device=xpu but torch sees no Intel GPU: set machine.device=auto or cpu.")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("machine.device=cuda but torch sees no CUDA/ROCm GPU: set machine.device=auto or cpu.")
+    return want
+
+
+def _oneccl_bindings_available() -> bool:
+    """Import Intel's oneCCL bindings if installed; importing them registers the `ccl` backend."""
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+    except ImportError:
+        return False
+    return True
+
+
+def _default_backend(device_type: str) -> str:
+    if device_type == "cuda":
+        return "nccl"  # RCCL under ROCm answers to the same name
+    if device_type == "xpu":
+        return "ccl" if _oneccl_bindings_available() else "xccl"
+    return "gloo"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _pyplatform.processor() or "cpu"
+
+
+def detect_platform(machine: MachineConfig, local_rank: int) -> Platform:
+    """Device for `local_rank` (index = local_rank mod visible devices) and its backend."""
+    device_type = _pick_device_type(machine)
+    if device_type == "cpu":
+        device, vendor, name = torch.device("cpu"), "cpu", _cpu_name()
+    else:
+        api = torch.xpu if device_type == "xpu" else torch.cuda
+        # Launchers that mask devices per rank (ZE_AFFINITY_MASK, ROCR/CUDA_VISIBLE_DEVICES) leave one visible.
+        index = local_rank % api.device_count()
+        device, name = torch.device(device_type, index), api.get_device_name(index)
+        vendor = "intel" if device_type == "xpu" else ("amd" if torch.version.hip else "nvidia")
+    backend = machine.backend or _default_backend(device_type)
+    if backend not in _BACKENDS[device_type]:
+        raise ConfigError(
+            f"machine.backend={backend!r} cannot drive a {device_type} device: "
+            f"set it to one of {', '.join(_BACKENDS[device_type])} or null."
+        )
+    if machine.backend == "ccl" and not _oneccl_bindings_available():
+        raise ConfigError(
+            "machine.backend=ccl needs oneccl_bindings_for_pytorch: install it or set machine.backend=xccl."
+        )
+    return Platform(device_type, vendor, device, backend, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak FLOP/s
+
+# Dense bf16 tensor-core FLOP/s per *device as torch sees it*, from the vendors' spec sheets.
+# First matching substring of the device name wins, so more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.4e12),  # Grace Hopper: H100-class GPU at SXM clocks
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100 NVL", 835.5e12),  # NVIDIA H100 NVL datasheet: 1671 TFLOPS with sparsity
+    ("H100", 989.4e12),  # SXM5 (reports as "NVIDIA H100 80GB HBM3")
+    ("A100", 312.0e12),
+    ("MI300X", 1307.4e12),
+    ("MI300A", 980.6e12),
+    ("MI250X", 191.5e12),  # per GCD: 383 TFLOPS per MI250X module, two GCDs, each its own device
+    ("MI250", 181.0e12),  # per GCD: 362.1 TFLOPS per module
+    # Intel Data Center GPU Max 1550 ("PVC"): Intel quotes 838.9 TFLOPS bf16 (XMX) per card at
+    # 1.6 GHz, i.e. 128 Xe cores x 8 XMX x 512 flop/clk; a card has two tiles and Aurora exposes
+    # each tile as one device (ZE_FLAT_DEVICE_HIERARCHY=FLAT), so a device is half a card.
+    # (ALCF measures ~273 TFLOPS for a bf16 GEMM on one tile; MFU is against the spec peak.)
+    ("Max 1550", 419.4e12),
+)
+
+_warned_unknown: set[str] = set()
+
+
+def lookup_peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def _time_one_mm(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+def cpu_matmul_probe(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.5) -> float:
+    """Measured FLOP/s of a square matmul on this CPU, the CPU's practical peak for MFU.
+
+    Measured on one thread and scaled by torch's thread count: a multi-threaded matmul on a
+    busy machine waits for descheduled threads and can read 100x low, one thread does not.
+    The size grows from 128 up to `n` while one matmul stays cheap, so a CPU without fast bf16
+    (where a 1024^3 bf16 matmul takes seconds) still finishes in about `seconds`.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        size = 128
+        while True:
+            a = torch.randn(size, size, dtype=dtype)
+            b = torch.randn(size, size, dtype=dtype)
+            torch.mm(a, b)  # warm-up: kernel selection, caches
+            best = min(_time_one_mm(a, b), _time_one_mm(a, b))
+            if size >= n or 16 * best > seconds:
+                break
+            size *= 2
+        spent = 0.0  # the fastest of repeated runs is the peak
+        while spent < seconds / 2:
+            t = _time_one_mm(a, b)
+            best, spent = min(best, t), spent + t
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * size**3 / best * threads
+
+
+_probe_cache: dict[torch.dtype, float] = {}
+
+
+def peak_flops_per_device(
+    platform: Platform, machine: MachineConfig, dtype: torch.dtype = torch.bfloat16
+) -> tuple[float, str]:
+    """(bf16 FLOP/s, source); source is config | table | cpu-probe, or unknown with 0.0 (MFU = null).
+
+    On CPU the probe runs in `dtype` (the training dtype): many CPUs multiply bf16 far slower
+    than fp32, so an fp32 run measured against a bf16 probe would exceed 100% MFU.
+    """
+    if machine.peak_flops:
+        return float(machine.peak_flops), "config"
+    if platform.device_type == "cpu":
+        if dtype not in _probe_cache:
+            _probe_cache[dtype] = cpu_matmul_probe(dtype)
+        return _probe_cache[dtype], "cpu-probe"
+    flops = lookup_peak_flops(platform.device_name)
+    if flops is not None:
+        return flops, "table"
+    if platform.device_name not in _warned_unknown:
+        _warned_unknown.add(platform.device_name)
+        log.warning(
+            "no peak FLOP/s known for %r: MFU will be reported as null; set machine.peak_flops to fix.",
+            platform.device_name,
+        )
+    return 0.0, "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small device helpers for the trainer
+
+
+def _api(platform: Platform):
+    return {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None)}.get(platform.device_type)
+
+
+def synchronize(platform: Platform) -> None:
+    api = _api(platform)
+    if api is not None:
+        api.synchronize(platform.device)
+
+
+def memory_allocated(platform: Platform) -> int:
+    """Bytes held by tensors on the device now (0 on CPU, where torch does not track it)."""
+    api = _api(platform)
+    return int(api.memory_allocated(platform.device)) if api is not None else 0
+
+
+def max_memory_allocated(platform: Platform) -> int:
+    api = _api(platform)
+    return int(api.max_memory_allocated(platform.device)) if api is not None else 0
+
+
+def set_device(platform: Platform) -> None:
+    """Make the rank's device current, so kernels and collectives without a device land on it."""
+    api = _api(platform)
+    if api is not None:
+        api.set_device(platform.device)

@@ -1,0 +1,78 @@
+"""Bad configuration stops before training with one sentence that names the key and the fix."""
+
+import pytest
+
+from optimus.cli import load_config, main
+from optimus.config import ConfigError, validate
+
+
+def error_of(overrides, world_size=1) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(overrides), world_size)
+    message = str(info.value)
+    assert "\n" not in message.strip()
+    return message
+
+
+def test_default_config_is_valid():
+    cfg = load_config([])
+    validate(cfg)
+    assert cfg.model.name == "tiny" and cfg.data.name == "builtin" and cfg.model.moe.n_experts > 0
+
+
+def test_unknown_recipe_lists_the_choices():
+    message = error_of(["model=mula-9000"])
+    assert "'mula-9000'" in message and "mula-7b-a1b" in message and "tiny" in message
+
+
+def test_unknown_key_is_named():
+    message = error_of(["train.stepz=3"])
+    assert "train.stepz" in message
+
+
+def test_wrong_type_is_named():
+    message = error_of(["train.steps=many"])
+    assert "train.steps" in message
+
+
+def test_top_k_larger_than_experts():
+    message = error_of(["model.moe.top_k=9", "model.moe.n_experts=8"])
+    assert "model.moe.top_k=9" in message and "n_experts=8" in message
+
+
+def test_heads_must_divide_dim():
+    message = error_of(["model.n_heads=7"])
+    assert "model.n_heads=7" in message and "divide" in message
+
+
+def test_micro_batch_must_divide_global_batch():
+    message = error_of(["train.global_batch=10", "train.micro_batch=4"])
+    assert "train.micro_batch=4" in message and "train.global_batch=10" in message
+
+
+def test_batch_must_split_over_the_world():
+    message = error_of(["train.global_batch=8", "train.micro_batch=4"], world_size=4)
+    assert "micro_batch x world size" in message
+
+
+def test_ep_must_divide_experts_and_world():
+    assert "parallel.ep=3" in error_of(["parallel.ep=3", "train.global_batch=32", "train.micro_batch=4"], world_size=8)
+    assert "model.moe.n_experts=8" in error_of(["parallel.ep=3", "train.global_batch=24", "train.micro_batch=4"], 6)
+
+
+def test_bad_choice_lists_the_options():
+    assert "auto, bf16, fp32" in error_of(["train.dtype=fp8"])
+
+
+def test_cli_prints_one_line_and_exits_2(capsys):
+    assert main(["train", "model.moe.top_k=99"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("optimus: error: model.moe.top_k=99") and "\n" not in err
+
+
+def test_cli_help(capsys):
+    assert main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "mula-7b-a1b" in out and "parallel.ep" in out

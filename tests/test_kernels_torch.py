@@ -1,0 +1,168 @@
+"""The torch kernel backend and backend selection, checked against optimus.kernels.reference."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import optimus.kernels as kernels
+from optimus.config import ConfigError
+from optimus.kernels import get_backend, reference, torch_backend
+
+
+def make_problem(T, D, F, E, K, dtype=torch.float32, empty_experts=(), seed=0):
+    """Random inputs, weights and routing; every float tensor requires grad."""
+    gen = torch.Generator().manual_seed(seed)
+    token_idx_A, weight_A, offsets_E = reference.random_routing(T, E, K, gen, empty_experts)
+    x_TD = torch.randn(T, D, generator=gen).to(dtype)
+    w13_EDF2 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(dtype)
+    w2_EFD = (torch.randn(E, F, D, generator=gen) / F**0.5).to(dtype)
+    leaves = [t.requires_grad_() for t in (x_TD, w13_EDF2, w2_EFD, weight_A.to(dtype))]
+    return leaves, token_idx_A, offsets_E
+
+
+def expert_path(ops, leaves, token_idx_A, offsets_E):
+    x_TD, w13_EDF2, w2_EFD, weight_A = leaves
+    x_AD = ops.permute(x_TD, token_idx_A)
+    y_AD = ops.expert_swiglu_mlp(x_AD, w13_EDF2, w2_EFD, offsets_E)
+    return ops.combine(y_AD, token_idx_A, weight_A, x_TD.shape[0])
+
+
+def value_and_grads(ops, leaves, token_idx_A, offsets_E, seed=1):
+    out_TD = expert_path(ops, leaves, token_idx_A, offsets_E)
+    dout_TD = torch.randn(out_TD.shape, generator=torch.Generator().manual_seed(seed)).to(out_TD.dtype)
+    return [out_TD, *torch.autograd.grad(out_TD, leaves, dout_TD)]
+
+
+def assert_close_rel(got, want, rtol, name=""):
+    err = (got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)
+    assert err <= rtol, f"{name}: max error {err:.3g} relative to max |value| exceeds {rtol}"
+
+
+NAMES = ("out", "d x", "d w13", "d w2", "d weight")
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_expert_path_fp32_matches_reference(top_k, grouped, monkeypatch):
+    monkeypatch.setattr(torch_backend, "_HAS_GROUPED_MM", grouped)
+    # 37 tokens: ragged per-expert row counts; experts 2 and 5 get no rows.
+    leaves, token_idx_A, offsets_E = make_problem(37, 16, 24, 11, top_k, empty_experts=(2, 5))
+    got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
+    want = value_and_grads(reference, leaves, token_idx_A, offsets_E)
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == w.dtype == torch.float32
+        assert_close_rel(g, w, 1e-5, name)
+
+
+def test_unaligned_shapes_use_the_loop_and_match():
+    # D=6, F=5 in fp32: 24- and 40-byte row strides, which _grouped_mm rejects.
+    leaves, token_idx_A, offsets_E = make_problem(11, 6, 5, 4, 2, empty_experts=(0,))
+    assert not torch_backend._use_grouped(leaves[0], leaves[1])
+    got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
+    want = value_and_grads(reference, leaves, token_idx_A, offsets_E)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_rel(g, w, 1e-5, name)
+
+
+def test_grouped_mm_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(29, 16, generator=gen, requires_grad=True)
+    w = torch.randn(4, 16, 8, generator=gen, requires_grad=True)
+    offsets = torch.tensor([10, 10, 25, 29], dtype=torch.int32)
+    dy = torch.randn(29, 8, generator=gen)
+    got = [get_backend("torch").grouped_mm(x, w, offsets), None, None]
+    got[1:] = torch.autograd.grad(got[0], (x, w), dy)
+    want = [reference.grouped_mm(x, w, offsets), None, None]
+    want[1:] = torch.autograd.grad(want[0], (x, w), dy)
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert_close_rel(g, r, 1e-5, name)
+    assert got[2][1].abs().max() == 0  # expert 1 has no rows
+
+
+def test_stride_zero_incoming_grad():
+    # .sum().backward() hands the MLP an expanded (stride-0) gradient.
+    leaves, token_idx_A, offsets_E = make_problem(8, 16, 8, 4, 2)
+    be = get_backend("torch")
+    expert_path(be, leaves, token_idx_A, offsets_E).sum().backward()
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    expert_path(reference, leaves, token_idx_A, offsets_E).sum().backward()
+    for name, g, t in zip(NAMES[1:], got, leaves):
+        assert_close_rel(g, t.grad, 1e-5, name)
+
+
+def test_bf16_autocast_close_to_fp32_reference():
+    leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 6, 2, empty_experts=(4,))
+    want = value_and_grads(reference, leaves, token_idx_A, offsets_E)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
+    assert got[0].dtype == torch.bfloat16
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == (torch.bfloat16 if name == "out" else torch.float32)  # grads in the leaves' dtype
+        assert_close_rel(g.float(), w, 3e-2, name)
+
+
+def test_bf16_inputs_close_to_fp32_reference():
+    leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 10, 8, dtype=torch.bfloat16)
+    got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = value_and_grads(reference, leaves32, token_idx_A, offsets_E)
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == torch.bfloat16
+        assert_close_rel(g.float(), w, 3e-2, name)
+
+
+# ---- backend selection ----
+
+
+def _probes(monkeypatch, gpu, importable, compiles):
+    # The triton backend itself is stubbed: importing it here would define compiled (not interpreted) kernels.
+    monkeypatch.setattr(kernels, "_triton_backend", lambda: SimpleNamespace(name="triton"))
+    monkeypatch.setattr(kernels, "gpu_present", lambda: gpu)
+    monkeypatch.setattr(kernels, "triton_importable", lambda: importable)
+    monkeypatch.setattr(kernels, "triton_compiles", lambda: compiles)
+
+
+@pytest.mark.parametrize(
+    "gpu, importable, compiles, expect",
+    [
+        (True, True, True, "triton"),
+        (True, True, False, "torch"),  # a GPU where Triton does not compile
+        (True, False, False, "torch"),  # Triton not installed
+        (False, True, True, "torch"),  # CPU only: Triton could only interpret
+    ],
+)
+def test_auto_selection(monkeypatch, gpu, importable, compiles, expect):
+    _probes(monkeypatch, gpu, importable, compiles)
+    assert get_backend("auto").name == expect
+
+
+def test_triton_missing_says_how_to_install(monkeypatch):
+    _probes(monkeypatch, True, False, False)
+    with pytest.raises(ConfigError, match="pip install triton"):
+        get_backend("triton")
+
+
+def test_unknown_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match="kernels='cuda'"):
+        get_backend("cuda")
+
+
+def test_import_does_not_need_triton():
+    import subprocess
+    import sys
+
+    # A meta-path hook that makes `import triton` fail, as on a machine without it.
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'triton': raise ImportError('no triton')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from optimus.kernels import get_backend\n"
+        "assert get_backend('auto').name == 'torch'\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

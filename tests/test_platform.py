@@ -1,0 +1,151 @@
+"""Accelerator, backend and peak FLOP/s selection, with torch's device probes mocked."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from optimus import platform as plat
+from optimus.config import ConfigError, MachineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Pretend torch sees `kind` devices: call it with kind in xpu | nvidia | rocm | cpu."""
+
+    def install(kind: str, count: int = 4, name: str = "", oneccl: bool = False):
+        monkeypatch.setattr(torch.xpu, "is_available", lambda: kind == "xpu")
+        monkeypatch.setattr(torch.xpu, "device_count", lambda: count if kind == "xpu" else 0)
+        monkeypatch.setattr(torch.xpu, "get_device_name", lambda i=0: name)
+        gpu = kind in ("nvidia", "rocm")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count if gpu else 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+        monkeypatch.setattr(torch.version, "hip", "6.2.41133" if kind == "rocm" else None)
+        # sys.modules[name] = None makes `import name` raise ImportError; a module object imports.
+        fake = types.ModuleType("oneccl_bindings_for_pytorch") if oneccl else None
+        monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", fake)
+
+    return install
+
+
+def test_auto_prefers_xpu_and_uses_xccl_without_oneccl(devices):
+    devices("xpu", count=12, name="Intel(R) Data Center GPU Max 1550")
+    p = plat.detect_platform(MachineConfig(), local_rank=7)
+    assert (p.device_type, p.vendor, p.backend) == ("xpu", "intel", "xccl")
+    assert p.device == torch.device("xpu", 7)
+
+
+def test_xpu_uses_ccl_when_oneccl_bindings_import(devices):
+    devices("xpu", count=12, oneccl=True)
+    assert plat.detect_platform(MachineConfig(), 0).backend == "ccl"
+
+
+def test_rocm_is_cuda_with_amd_vendor_and_nccl(devices):
+    devices("rocm", count=8, name="AMD Instinct MI250X")
+    p = plat.detect_platform(MachineConfig(device="cuda"), local_rank=3)
+    assert (p.device_type, p.vendor, p.backend, p.device) == ("cuda", "amd", "nccl", torch.device("cuda", 3))
+
+
+def test_nvidia(devices):
+    devices("nvidia", count=8, name="NVIDIA H100 80GB HBM3")
+    p = plat.detect_platform(MachineConfig(), local_rank=5)
+    assert (p.device_type, p.vendor, p.backend, p.device_name) == ("cuda", "nvidia", "nccl", "NVIDIA H100 80GB HBM3")
+
+
+def test_cpu_when_nothing_else(devices):
+    devices("cpu")
+    p = plat.detect_platform(MachineConfig(), local_rank=3)
+    assert (p.device_type, p.vendor, p.backend, p.device) == ("cpu", "cpu", "gloo", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("visible, local_rank, index", [(1, 5, 0), (8, 5, 5), (8, 11, 3), (12, 11, 11)])
+def test_device_index_is_local_rank_modulo_visible_devices(devices, visible, local_rank, index):
+    # A launcher that masks devices per rank (ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES) leaves one visible.
+    devices("nvidia", count=visible)
+    assert plat.detect_platform(MachineConfig(), local_rank).device.index == index
+
+
+def test_backend_override_and_its_checks(devices):
+    devices("nvidia", count=8)
+    assert plat.detect_platform(MachineConfig(backend="gloo"), 0).backend == "gloo"
+    with pytest.raises(ConfigError, match=r"machine.backend='xccl' cannot drive a cuda device"):
+        plat.detect_platform(MachineConfig(backend="xccl"), 0)
+    devices("xpu", count=12, oneccl=False)
+    with pytest.raises(ConfigError, match=r"machine.backend=ccl needs oneccl_bindings_for_pytorch"):
+        plat.detect_platform(MachineConfig(backend="ccl"), 0)
+
+
+def test_explicit_device_must_exist(devices):
+    devices("cpu")
+    with pytest.raises(ConfigError, match=r"machine.device=xpu but torch sees no Intel GPU"):
+        plat.detect_platform(MachineConfig(device="xpu"), 0)
+    with pytest.raises(ConfigError, match=r"machine.device=cuda"):
+        plat.detect_platform(MachineConfig(device="cuda"), 0)
+    with pytest.raises(ConfigError, match=r"machine.device='tpu' is not supported"):
+        plat.detect_platform(MachineConfig(device="tpu"), 0)
+    devices("xpu", count=12)  # an explicit cpu stays cpu even with a GPU present
+    assert plat.detect_platform(MachineConfig(device="cpu"), 0).device_type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "name, flops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H100 PCIe", 756.0e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA GH200 480GB", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", 312.0e12),
+        ("AMD Instinct MI250X", 191.5e12),
+        ("AMD Instinct MI250X/MI250", 191.5e12),
+        ("AMD Instinct MI300X", 1307.4e12),
+        ("Intel(R) Data Center GPU Max 1550", 419.4e12),
+    ],
+)
+def test_peak_table(name, flops):
+    p = plat.Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", name)
+    assert plat.peak_flops_per_device(p, MachineConfig()) == (flops, "table")
+
+
+def test_peak_config_wins_and_unknown_is_zero(caplog):
+    p = plat.Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "NVIDIA Mystery 9000")
+    assert plat.peak_flops_per_device(p, MachineConfig(peak_flops=123e12)) == (123e12, "config")
+    assert plat.peak_flops_per_device(p, MachineConfig()) == (0.0, "unknown")
+    assert "NVIDIA Mystery 9000" in caplog.text and "machine.peak_flops" in caplog.text
+    caplog.clear()
+    plat.peak_flops_per_device(p, MachineConfig())
+    assert caplog.text == "", "the warning for an unknown device is given once"
+
+
+def test_cpu_probe_measures_a_positive_rate():
+    threads = torch.get_num_threads()
+    assert plat.cpu_matmul_probe(n=128, seconds=0.05) > 0
+    assert plat.cpu_matmul_probe(torch.float32, n=256, seconds=0.05) > 0
+    assert torch.get_num_threads() == threads, "the probe must restore torch's thread count"
+    cpu = plat.Platform("cpu", "cpu", torch.device("cpu"), "gloo", "some cpu")
+    flops, source = plat.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32)
+    assert flops > 0 and source == "cpu-probe"
+    assert plat.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32) == (flops, "cpu-probe")  # cached
+    assert plat.memory_allocated(cpu) == 0
+    plat.synchronize(cpu)  # a no-op on CPU, must not raise
+
+
+@pytest.mark.parametrize("name", ["local", "aurora", "frontier", "nvidia"])
+def test_machine_recipes_match_the_schema(name):
+    path = ROOT / "recipes" / "machine" / f"{name}.yaml"
+    assert path.read_text().startswith("# @package machine\n")
+    machine = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MachineConfig), OmegaConf.load(path)))
+    assert machine.name == name
+    expected = {"local": None, "aurora": 12, "frontier": 8, "nvidia": 8}[name]
+    assert machine.ranks_per_node == expected
+    if name in ("aurora", "frontier"):  # their peak is per device (tile / GCD), as in the table
+        device_name = {"aurora": "Intel(R) Data Center GPU Max 1550", "frontier": "AMD Instinct MI250X"}[name]
+        assert machine.peak_flops == plat.lookup_peak_flops(device_name)
+        assert machine.memory_gb == 64
