@@ -22,6 +22,8 @@ Commands:
   train [overrides]     train a model from a Hydra recipe (default: the tiny model on the built-in corpus)
   data prepare|tokenizer  tokenise a corpus into token shards, or train a tokenizer
   launch                render (and submit) a PBS or SLURM job script for a recipe
+  report RUN_DIR...     scaling-efficiency report (throughput, MFU, step-time breakdown) of a series of runs
+  plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
 
 Run `optimus <command> --help` for the options of one command.
 """
@@ -159,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             from optimus.jobs import main as launch_main
 
             return launch_main(rest)
+        if command == "report":
+            from optimus.report.cli import main as report_main
+
+            return report_main(rest)
+        if command == "plan":
+            from optimus.plan import main as plan_main
+
+            return plan_main(rest)
     except (ConfigError, DataError) as err:
         print(f"optimus: error: {err}", file=sys.stderr)
         return 2

@@ -79,6 +79,7 @@ class DataConfig:
 class ParallelConfig:
     nproc: int = 1
     ep: int = 1
+    pp: int = 1  # pipeline stages; recipes name it, the trainer refuses pp > 1 until it exists
     dispatcher: str = "alltoall"  # alltoall | allgather
     timeout_s: float = 600.0
 
@@ -107,7 +108,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    sharding: str = "none"  # ep_aware | standard | none
+    sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
     zero: int = 1
     bucket_mb: float = 32.0
     max_collective_numel: int = 256 * 1024 * 1024
@@ -116,8 +117,11 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # null = <run.dir>/checkpoints
-    interval: int = 0  # steps between saves; 0 = off
-    keep: int = 2
+    interval: int = 0  # steps between saves; 0 = off (a SIGTERM/SIGUSR1 still saves one)
+    keep: int = 2  # published checkpoints kept (the newest ones)
+    load: str | None = None  # checkpoint (step dir or checkpoint root) to start from when checkpoint.dir has none
+    load_weights_only: bool = False  # with `load`: take its weights, start a new run (step 0, fresh optimizer)
+    async_save: bool = False  # write in a background thread (DCP async_save); `async` is a Python keyword
 
 
 @dataclass
@@ -133,6 +137,13 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    timers: bool = False  # step-time breakdown in metrics.jsonl; synchronises the device at every phase
+    torch: bool = False  # torch.profiler chrome trace of the steps in torch_steps, per rank, into run.dir
+    torch_steps: str = "3-5"  # first-last optimizer step (1-based, inclusive) of the trace
+
+
+@dataclass
 class OptimusConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     machine: MachineConfig = field(default_factory=MachineConfig)
@@ -144,6 +155,7 @@ class OptimusConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
@@ -204,7 +216,7 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     _choice(t.dtype, "train.dtype", ("auto", "bf16", "fp32"))
     _choice(cfg.kernels, "kernels", ("auto", "torch", "triton"))
     _choice(p.dispatcher, "parallel.dispatcher", ("alltoall", "allgather"))
-    _choice(cfg.optim.sharding, "optim.sharding", ("ep_aware", "standard", "none"))
+    _choice(cfg.optim.sharding, "optim.sharding", ("auto", "ep_aware", "standard", "none"))
     _choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _positive(getattr(t, key), f"train.{key}")
@@ -219,6 +231,11 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by train.micro_batch x world size = "
             f"{t.micro_batch} x {world_size}: make global_batch a multiple of {t.micro_batch * world_size}."
+        )
+    if p.pp != 1:
+        raise ConfigError(
+            f"parallel.pp={p.pp} asks for pipeline parallelism, which Optimus does not have yet: "
+            "this layout cannot run until it exists; use parallel.pp=1 with a model that fits DP x EP."
         )
     if world_size % p.ep:
         raise ConfigError(

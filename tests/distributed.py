@@ -152,7 +152,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout_s: float = 120
     dead = [o for o in outcomes if not o.reported]
     if dead:
         states = ", ".join(
-            f"rank {o.rank} " + ("was killed or timed out" if o.exitcode in (None, -9) else f"exited with code {o.exitcode}")
+            f"rank {o.rank} "
+            + ("was killed or timed out" if o.exitcode in (None, -9) else f"exited with code {o.exitcode}")
             for o in dead
         )
         raise DistributedTestError(f"distributed test body did not finish on every rank: {states}.")

@@ -6,6 +6,9 @@ the expected outputs and gradients are written down directly from the definition
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,3 +112,28 @@ def test_reduce_scatter_rejects_indivisible_rows():
     # Also checks that the helper re-raises a child's exception with its message.
     with pytest.raises(DistributedTestError, match="divisible by the group size 2"):
         run_distributed(_indivisible, 2)
+
+
+# ---- the test helper itself: failures other tests rely on it to report ---------------------
+
+
+def _exit_without_reporting() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return 0
+
+
+def _hang() -> None:
+    time.sleep(60)
+
+
+def test_helper_reports_a_rank_that_exits_silently():
+    with pytest.raises(DistributedTestError, match="rank 1 exited with code 3"):
+        run_distributed(_exit_without_reporting, 2)
+
+
+def test_helper_kills_ranks_past_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="rank 0 was killed or timed out"):
+        run_distributed(_hang, 2, timeout_s=2)
+    assert time.monotonic() - start < 30

@@ -98,7 +98,9 @@ def check_moe_layer(case: dict) -> dict:
     ref = reference_per_chunk(full, xs, grads)
 
     ps = build_parallel_state(ep, timeout_s=60)
-    moe = apply_expert_parallel(copy.deepcopy(full), ps, ParallelConfig(nproc=world, ep=ep, dispatcher=case["dispatcher"]))
+    moe = apply_expert_parallel(
+        copy.deepcopy(full), ps, ParallelConfig(nproc=world, ep=ep, dispatcher=case["dispatcher"])
+    )
     x = xs[rank].clone().requires_grad_(True)
     loss, y, stats = layer_loss(moe, x, grads[rank])
     loss.backward()
@@ -134,7 +136,9 @@ CASES = {
     # Rank 1's experts (2 and 3) are starved: rank 1 receives no rows at all and every
     # token's two choices land on rank 0.
     "softmax-empty-rank": {**BASE, "starve": [2, 3], "shared": 1, "world": 2, "ep": 2},
-    "sigmoid-empty-rank-capacity": {**BASE, "router": "sigmoid", "starve": [2, 3], "capacity": 1.0, "world": 2, "ep": 2},
+    "sigmoid-empty-rank-capacity": {
+        **BASE, "router": "sigmoid", "starve": [2, 3], "capacity": 1.0, "world": 2, "ep": 2,
+    },
 }  # fmt: skip
 
 
@@ -174,7 +178,9 @@ def test_regroup_with_no_rows():
 def allgather_unequal_tokens() -> str:
     rank = dist.get_rank()
     case = {**BASE, "ep": 2, "dispatcher": "allgather"}
-    moe = apply_expert_parallel(make_layer(case), build_parallel_state(2, 60), ParallelConfig(ep=2, dispatcher="allgather"))
+    moe = apply_expert_parallel(
+        make_layer(case), build_parallel_state(2, 60), ParallelConfig(ep=2, dispatcher="allgather")
+    )
     try:
         moe(torch.randn(T + rank, D))
     except ConfigError as err:
@@ -244,4 +250,3 @@ def test_stalled_rank_times_out_with_configured_timeout():
     assert "a peer rank died or timed out" in survivor.result["error"]
     # Bounded by parallel.timeout_s on the EP group (not gloo's 30-minute default).
     assert timeout_s - 0.5 <= survivor.result["elapsed"] < timeout_s + 10
-

@@ -22,6 +22,15 @@ MODEL = ModelConfig(
 LAYOUTS = [(2, 1), (4, 2), (4, 4), (8, 4), (16, 8)]  # (world, ep)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: extra threads only contend with whatever else runs on the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
     """This rank's slice of the model, as expert parallelism leaves it (no dispatcher needed to count bytes)."""
     with torch.device("cpu"):
@@ -72,7 +81,9 @@ def test_every_element_is_owned_once(world, ep, scheme):
     owners: dict[str, list[tuple[int, int]]] = {n: [] for n in numel}
     for rank in range(world):
         ps = ParallelState(rank=rank, world_size=world, ep=ep)
-        state = ShardedAdamW(rank_model(ps, torch.float32), OptimConfig(bucket_mb=0.05, zero=2), ps, 1.0, scheme).state_dict()
+        state = ShardedAdamW(
+            rank_model(ps, torch.float32), OptimConfig(bucket_mb=0.05, zero=2), ps, 1.0, scheme
+        ).state_dict()
         for key, entry in state["shards"].items():
             assert key == f"{entry['name']}[{entry['lo']}:{entry['hi']}]"
             assert entry["exp_avg"].numel() == entry["hi"] - entry["lo"]
@@ -95,3 +106,21 @@ def test_build_optimizer_auto_picks_by_world_size():
     assert isinstance(opt, ShardedAdamW) and opt.scheme == "ep_aware"
     cfg.optim.sharding = "standard"
     assert build_optimizer(rank_model(ps, torch.float32), cfg, ps).scheme == "standard"
+
+
+def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
+    ps = ParallelState(rank=2, world_size=4, ep=2)
+    model = rank_model(ps, torch.bfloat16)
+    opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=5000), ps, 1.0, "ep_aware")
+    for group in opt.groups.values():
+        flat = group.flat
+        assert len(flat.buckets) > 1 and flat.buckets[0].start == 0 and flat.buckets[-1].end == flat.padded_numel
+        for a, b in zip(flat.buckets, flat.buckets[1:]):
+            assert a.end == b.start
+        for b in flat.buckets:  # one collective per bucket: never above the limit, equal 128-byte slices per rank
+            assert b.end - b.start <= 5000 and (b.end - b.start) % (flat.world * 64) == 0
+        base = flat.buffer.data_ptr()
+        for s in flat.slots:
+            assert s.param.data_ptr() == base + s.start * flat.buffer.element_size()
+            assert s.param.grad.data_ptr() == group.full_grad.data_ptr() + s.start * flat.buffer.element_size()
+    assert {n for n, _ in model.named_parameters()} == {s.name for g in opt.groups.values() for s in g.flat.slots}

@@ -24,7 +24,10 @@ def test_group_ranks_partition_the_world():
 
 
 def test_rank_coordinates_put_ep_innermost():
-    coords = [(ParallelState(rank=r, world_size=8, ep=4).dp_rank, ParallelState(rank=r, world_size=8, ep=4).ep_rank) for r in range(8)]
+    coords = [
+        (ParallelState(rank=r, world_size=8, ep=4).dp_rank, ParallelState(rank=r, world_size=8, ep=4).ep_rank)
+        for r in range(8)
+    ]
     assert coords == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
     ps = ParallelState(rank=5, world_size=8, ep=4)
     assert ps.dp == 2 and ps.is_distributed and not ps.is_main

@@ -34,7 +34,9 @@ HAS_EP = importlib.util.find_spec("optimus.parallel.expert_parallel") is not Non
 
 
 def optim_cfg(zero: int, bucket_mb: float = 32.0, max_numel: int = 256 * 1024 * 1024) -> OptimConfig:
-    return OptimConfig(lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb, max_collective_numel=max_numel)
+    return OptimConfig(
+        lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb, max_collective_numel=max_numel
+    )
 
 
 def batches() -> torch.Tensor:
@@ -152,7 +154,10 @@ def assemble(rank_results: list[dict]) -> dict:
     for res in rank_results:
         for name, (tensor, offset) in res["params"].items():
             pieces.setdefault(name, {})[offset] = torch.from_numpy(tensor)
-    return {n: by_off[None] if None in by_off else torch.cat([by_off[k] for k in sorted(by_off)]) for n, by_off in pieces.items()}
+    return {
+        n: by_off[None] if None in by_off else torch.cat([by_off[k] for k in sorted(by_off)])
+        for n, by_off in pieces.items()
+    }
 
 
 def run_layouts(layouts: list[tuple]) -> list[list[dict]]:
@@ -224,7 +229,7 @@ def test_bf16_params_track_fp32(ref):
 
 
 def test_non_finite_grad_skips_the_step_on_every_rank():
-    """A NaN loss on one rank gives every rank a NaN norm and no update; later steps match a reference that skipped it."""
+    """A NaN loss on one rank: every rank gets a NaN norm and no update; then it matches a reference that skipped it."""
     per_rank = run_distributed(run_layouts, 2, [(1, "ep_aware", optim_cfg(2), torch.float32, 1)])
     ref = reference(skip_steps=(0,))
     for res in per_rank:

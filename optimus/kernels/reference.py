@@ -56,7 +56,9 @@ def random_routing(
     (token_idx_A int64, weight_A fp32 in (0, 1), offsets_E int32 cumulative row ends).
     """
     if top_k > n_experts - len(empty_experts):
-        raise ValueError(f"top_k={top_k} needs at least that many experts with rows, not {n_experts - len(empty_experts)}.")
+        raise ValueError(
+            f"top_k={top_k} needs at least that many experts with rows, not {n_experts - len(empty_experts)}."
+        )
     scores_TE = torch.rand(n_tokens, n_experts, generator=generator)
     if empty_experts:
         scores_TE[:, list(empty_experts)] = -1.0

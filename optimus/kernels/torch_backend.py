@@ -1,15 +1,20 @@
 """The plain-PyTorch expert path, tuned for CPUs (works on any device).
 
-- permute / combine: one `index_select` / `index_add_` each way, no Python loop over tokens.
+- permute / combine: `index_select` one way; the other way (a sum over each token's rows) is
+  a CSR sparse x dense matmul on CPUs, `index_add_` elsewhere; no Python loop over tokens.
 - expert MLP: one custom autograd.Function for the whole SwiGLU MLP; GEMMs are
   `torch._grouped_mm` (one call per GEMM for all experts, weight grads included) with a
   per-expert `torch.mm(out=)` loop when `_grouped_mm` is missing or strides are not 16-byte
-  aligned. Backward saves x, h13 = x @ W13 and h only, and fuses the SwiGLU derivative
-  into `silu_backward`.
-- 16-bit compute on a CPU without 16-bit matmul units runs every GEMM on fp32 copies of
-  the 16-bit-rounded operands (see `dtypes.math_dtype`), numerically a 16-bit GEMM with
-  fp32 accumulation.
+  aligned. Forward saves x, h13 = x @ W13, silu(gate) and h, so backward runs no
+  recomputation and only three elementwise passes (one of them `silu_backward`).
+- 16-bit compute on a CPU without 16-bit matmul units (see `dtypes.math_dtype`) rounds x,
+  the weights and the incoming gradient to 16 bits and runs the GEMMs on fp32 copies:
+  numerically 16-bit GEMMs with fp32 accumulation. The intermediates h13, h and dh13 stay
+  fp32, as they would in a fused kernel's registers (a 16-bit GPU kernel rounds them).
 """
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -65,13 +70,45 @@ def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tenso
     return dw_EKN
 
 
+def _bounds(offsets_E: torch.Tensor) -> list[int]:
+    return [0] + offsets_E.tolist()
+
+
 def _no_autocast(device_type: str):
     # The Functions pick their own dtypes; autocast must not re-cast the GEMMs inside them.
     return torch.autocast(device_type, enabled=False)
 
 
-def _bounds(offsets_E: torch.Tensor) -> list[int]:
-    return [0] + offsets_E.tolist()
+def _backward_without_autocast(backward):
+    """Backward may run inside the caller's autocast region (CPU runs it on the calling thread)."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, grad):
+        with _no_autocast(grad.device.type):
+            return backward(ctx, grad)
+
+    return wrapped
+
+
+def _scatter_sum(src_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A, n_tokens: int) -> torch.Tensor:
+    """out[t] = sum over a with token_idx_A[a] == t of weight_A[a] * src_AD[a] -> [T, D] (weight None = 1).
+
+    On CPUs a [T, A] CSR matrix times src (MKL sparse, multi-threaded) is several times faster
+    than `index_add_`, which runs serially there; elsewhere `index_add_` is the fast one.
+    """
+    if src_AD.device.type == "cpu" and src_AD.dtype in (torch.float32, torch.float64) and src_AD.shape[0]:
+        order_A = torch.argsort(token_idx_A, stable=True)
+        crow = torch.zeros(n_tokens + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(token_idx_A, minlength=n_tokens), 0, out=crow[1:])
+        values = src_AD.new_ones(order_A.shape[0]) if weight_A is None else weight_A.to(src_AD.dtype)[order_A]
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            shape = (n_tokens, src_AD.shape[0])
+            matrix_TA = torch.sparse_csr_tensor(crow, order_A, values, shape, check_invariants=False)
+        return torch.sparse.mm(matrix_TA, src_AD)
+    if weight_A is not None:
+        src_AD = src_AD * weight_A.to(src_AD.dtype).unsqueeze(1)
+    return src_AD.new_zeros(n_tokens, src_AD.shape[1]).index_add_(0, token_idx_A, src_AD)
 
 
 class _Permute(torch.autograd.Function):
@@ -82,12 +119,12 @@ class _Permute(torch.autograd.Function):
         return x_TD.to(dtype).index_select(0, token_idx_A)  # [A, D]
 
     @staticmethod
+    @_backward_without_autocast
     def backward(ctx, dy_AD):
         (token_idx_A,) = ctx.saved_tensors
         # Accumulate the K copies of each token in at least fp32.
         acc = torch.promote_types(dy_AD.dtype, torch.float32)
-        dx_TD = dy_AD.new_zeros(ctx.n_tokens, dy_AD.shape[1], dtype=acc)
-        dx_TD.index_add_(0, token_idx_A, dy_AD.to(acc))
+        dx_TD = _scatter_sum(dy_AD.to(acc), token_idx_A, None, ctx.n_tokens)
         return dx_TD.to(ctx.x_dtype), None, None
 
 
@@ -99,20 +136,19 @@ class _Combine(torch.autograd.Function):
         w_c = weight_A.to(dtype)
         ctx.save_for_backward(y_c, token_idx_A, w_c)
         ctx.y_dtype, ctx.w_dtype = y_AD.dtype, weight_A.dtype
-        out_TD = y_AD.new_zeros(n_tokens, y_AD.shape[1], dtype=acc)
-        out_TD.index_add_(0, token_idx_A, y_c.to(acc) * w_c.to(acc).unsqueeze(1))
-        return out_TD.to(dtype)
+        return _scatter_sum(y_c.to(acc), token_idx_A, w_c.to(acc), n_tokens).to(dtype)  # [T, D]
 
     @staticmethod
+    @_backward_without_autocast
     def backward(ctx, dout_TD):
         y_c, token_idx_A, w_c = ctx.saved_tensors
         acc = torch.promote_types(y_c.dtype, torch.float32)
         g_AD = dout_TD.to(acc).index_select(0, token_idx_A)  # [A, D]
         dy_AD = dw_A = None
-        if ctx.needs_input_grad[0]:
-            dy_AD = (g_AD * w_c.to(acc).unsqueeze(1)).to(ctx.y_dtype)
         if ctx.needs_input_grad[2]:
             dw_A = torch.linalg.vecdot(g_AD, y_c.to(acc)).to(ctx.w_dtype)
+        if ctx.needs_input_grad[0]:
+            dy_AD = g_AD.mul_(w_c.to(acc).unsqueeze(1)).to(ctx.y_dtype)
         return dy_AD, None, dw_A, None, None
 
 
@@ -128,22 +164,18 @@ class _SwiGLUExperts(torch.autograd.Function):
         w13_m = round_to(w13_EDF2, dtype, math)
         w2_m = round_to(w2_EFD, dtype, math)
         h13_AF2 = grouped_mm(x_m, w13_m, offsets_E, bounds)  # [A, 2F]
-        h_AF = torch.mul(F.silu(h13_AF2[:, :n_ffn]), h13_AF2[:, n_ffn:])  # [A, F]
-        h_AF = round_to(h_AF, dtype, math)
+        silu_AF = F.silu(h13_AF2[:, :n_ffn])  # [A, F], kept: backward needs it twice
+        h_AF = silu_AF.mul(h13_AF2[:, n_ffn:])  # [A, F]
         y_AD = grouped_mm(h_AF, w2_m, offsets_E, bounds)  # [A, D]
-        ctx.save_for_backward(x_m, w13_m, w2_m, offsets_E, h13_AF2, h_AF)
+        ctx.save_for_backward(x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF)
         ctx.bounds, ctx.dtype, ctx.math = bounds, dtype, math
         ctx.in_dtypes = (x_AD.dtype, w13_EDF2.dtype, w2_EFD.dtype)
         return y_AD.to(dtype)
 
     @staticmethod
+    @_backward_without_autocast
     def backward(ctx, dy_AD):
-        with _no_autocast(dy_AD.device.type):
-            return _SwiGLUExperts._backward(ctx, dy_AD)
-
-    @staticmethod
-    def _backward(ctx, dy_AD):
-        x_m, w13_m, w2_m, offsets_E, h13_AF2, h_AF = ctx.saved_tensors
+        x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF = ctx.saved_tensors
         bounds, dtype, math = ctx.bounds, ctx.dtype, ctx.math
         n_ffn = w2_m.shape[1]
         # _grouped_mm's own backward rejects stride-0 grads; ours needs dense rows too.
@@ -152,10 +184,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         dw2_EFD = grouped_wgrad(h_AF, dy_m, offsets_E, bounds) if ctx.needs_input_grad[2] else None
         gate_AF, up_AF = h13_AF2[:, :n_ffn], h13_AF2[:, n_ffn:]
         dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
-        torch.mul(dh_AF, F.silu(gate_AF), out=dh13_AF2[:, n_ffn:])
+        torch.mul(dh_AF, silu_AF, out=dh13_AF2[:, n_ffn:])
         torch.mul(dh_AF, up_AF, out=dh_AF)
         torch.ops.aten.silu_backward.grad_input(dh_AF, gate_AF, grad_input=dh13_AF2[:, :n_ffn])
-        dh13_AF2 = round_to(dh13_AF2, dtype, math)
         dx_AD = dw13_EDF2 = None
         if ctx.needs_input_grad[0]:
             dx_AD = grouped_mm(dh13_AF2, w13_m.transpose(1, 2), offsets_E, bounds).to(ctx.in_dtypes[0])
@@ -200,15 +231,15 @@ class _GroupedMM(torch.autograd.Function):
         return grouped_mm(x_m, w_m, offsets_E, bounds).to(dtype)
 
     @staticmethod
+    @_backward_without_autocast
     def backward(ctx, dy_AN):
         x_m, w_m, offsets_E = ctx.saved_tensors
-        with _no_autocast(dy_AN.device.type):
-            dy_m = round_to(dy_AN, ctx.dtype, ctx.math).contiguous()
-            dx = dw = None
-            if ctx.needs_input_grad[0]:
-                dx = grouped_mm(dy_m, w_m.transpose(1, 2), offsets_E, ctx.bounds).to(ctx.in_dtypes[0])
-            if ctx.needs_input_grad[1]:
-                dw = grouped_wgrad(x_m, dy_m, offsets_E, ctx.bounds).to(ctx.in_dtypes[1])
+        dy_m = round_to(dy_AN, ctx.dtype, ctx.math).contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm(dy_m, w_m.transpose(1, 2), offsets_E, ctx.bounds).to(ctx.in_dtypes[0])
+        if ctx.needs_input_grad[1]:
+            dw = grouped_wgrad(x_m, dy_m, offsets_E, ctx.bounds).to(ctx.in_dtypes[1])
         return dx, dw, None, None
 
 

@@ -102,8 +102,12 @@ def _tile_dot(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        a = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :] * sxk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptr + ks[:, None] * swk + cols[None, :] * swn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None] * sxm + ks[None, :] * sxk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            w_ptr + ks[:, None] * swk + cols[None, :] * swn, mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        )
         acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
 
@@ -121,7 +125,9 @@ def _grouped_gemm_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < row_end, cols < N
         w_e = w_ptr + expert.to(tl.int64) * swe
-        acc = _tile_dot(x_ptr, w_e, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        acc = _tile_dot(
+            x_ptr, w_e, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC
+        )
         mask = row_mask[:, None] & col_mask[None, :]
         tl.store(y_ptr + rows[:, None] * sym + cols[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -176,7 +182,9 @@ def _swiglu_bwd_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < row_end, cols < F
         w_e = w_ptr + expert.to(tl.int64) * swe
-        dh = _tile_dot(dy_ptr, w_e, rows, row_mask, cols, col_mask, K, sdm, sdk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        dh = _tile_dot(
+            dy_ptr, w_e, rows, row_mask, cols, col_mask, K, sdm, sdk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC
+        )
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows[:, None] * (2 * F) + cols[None, :]
         gate = tl.load(h13_ptr + offs, mask=mask, other=0.0).to(tl.float32)

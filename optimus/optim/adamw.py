@@ -20,20 +20,24 @@ class AdamWHyper:
 @torch.no_grad()
 def adamw_update(
     segments: list[Segment],
-    param_N: torch.Tensor,  # fp32 shard being updated (master copy, or the fp32 parameters themselves)
-    grad_N: torch.Tensor,  # gradient shard, already averaged and clipped
+    param_N: torch.Tensor,  # fp32 slice being updated (master copy, or the fp32 parameters themselves)
+    grad_N: torch.Tensor,  # summed gradient shard, in the parameter dtype
     exp_avg_N: torch.Tensor,
     exp_avg_sq_N: torch.Tensor,
     lr: float,
     step: int,
     h: AdamWHyper,
+    grad_scale: float,  # 1 / world x clip factor, applied in fp32
 ) -> None:
-    """One decoupled-weight-decay Adam step on each segment (decay only where the segment says so)."""
+    """One decoupled-weight-decay Adam step on each segment (decay only where the segment says so).
+
+    The gradient is scaled in fp32 (in place when it is fp32: it is used once).
+    """
     bias_correction1 = 1 - h.beta1**step
     bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
     step_size = lr / bias_correction1
     for seg in segments:
-        p, g = param_N[seg.lo : seg.hi], grad_N[seg.lo : seg.hi].float()
+        p, g = param_N[seg.lo : seg.hi], grad_N[seg.lo : seg.hi].float().mul_(grad_scale)
         m, v = exp_avg_N[seg.lo : seg.hi], exp_avg_sq_N[seg.lo : seg.hi]
         p.mul_(1 - lr * (h.weight_decay if seg.weight_decay else 0.0))
         m.lerp_(g, 1 - h.beta1)

@@ -130,7 +130,7 @@ class FlatParams:
             yield lo, hi, b.shard_offset
 
     def _segments(self) -> list[list[Segment]]:
-        """Per bucket: its owned slice (local coordinates) cut at parameter boundaries, runs of one decay setting merged.
+        """Per bucket: its owned slice (local coordinates) cut at parameter boundaries; equal-decay runs merged.
 
         Padding joins the run before it (its grads, params and moments stay zero under AdamW).
         """
@@ -163,5 +163,7 @@ class FlatParams:
                 a, b = max(lo, s.start), min(hi, s.end)
                 if a < b:
                     g = s.global_offset + a - s.start
-                    ranges.append(OwnedRange(s.name, g, g + b - a, shard_lo + a - lo, shard_lo + b - lo, s.global_shape))
+                    ranges.append(
+                        OwnedRange(s.name, g, g + b - a, shard_lo + a - lo, shard_lo + b - lo, s.global_shape)
+                    )
         return ranges

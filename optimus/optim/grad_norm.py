@@ -21,7 +21,7 @@ def global_grad_norm(owned_sq_sums: list[torch.Tensor], world_group, distributed
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
-    """The factor torch.nn.utils.clip_grad_norm_ applies: max_norm / (norm + 1e-6), at most 1; 1 when clipping is off."""
+    """The factor clip_grad_norm_ applies: max_norm / (norm + 1e-6), at most 1; 1 when clipping is off."""
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))

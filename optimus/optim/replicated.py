@@ -10,6 +10,7 @@ divided by the world size.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ class ReplicatedAdamW:
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, grad_clip: float):
         self.ps = ps
         self.grad_clip = grad_clip
+        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense_params = [p for n, p in named if not is_expert_param(n)]
         self.expert_params = [p for n, p in named if is_expert_param(n)]
@@ -73,7 +75,8 @@ class ReplicatedAdamW:
     def step(self, lr: float) -> float:
         """Average, clip and apply the gradients; returns the pre-clip norm (no update if it is not finite)."""
         if self.ps.is_distributed:
-            self._average_grads()
+            with self.timers("grad_reduce") if self.timers else nullcontext():  # profile.timers
+                self._average_grads()
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return norm

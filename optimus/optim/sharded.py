@@ -21,6 +21,7 @@ keeps only the owned gradient shard between steps.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
 
 
 def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Expert params: (first element in the tensor of all E experts, its full shape), from the module's expert_offset."""
+    """Expert params: (first element in the tensor of all E experts, full shape), from the module's expert_offset."""
     out = {}
     for name in names:
         module_name, _, attr = name.rpartition(".")
@@ -159,7 +160,9 @@ class ShardGroup:
 
     def finish_reduction(self) -> None:
         if self.zero == 2:
-            for i, s in enumerate(self.flat.slots):  # grads the hooks did not see (e.g. params unused in the last micro-batch)
+            for i, s in enumerate(
+                self.flat.slots
+            ):  # grads the hooks did not see (e.g. params unused in the last micro-batch)
                 if not self.packed[i]:
                     self.pack(i, s.param.grad)
                     s.param.grad = None
@@ -186,21 +189,18 @@ class ShardGroup:
 
     # ---- update -------------------------------------------------------------
 
-    def sq_norm(self) -> torch.Tensor:
+    def sq_norm(self, world_size: int) -> torch.Tensor:
+        """Squared norm of the owned shard of the averaged gradient (fp32 accumulation, no fp32 copy)."""
         if not self.comm.counts_in_norm:
             return torch.zeros((), device=self.flat.device)
-        return self.grad_shard.float().square().sum()
+        return (torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32) / world_size).square()
 
-    def update(self, lr: float, step: int, clip: float, h: AdamWHyper) -> None:
-        flat = self.flat
-        if clip != 1.0:
-            self.grad_shard.mul_(clip)
+    def update(self, lr: float, step: int, grad_scale: float, h: AdamWHyper) -> None:
+        flat, sv = self.flat, self.flat.shard_view
         for b, segments in zip(flat.buckets, flat.segments):
-            param = flat.shard_view(self.master, b) if self.master is not None else flat.owned_view(flat.buffer, b)
-            sv = flat.shard_view
-            adamw_update(
-                segments, param, sv(self.grad_shard, b), sv(self.exp_avg, b), sv(self.exp_avg_sq, b), lr, step, h
-            )
+            param = sv(self.master, b) if self.master is not None else flat.owned_view(flat.buffer, b)
+            grad, m, v = sv(self.grad_shard, b), sv(self.exp_avg, b), sv(self.exp_avg_sq, b)
+            adamw_update(segments, param, grad, m, v, lr, step, h, grad_scale)
 
     def gather_params(self) -> None:
         """All-gather every rank's updated slices into the flat parameter buffer (hence into the parameters)."""
@@ -231,6 +231,7 @@ class ShardedAdamW:
         self.hyper = AdamWHyper(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay)
         self.step_count = 0
         self.last_micro_batch = True
+        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         by_kind = {
             "dense": [(n, p) for n, p in named if not is_expert_param(n)],
@@ -243,7 +244,9 @@ class ShardedAdamW:
             if not params:
                 continue
             offsets = expert_global_offsets(model, [n for n, _ in params], ps.ep) if kind == "expert" else None
-            self.groups[kind] = ShardGroup(params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, offsets)
+            self.groups[kind] = ShardGroup(
+                params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, offsets
+            )
         if cfg.zero == 2:
             for group in self.groups.values():
                 for i, s in enumerate(group.flat.slots):
@@ -269,20 +272,22 @@ class ShardedAdamW:
 
     def step(self, lr: float) -> float:
         """Reduce, clip and apply the gradients; returns the pre-clip global norm (no update if it is not finite)."""
-        groups = list(self.groups.values())
-        for group in groups:
-            group.finish_reduction()
-            group.grad_shard.div_(self.ps.world_size)
-        norm = global_grad_norm([g.sq_norm() for g in groups], self.ps.world_group, self.ps.is_distributed)
+        groups, world = list(self.groups.values()), self.ps.world_size
+        timed = self.timers if self.timers else (lambda name: nullcontext())  # profile.timers
+        with timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
+            for group in groups:
+                group.finish_reduction()  # grad shards now hold SUMS over the ranks; the mean is sum / world
+        norm = global_grad_norm([g.sq_norm(world) for g in groups], self.ps.world_group, self.ps.is_distributed)
         self.last_micro_batch = True
         if not math.isfinite(norm):
             return norm
         self.step_count += 1
-        clip = clip_coefficient(norm, self.grad_clip)
+        grad_scale = clip_coefficient(norm, self.grad_clip) / world
         for group in groups:
-            group.update(lr, self.step_count, clip, self.hyper)
-        for group in groups:
-            group.gather_params()
+            group.update(lr, self.step_count, grad_scale, self.hyper)
+        with timed("param_gather"):
+            for group in groups:
+                group.gather_params()
         return norm
 
     # ---- reporting and checkpoints -------------------------------------------

@@ -64,6 +64,12 @@ def all_gather_sizes(n: int, device: torch.device, group) -> list[int]:
 
 
 def _all_to_all_rows(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+    # Checked here so that a caller's mistake is not reported as a communication failure.
+    size = group_size(group)
+    if len(in_rows) != size or len(out_rows) != size or sum(in_rows) != x_ND.shape[0]:
+        raise ValueError(
+            f"all_to_all splits {in_rows} -> {out_rows} do not fit {x_ND.shape[0]} rows on a group of {size} ranks."
+        )
     out_MD = x_ND.new_empty((sum(out_rows), *x_ND.shape[1:]))
     with _explained("all_to_all of token rows", group):
         dist.all_to_all_single(out_MD, x_ND.contiguous(), out_rows, in_rows, group=group)

@@ -60,4 +60,3 @@ def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConf
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
         moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local)
     return model
-

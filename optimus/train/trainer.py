@@ -25,10 +25,11 @@ from optimus.data import BatchLoader, build_data, eval_batches
 from optimus.model import Transformer, count_params, flops_per_token
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
-from optimus.platform import Platform, detect_platform, peak_flops_per_device
+from optimus.platform import Platform, detect_platform, peak_flops_per_device, synchronize
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import resolve_dtype
 from optimus.train.run_dir import resolve_run_dir
+from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
 @dataclass
@@ -88,6 +89,11 @@ class Trainer:
         compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops_per_device(self.platform, cfg.machine, compute_dtype)
         self.optimizer = build_optimizer(self.model, cfg, self.ps)
+        # profile.timers: the dispatchers and the optimizer time their collectives through this object.
+        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
+        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers] + [self.optimizer])
+        p = cfg.profile
+        self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
 
         t = cfg.train
         self.loader = BatchLoader(
@@ -121,14 +127,20 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, ps = self.cfg, self.ps
         self.model.train()
-        micro_batches = self.loader.next_step()
+        timers = self.timers
+        with timers("data_wait"):
+            micro_batches = self.loader.next_step()
         sums_4 = torch.zeros(4, device=self.device)  # loss, lm_loss, aux_loss, z_loss
         counts_LE = None
-        for batch in micro_batches:
-            loss, lm_loss, out = micro_batch_loss(
-                self.model, batch.to(self.device, non_blocking=True), cfg, self.platform
-            )
-            (loss / self.accum).backward()
+        for i, batch in enumerate(micro_batches):
+            # ZeRO-2 reduces gradients during the backward of the last micro-batch only.
+            self.optimizer.set_last_micro_batch(i == len(micro_batches) - 1)
+            with timers("forward"):
+                loss, lm_loss, out = micro_batch_loss(
+                    self.model, batch.to(self.device, non_blocking=True), cfg, self.platform
+                )
+            with timers("backward"):
+                (loss / self.accum).backward()
             sums_4 += torch.stack([loss.detach(), lm_loss.detach(), out.aux_loss.detach(), out.z_loss.detach()])
             if out.tokens_per_expert_LE is not None:
                 counts_LE = out.tokens_per_expert_LE if counts_LE is None else counts_LE + out.tokens_per_expert_LE
@@ -139,8 +151,9 @@ class Trainer:
         means = (sums_4 / (self.accum * ps.world_size)).tolist()
 
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
-        grad_norm = self.optimizer.step(lr)
-        self.optimizer.zero_grad()
+        with timers("optimizer"):
+            grad_norm = self.optimizer.step(lr)
+            self.optimizer.zero_grad()
         skipped = not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
             for router_counts_E, moe in zip(counts_LE, self.model.moe_layers):
@@ -201,14 +214,19 @@ class Trainer:
         summary = {"first_val_loss": self.evaluate()}
         self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
         skipped_in_row = 0
+        trace = self.trace
         try:
             while self.step < cfg.train.steps:
+                trace.before_step(self.step + 1)
+                self.timers.pop_totals()  # drop what evaluation timed (its dispatches)
                 start = time.perf_counter()
                 record = self.train_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 elapsed = time.perf_counter() - start
-                record = {"step": self.step, **record, "tokens": self.tokens_seen}
+                trace.after_step(self.step)
+                record = {"step": self.step, **record, "tokens": self.tokens_seen, "step_time_s": elapsed}
+                record.update(self.timers.pop_totals())  # time_<phase>_s, only with profile.timers=true
                 record.update(
                     throughput(tokens_per_step, elapsed, self.flops_per_token, ps.world_size, self.peak_flops)
                 )
@@ -227,6 +245,7 @@ class Trainer:
                     line = console_line(record, cfg.train.steps)
                     self._print(line + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""), bar)
         finally:
+            trace.close()
             bar.close()
             metrics.close()
             self.loader.close()

@@ -17,6 +17,8 @@ are each other's backward, and the routing weights are gathered with gradient.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from optimus.config import ConfigError
@@ -48,6 +50,7 @@ class AllGatherDispatcher:
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.n_local = n_local_experts
+        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
 
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
         sizes = all_gather_sizes(n_tokens, device, self.group)
@@ -63,15 +66,18 @@ class AllGatherDispatcher:
                 f"the dispatcher expects {self.n_local} local experts, the layer holds {experts.n_experts}."
             )
         n_tokens, top_k = routing.expert_idx_TK.shape
-        self._check_equal_tokens(n_tokens, x_TD.device)
+        timed = self.timers if self.timers else (lambda name: nullcontext())  # profile.timers
+        with timed("dispatch_comm"):
+            self._check_equal_tokens(n_tokens, x_TD.device)
         keep_TK = (
             routing.keep_TK if routing.keep_TK is not None else torch.ones_like(routing.expert_idx_TK, dtype=torch.bool)
         )
         # Expert id and keep flag travel in one integer tensor: -1 marks a dropped assignment.
         packed_TK = torch.where(keep_TK, routing.expert_idx_TK, -1)
-        packed_NK = all_gather(packed_TK, self.group)
-        weight_NK = all_gather(routing.weight_TK, self.group)
-        x_ND = all_gather(x_TD, self.group)
+        with timed("dispatch_comm"):
+            packed_NK = all_gather(packed_TK, self.group)
+            weight_NK = all_gather(routing.weight_TK, self.group)
+            x_ND = all_gather(x_TD, self.group)
 
         first = self.ep_rank * self.n_local
         flat_pos_A, _, counts_L = local_assignments(packed_NK, first, self.n_local)
@@ -80,4 +86,5 @@ class AllGatherDispatcher:
         x_AD = kernels.permute(x_ND, token_idx_A)
         y_AD = run_experts(experts, x_AD, counts_L)
         partial_ND = kernels.combine(y_AD, token_idx_A, weight_NK.reshape(-1)[flat_pos_A], x_ND.shape[0])
-        return reduce_scatter(partial_ND, self.group)
+        with timed("combine_comm"):
+            return reduce_scatter(partial_ND, self.group)

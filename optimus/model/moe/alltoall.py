@@ -19,6 +19,8 @@ the backward of each all-to-all is the reverse all-to-all.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from optimus.model.moe.dispatch import run_experts, sort_by_expert
@@ -49,6 +51,7 @@ class AllToAllDispatcher:
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.n_local = n_local_experts
+        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
         if experts.n_experts != self.n_local:
@@ -60,15 +63,15 @@ class AllToAllDispatcher:
         x_AD = kernels.permute(x_TD, assign.token_idx_A)  # grouped by destination rank, then expert
 
         send_counts_PL = assign.counts_E.view(self.ep_size, self.n_local)
-        recv_counts_PL = all_to_all_counts(send_counts_PL, self.group)
-        # One host sync: uneven splits and the grouped GEMM offsets need the counts on the CPU.
-        send_rows = send_counts_PL.sum(1).tolist()
-        recv_rows = recv_counts_PL.sum(1).tolist()
-
-        x_RD = all_to_all(x_AD, recv_rows, send_rows, self.group)
+        with self.timers("dispatch_comm") if self.timers else nullcontext():  # profile.timers
+            recv_counts_PL = all_to_all_counts(send_counts_PL, self.group)
+            # One host sync: uneven splits and the grouped GEMM offsets need the counts on the CPU.
+            send_rows, recv_rows = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
+            x_RD = all_to_all(x_AD, recv_rows, send_rows, self.group)
         order_R, inverse_R = regroup_by_local_expert(recv_counts_PL)
         x_GD = kernels.permute(x_RD, order_R)
         y_GD = run_experts(experts, x_GD, recv_counts_PL.sum(0))
         y_RD = kernels.permute(y_GD, inverse_R)
-        y_AD = all_to_all(y_RD, send_rows, recv_rows, self.group)
+        with self.timers("combine_comm") if self.timers else nullcontext():  # profile.timers
+            y_AD = all_to_all(y_RD, send_rows, recv_rows, self.group)
         return kernels.combine(y_AD, assign.token_idx_A, assign.weight_A, x_TD.shape[0])

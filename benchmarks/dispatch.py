@@ -1,0 +1,246 @@
+"""Expert-parallel token dispatch on this machine: bytes each rank sends and dispatch + combine time.
+
+    python benchmarks/dispatch.py [--tokens 4096] [--dim 512] [--experts 16] [--top-k 2] [--ranks 2 4]
+
+For each dispatcher (alltoall, allgather) and EP size, one MoE layer's dispatch and
+combine run on gloo ranks started by optimus.launch.spawn_local (the path of
+`optimus train parallel.nproc=N`). The experts are the identity, so the time is the
+token movement alone (permute, collectives, regroup, combine); the local dispatcher
+at 1 rank is the baseline. Bytes are counted at the collectives, per rank, for one
+forward pass of one layer on one micro-batch (the backward sends the same again):
+
+    payload   token rows (and partial sums) sent to other ranks
+    metadata  counts, expert ids, routing weights
+    minimum   2 x (assignments routed to another rank) x dim x bytes: every remote
+              (token, expert) pair out and back, nothing for what stays local
+    dedup     2 x (distinct (token, remote rank) pairs) x dim x bytes: the floor
+              if a token is sent once per destination rank and combined there
+
+Routing is a real softmax router with random weights (roughly balanced). Results
+are printed as a table and written to benchmarks/results/dispatch_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import optimus.parallel.collectives as coll
+from optimus.config import MoEConfig
+from optimus.kernels import get_backend
+from optimus.model.moe.allgather import AllGatherDispatcher
+from optimus.model.moe.alltoall import AllToAllDispatcher
+from optimus.model.moe.dispatch import LocalDispatcher
+from optimus.model.moe.router import Router
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+
+
+class IdentityExperts(nn.Module):
+    """Stands in for GroupedExperts: returns its rows, so only token movement is timed."""
+
+    def __init__(self, n_local: int):
+        super().__init__()
+        self.n_experts = n_local
+        self.kernels = get_backend("torch")
+        self.w13 = nn.Parameter(torch.zeros(n_local, 1, 1))  # read only when a rank receives no rows
+        self.w2 = nn.Parameter(torch.zeros(n_local, 1, 1))
+
+    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return x_AD * 1.0
+
+
+class ByteCounter:
+    """Wraps the collectives' entry points and adds up the bytes this rank sends to other ranks."""
+
+    def __init__(self, dim: int):
+        self.dim, self.payload, self.metadata, self.on = dim, 0, 0, False
+        self._a2a, self._ag, self._rs = dist.all_to_all_single, coll._all_gather_tensor, coll._reduce_scatter_tensor
+        dist.all_to_all_single = self._all_to_all
+        coll._all_gather_tensor = self._all_gather
+        coll._reduce_scatter_tensor = self._reduce_scatter
+
+    def _add(self, t: torch.Tensor, nbytes: float) -> None:
+        if self.on:
+            is_rows = t.is_floating_point() and t.dim() == 2 and t.shape[1] == self.dim
+            if is_rows:
+                self.payload += int(nbytes)
+            else:
+                self.metadata += int(nbytes)
+
+    def _all_to_all(self, out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        rows = in_splits if in_splits is not None else [inp.shape[0] // size] * size
+        row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        self._add(inp, sum(n for j, n in enumerate(rows) if j != me) * row_bytes)
+        return self._a2a(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+    def _all_gather(self, out, inp, group=None, async_op=False):
+        self._add(inp, (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size())
+        return self._ag(out, inp, group=group, async_op=async_op)
+
+    def _reduce_scatter(self, out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        size = dist.get_world_size(group)
+        self._add(inp, (size - 1) / size * inp.numel() * inp.element_size())
+        return self._rs(out, inp, op=op, group=group, async_op=async_op)
+
+
+def remote_assignments(expert_idx_TK: torch.Tensor, n_local: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """(assignments whose expert lives on another rank, distinct (token, other rank) pairs)."""
+    dest_TK = expert_idx_TK // n_local
+    token_idx, k_idx = torch.nonzero(dest_TK != ep_rank, as_tuple=True)
+    pairs = torch.unique(token_idx * ep + dest_TK[token_idx, k_idx]).numel()
+    return token_idx.numel(), pairs
+
+
+def timed(fn, iters: int) -> float:
+    """Median seconds of `fn` over `iters` runs, each started together on all ranks."""
+    times = []
+    for _ in range(iters):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_rank(args: argparse.Namespace, dispatcher_name: str) -> dict:
+    """Body of one rank (also run alone for the local baseline)."""
+    from optimus.launch import discover, init_process_group
+
+    torch.set_num_threads(1)
+    info = discover()
+    if info.world_size > 1:
+        init_process_group(info, "gloo", torch.device("cpu"), timeout_s=300)
+    ep, rank = info.world_size, info.rank
+    dtype = getattr(torch, args.dtype)
+    n_local = args.experts // ep
+    torch.manual_seed(0)
+    router = Router(args.dim, MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_dim=1))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x_TD = torch.randn(args.tokens, args.dim, generator=gen).to(dtype)
+    with torch.no_grad():
+        routing = router(x_TD.float())
+    experts = IdentityExperts(n_local)
+    if ep == 1:
+        dispatcher = LocalDispatcher()
+    else:
+        dispatcher = DISPATCHERS[dispatcher_name](dist.group.WORLD, ep, rank, n_local)
+
+    counter = ByteCounter(args.dim)
+    counter.on = True
+    with torch.no_grad():
+        y_TD = dispatcher(x_TD, routing, experts)
+    counter.on = False
+    # Identity experts: the output is the weighted sum of a token's own row.
+    expected = x_TD.float() * routing.weight_TK.sum(1, keepdim=True)
+    torch.testing.assert_close(y_TD.float(), expected, rtol=1e-2, atol=1e-2)
+
+    x_grad = x_TD.clone().requires_grad_(True)
+
+    def fwd_bwd():
+        dispatcher(x_grad, routing, experts).backward(grad_out)
+
+    grad_out = torch.randn_like(x_TD)
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            dispatcher(x_TD, routing, experts)
+        fwd_s = timed(lambda: dispatcher(x_TD, routing, experts), args.iters)
+    for _ in range(args.warmup):
+        fwd_bwd()
+    fwd_bwd_s = timed(fwd_bwd, args.iters)
+
+    remote, pairs = remote_assignments(routing.expert_idx_TK, n_local, ep, rank) if ep > 1 else (0, 0)
+    row_bytes = args.dim * x_TD.element_size()
+    result = {
+        "rank": rank, "payload_bytes": counter.payload, "metadata_bytes": counter.metadata,
+        "min_bytes": 2 * remote * row_bytes, "dedup_min_bytes": 2 * pairs * row_bytes,
+        "fwd_ms": 1e3 * fwd_s, "fwd_bwd_ms": 1e3 * fwd_bwd_s,
+    }  # fmt: skip
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def summarize(dispatcher: str, ep: int, per_rank: list[dict]) -> dict:
+    mean = lambda key: statistics.mean(r[key] for r in per_rank)
+    row = {"dispatcher": dispatcher, "ranks": ep}
+    for key in ("payload_bytes", "metadata_bytes", "min_bytes", "dedup_min_bytes"):
+        row[key] = mean(key)
+    row["payload_over_min"] = row["payload_bytes"] / row["min_bytes"] if row["min_bytes"] else None
+    row["fwd_ms"] = max(r["fwd_ms"] for r in per_rank)  # the slowest rank sets the pace
+    row["fwd_bwd_ms"] = max(r["fwd_bwd_ms"] for r in per_rank)
+    return row
+
+
+COLUMNS = [  # (header, width, format of one row)
+    ("dispatcher", 10, lambda r: r["dispatcher"]),
+    ("ranks", 5, lambda r: str(r["ranks"])),
+    ("sent MB", 8, lambda r: f"{r['payload_bytes'] / 1e6:.2f}"),
+    ("meta KB", 8, lambda r: f"{r['metadata_bytes'] / 1e3:.1f}"),
+    ("min MB", 7, lambda r: f"{r['min_bytes'] / 1e6:.2f}"),
+    ("dedup MB", 8, lambda r: f"{r['dedup_min_bytes'] / 1e6:.2f}"),
+    ("sent/min", 8, lambda r: f"{r['payload_over_min']:.2f}" if r["payload_over_min"] else "-"),
+    ("fwd ms", 8, lambda r: f"{r['fwd_ms']:.2f}"),
+    ("fwd+bwd ms", 10, lambda r: f"{r['fwd_bwd_ms']:.2f}"),
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    head = " ".join(f"{name:>{width}}" for name, width, _ in COLUMNS)
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(" ".join(f"{fmt(r):>{width}}" for _, width, fmt in COLUMNS))
+
+
+def main() -> None:
+    from optimus.launch import spawn_local
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dispatch_cpu.json"))
+    args = p.parse_args()
+
+    rows = [summarize("local", 1, [bench_rank(args, "local")])]
+    for ep in args.ranks:
+        for name in DISPATCHERS:
+            results = spawn_local(ep, bench_rank, (args, name))
+            rows.append(summarize(name, ep, [results[r] for r in sorted(results)]))
+    print(
+        f"\nOne MoE layer, one micro-batch: {args.tokens} tokens/rank, dim {args.dim}, {args.experts} experts, "
+        f"top-{args.top_k}, {args.dtype}; bytes sent per rank in the forward pass (backward: the same again)\n"
+    )
+    print_table(rows)
+    out = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "setup": {k: getattr(args, k) for k in ("tokens", "dim", "experts", "top_k", "dtype", "warmup", "iters")},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Optimizer-state memory and step time of the three sharding schemes (none, standard, ep_aware).
+
+Two tables:
+1. Measured on this machine at world 4 (EP 2 x DP 2 and EP 4), local gloo processes:
+   per-rank optimizer-state bytes (and the formula's value), optimizer step time
+   (reduce + clip + AdamW + all-gather) and whole train-step time.
+2. Computed from the same formulas for the Mula recipes at their Aurora layouts:
+   per-device optimizer-state GB for bf16 parameters (fp32 master + two fp32
+   moments = 12 bytes per owned parameter), parameters divided evenly over the
+   pipeline stages.
+
+    python benchmarks/optimizer.py [--steps 6] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from optimus.config import ModelConfig, MoEConfig, OptimusConfig, ParallelConfig
+from optimus.model import Transformer, count_params, count_params_of_config
+from optimus.optim import build_optimizer
+from optimus.parallel import build_parallel_state, parallelize_model
+
+BENCH_MODEL = ModelConfig(
+    n_layers=4, dim=256, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_dim=1024,
+    moe=MoEConfig(n_experts=8, top_k=2, expert_dim=512),
+)  # fmt: skip
+WORLD, MICRO_BATCH, SEQ = 4, 2, 128
+SCHEMES = [("none", 1), ("standard", 1), ("ep_aware", 1), ("standard", 2), ("ep_aware", 2)]
+AURORA = [("mula-20b-a2b", 256, 12, 1), ("mula-100b-a7b", 64, 12, 4), ("mula-220b-a10b", 32, 12, 8)]  # dp, ep, pp
+
+
+def state_bytes_formula(scheme: str, dense: float, expert: float, dp: int, ep: int, per_param: int) -> float:
+    """Optimizer-state bytes one device holds, for `dense` / `expert` parameters of its pipeline stage."""
+    if scheme == "none":
+        return per_param * (dense + expert / ep)
+    if scheme == "standard":
+        return per_param * (dense / dp + expert / (ep * dp))
+    return per_param * (dense + expert) / (dp * ep)
+
+
+def _rank(rank: int, ep: int, steps: int, init_file: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        ps = build_parallel_state(ep)
+        tokens = torch.randint(
+            0, BENCH_MODEL.vocab_size, (steps, MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank)
+        )
+        rows = []
+        for scheme, zero in SCHEMES:
+            cfg = OptimusConfig(model=BENCH_MODEL)
+            cfg.optim.sharding, cfg.optim.zero = scheme, zero
+            model = Transformer(BENCH_MODEL, kernels="torch")
+            model.init_weights(torch.Generator().manual_seed(0))
+            parallelize_model(model, ps, ParallelConfig(ep=ep))
+            counts = count_params(model, BENCH_MODEL)
+            opt = build_optimizer(model, cfg, ps)
+            opt_times, step_times = [], []
+            for step in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                opt.set_last_micro_batch(True)
+                out = model(tokens[step, :, :-1])
+                loss = (
+                    F.cross_entropy(out.logits_BSV.flatten(0, 1), tokens[step, :, 1:].reshape(-1)) + 0.01 * out.aux_loss
+                )
+                loss.backward()
+                opt_start = time.perf_counter()
+                opt.step(1e-4)
+                opt.zero_grad()
+                end = time.perf_counter()
+                opt_times.append(end - opt_start)
+                step_times.append(end - start)
+            mem = opt.memory_bytes()
+            per_param = 8  # fp32 parameters here: two fp32 moments, no master copy
+            rows.append({
+                "scheme": scheme, "zero": zero, "ep": ep, "dp": WORLD // ep, "rank": rank,
+                "optim_state_bytes": mem["optim_state_bytes"], "padding_bytes": mem["padding_bytes"],
+                "formula_bytes": state_bytes_formula(scheme, counts.dense, counts.expert, WORLD // ep, ep, per_param),
+                "optimizer_step_ms": 1e3 * statistics.median(opt_times[1:]),  # first step: allocation warm-up
+                "train_step_ms": 1e3 * statistics.median(step_times[1:]),
+                "params_dense": counts.dense, "params_expert": counts.expert,
+            })  # fmt: skip
+        results.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(steps: int) -> list[dict]:
+    rows = []
+    ctx = mp.get_context("spawn")
+    for ep in (2, 4):
+        results = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            init_file = os.path.join(tmp, "init")
+            procs = [ctx.Process(target=_rank, args=(r, ep, steps, init_file, results)) for r in range(WORLD)]
+            for p in procs:
+                p.start()
+            per_rank = [results.get(timeout=1800) for _ in procs]
+            for p in procs:
+                p.join()
+        for i in range(len(SCHEMES)):  # one row per scheme: max over ranks (the slowest / fullest rank bounds a job)
+            ranks = [r[i] for r in per_rank]
+            row = dict(ranks[0])
+            del row["rank"]
+            for key in ("optim_state_bytes", "padding_bytes", "formula_bytes", "optimizer_step_ms", "train_step_ms"):
+                row[key] = max(r[key] for r in ranks)
+            rows.append(row)
+    return rows
+
+
+def recipe_table() -> list[dict]:
+    from optimus.cli import load_config
+
+    rows = []
+    for name, dp, ep, pp in AURORA:
+        counts = count_params_of_config(load_config([f"model={name}"]).model)
+        dense, expert = counts.dense / pp, counts.expert / pp
+        row = {"recipe": name, "dp": dp, "ep": ep, "pp": pp, "devices": dp * ep * pp,
+               "params_dense": counts.dense, "params_expert": counts.expert}  # fmt: skip
+        for scheme in ("none", "standard", "ep_aware"):
+            row[f"{scheme}_gb"] = state_bytes_formula(scheme, dense, expert, dp, ep, 12) / 1e9
+        rows.append(row)
+    return rows
+
+
+def markdown(measured: list[dict], recipes: list[dict]) -> str:
+    lines = [
+        f"## Measured: world {WORLD} (gloo, CPU), fp32 parameters, {BENCH_MODEL.n_layers}L d{BENCH_MODEL.dim} "
+        f"E{BENCH_MODEL.moe.n_experts}, micro-batch {MICRO_BATCH}x{SEQ}; max over ranks, median over steps",
+        "",
+        "| EP x DP | scheme | ZeRO | optim state / rank (MB) | formula (MB) | optimizer step (ms) | train step (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in measured:
+        lines.append(
+            f"| {r['ep']} x {r['dp']} | {r['scheme']} | {r['zero'] if r['scheme'] != 'none' else '-'} | "
+            f"{r['optim_state_bytes'] / 1e6:.3f} | {r['formula_bytes'] / 1e6:.3f} | "
+            f"{r['optimizer_step_ms']:.1f} | {r['train_step_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        "## Computed: optimizer state per device (GB = 1e9 bytes), bf16 params: 12 bytes per owned parameter",
+        "",
+        "| recipe | DP x EP x PP | dense params | expert params | none | standard | ep_aware | standard / ep_aware |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recipes:
+        lines.append(
+            f"| {r['recipe']} | {r['dp']} x {r['ep']} x {r['pp']} | {r['params_dense'] / 1e9:.2f} B | "
+            f"{r['params_expert'] / 1e9:.2f} B | {r['none_gb']:.2f} | {r['standard_gb']:.3f} | "
+            f"{r['ep_aware_gb']:.3f} | "
+            f"{r['standard_gb'] / r['ep_aware_gb']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    recipes = recipe_table()
+    measured = measure(args.steps)
+    text = markdown(measured, recipes)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "world": WORLD,
+        "model": BENCH_MODEL.__dict__ | {"moe": BENCH_MODEL.moe.__dict__},
+        "measured": measured,
+        "recipes": recipes,
+    }
+    (args.out / "optimizer_cpu.json").write_text(json.dumps(payload, indent=2))
+    (args.out / "optimizer_cpu.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

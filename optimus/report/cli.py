@@ -1,0 +1,59 @@
+"""`optimus report RUN_DIR... --out DIR`: the scaling-efficiency report of a series of runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from optimus.report.compare import check_comparable, infer_mode
+from optimus.report.runs import ReportError, load_run
+from optimus.report.summary import add_efficiency, summarize_run
+from optimus.report.write import print_table, write_report
+
+
+def build_report(
+    run_dirs: list[str | Path], out: str | Path, mode: str = "auto", warmup_steps: int = 2, notes=()
+) -> list[dict]:
+    """Read, check, summarise and write; returns the per-run rows (sorted by device count)."""
+    if not run_dirs:
+        raise ReportError("no run directories given: pass one or more run.dir paths written by `optimus train`.")
+    if warmup_steps < 0:
+        raise ReportError(f"--warmup-steps {warmup_steps} must be 0 or more.")
+    runs = [load_run(p) for p in run_dirs]
+    mode = infer_mode(runs) if mode == "auto" else mode
+    check_comparable(runs, mode)
+    summaries = []
+    for run in runs:
+        row = summarize_run(run, warmup_steps)
+        row["device"] = run.device_name
+        summaries.append(row)
+    rows = add_efficiency(summaries, mode)
+    write_report(rows, mode, warmup_steps, list(notes), Path(out))
+    print_table(rows, mode)
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="optimus report",
+        description="Throughput, MFU, step-time statistics and scaling efficiency of a series of runs of one "
+        "experiment on different device counts; writes report.md/.csv/.json and PNG plots into --out.",
+    )
+    p.add_argument("runs", nargs="+", help="run directories (each holds config.yaml, run_info.json, metrics.jsonl)")
+    p.add_argument("--out", required=True, help="directory for the report")
+    p.add_argument(
+        "--mode",
+        choices=("auto", "weak", "strong"),
+        default="auto",
+        help="weak: batch per device fixed; strong: global batch fixed (auto: strong if all global batches agree)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps dropped from the start of each run (default 2)")
+    p.add_argument("--note", action="append", default=[], help="a line for the report's header (repeatable)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    opts = _parser().parse_args(argv)
+    build_report(opts.runs, opts.out, opts.mode, opts.warmup_steps, opts.note)
+    print(f"report written to {Path(opts.out) / 'report.md'}")
+    return 0

@@ -1,0 +1,71 @@
+"""PNG plots of a scaling report (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+
+def _label(row: dict) -> str:
+    return f"{row['devices']}\n(dp{row['dp']} ep{row['ep']})"
+
+
+def plot_efficiency(rows: list[dict], mode: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    devices = [r["devices"] for r in rows]
+    ax.plot(devices, [r["efficiency"] for r in rows], "o-", label="measured")
+    ax.axhline(1.0, color="gray", linestyle="--", label="ideal")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(devices, [str(d) for d in devices])
+    ax.set_ylim(0, max(1.1, max(r["efficiency"] for r in rows) * 1.1))
+    ax.set_xlabel("devices")
+    ax.set_ylabel(f"{mode} scaling efficiency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(rows: list[dict], path: Path) -> None:
+    """tokens/s vs devices, with the ideal line (the smallest run's tokens/s per device times the devices)."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    devices = [r["devices"] for r in rows]
+    base = rows[0]["tokens_per_s_per_device"]
+    ax.plot(devices, [r["tokens_per_s"] for r in rows], "o-", label="measured")
+    ax.plot(devices, [base * d for d in devices], "--", color="gray", label="ideal (linear)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(devices, [str(d) for d in devices])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("tokens/s (all devices)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_breakdown(rows: list[dict], path: Path) -> bool:
+    """Stacked mean step time per phase, one bar per run; False (no file) when no run has timers."""
+    phases = []
+    for r in rows:
+        phases += [p for p in r["breakdown_s"] if p not in phases]
+    if not phases:
+        return False
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(rows), 4))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for phase in phases:
+        ms = [1e3 * r["breakdown_s"].get(phase, 0.0) for r in rows]
+        ax.bar(x, ms, bottom=bottom, label=phase)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_xticks(list(x), [_label(r) for r in rows])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("ms per step (rank 0)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,114 @@
+"""Reading run directories (config.yaml, run_info.json, metrics.jsonl) for the scaling report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from optimus.config import ConfigError
+
+
+class ReportError(ConfigError):
+    """Runs that cannot be reported (missing files, too few steps, or not comparable); the message says why."""
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict  # the resolved config.yaml
+    info: dict  # run_info.json
+    records: list[dict]  # metrics.jsonl, one per optimizer step
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def world(self) -> int:
+        return int(self.info["layout"]["world"])
+
+    @property
+    def dp(self) -> int:
+        return int(self.info["layout"]["dp"])
+
+    @property
+    def ep(self) -> int:
+        return int(self.info["layout"]["ep"])
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(self.info["tokens_per_step"])
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.config["train"]["global_batch"])
+
+    @property
+    def flops_per_token(self) -> float:
+        return float(self.info["flops_per_token"])
+
+    @property
+    def peak_flops(self) -> float | None:
+        peak = self.info.get("device", {}).get("peak_flops")
+        return float(peak) if peak else None
+
+    @property
+    def device_name(self) -> str:
+        device = self.info.get("device", {})
+        return f"{device.get('name', '?')} ({device.get('type', '?')})"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ReportError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}): rerun or repair that run."
+        ) from None
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ReportError(
+                f"{path} line {lineno} is not a JSON object: remove that line or rerun the run."
+            ) from None
+    return records
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run directory; raises ReportError naming the file that is missing or broken."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"{path} is not a directory: pass run directories (run.dir) written by `optimus train`.")
+    for name in ("config.yaml", "run_info.json", "metrics.jsonl"):
+        if not (path / name).is_file():
+            raise ReportError(f"{path} has no {name}: pass run directories written by `optimus train`.")
+    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    return Run(path, config, _read_json(path / "run_info.json"), _read_metrics(path / "metrics.jsonl"))
+
+
+def measured_records(run: Run, warmup_steps: int) -> list[dict]:
+    """The records after the first `warmup_steps` optimizer steps (compilation, allocator and cache warm-up)."""
+    kept = [r for r in run.records if int(r["step"]) > warmup_steps]
+    if not kept:
+        raise ReportError(
+            f"{run.path} has {len(run.records)} steps and none is left after --warmup-steps {warmup_steps}: "
+            "lower --warmup-steps or train the run for more steps."
+        )
+    return kept
+
+
+def step_time(record: dict, tokens_per_step: int) -> float:
+    """Seconds of one step: `step_time_s`, or (runs from before it was logged) tokens / tokens_per_s."""
+    if record.get("step_time_s") is not None:
+        return float(record["step_time_s"])
+    return tokens_per_step / float(record["tokens_per_s"])

@@ -1,0 +1,133 @@
+"""Writing a scaling report: report.json, report.csv, report.md, PNG plots, and the console table."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from optimus.report.plots import plot_breakdown, plot_efficiency, plot_throughput
+
+COLUMNS = (
+    "run", "devices", "dp", "ep", "global_batch", "steps_measured", "tokens_per_s", "tokens_per_s_per_device",
+    "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s", "step_time_p90_s",
+    "speedup", "efficiency",
+)  # fmt: skip
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the summary table that the console and report.md show."""
+    header = ["devices", "dp x ep", "batch", "tokens/s", "tok/s/dev", "TFLOP/s/dev", "MFU %", "step ms (std)",
+              "p50 / p90 ms", "speedup", "efficiency"]  # fmt: skip
+    cells = []
+    for r in rows:
+        cells.append([
+            str(r["devices"]), f"{r['dp']} x {r['ep']}", str(r["global_batch"]), f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s_per_device']:,.0f}", _fmt(r["tflops_per_device"]),
+            _fmt(None if r["mfu"] is None else 100 * r["mfu"]),
+            f"{1e3 * r['step_time_mean_s']:.1f} ({1e3 * r['step_time_std_s']:.1f})",
+            f"{1e3 * r['step_time_p50_s']:.1f} / {1e3 * r['step_time_p90_s']:.1f}",
+            _fmt(r["speedup"]), f"{100 * r['efficiency']:.1f}%",
+        ])  # fmt: skip
+    return header, cells
+
+
+def breakdown_table(rows: list[dict]) -> tuple[list[str], list[list[str]]] | None:
+    phases = []
+    for r in rows:
+        phases += [p for p in r["breakdown_s"] if p not in phases]
+    if not phases:
+        return None
+    header = ["devices", "dp x ep", *phases, "step"]
+    cells = [
+        [str(r["devices"]), f"{r['dp']} x {r['ep']}"]
+        + [f"{1e3 * r['breakdown_s'][p]:.1f}" if p in r["breakdown_s"] else "-" for p in phases]
+        + [f"{1e3 * r['step_time_mean_s']:.1f}"]
+        for r in rows
+    ]
+    return header, cells
+
+
+def _markdown_table(header: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+METHOD = """Method: steps after warm-up only. tokens/s = tokens per step x steps / total step time;
+TFLOP/s per device = tokens/s x flops_per_token / devices (6 x active matmul parameters + attention);
+MFU = that / the device's peak (run_info.json; on CPU a matmul probe). Weak efficiency = tokens/s per
+device / that of the smallest run; strong efficiency = (T_1 x N_1) / (T_N x N), T = mean step time.
+The breakdown (profile.timers=true) is rank 0's exclusive time per phase, with the device synchronised
+at each phase boundary; communication inside the autograd backward counts as backward; `other` is the
+rest of the step (loss reductions for logging, Python)."""
+
+
+def write_markdown(rows: list[dict], mode: str, warmup: int, notes: list[str], plots: list[str], path: Path) -> None:
+    devices = sorted({r["device"] for r in rows})
+    parts = [f"# {mode.capitalize()} scaling report", ""]
+    parts += [f"- {n}" for n in notes] + [f"- Device: {', '.join(devices)}", f"- Warm-up steps dropped: {warmup}", ""]
+    parts += [_markdown_table(*table_rows(rows)), ""]
+    bd = breakdown_table(rows)
+    if bd is not None:
+        parts += ["## Step-time breakdown (ms per step, rank 0)", "", _markdown_table(*bd), ""]
+    parts += [f"![{Path(p).stem}]({p})" for p in plots] + ["", METHOD, "", "Runs:", ""]
+    parts += [f"- {r['devices']} devices: `{r['path']}`" for r in rows]
+    path.write_text("\n".join(parts) + "\n")
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    phases = []
+    for r in rows:
+        phases += [p for p in r["breakdown_s"] if p not in phases]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*COLUMNS, *(f"time_{p}_s" for p in phases)])
+        for r in rows:
+            writer.writerow([r[c] for c in COLUMNS] + [r["breakdown_s"].get(p) for p in phases])
+
+
+def print_table(rows: list[dict], mode: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: plain text
+        header, cells = table_rows(rows)
+        print("\t".join(header))
+        for row in cells:
+            print("\t".join(row))
+        return
+    for title, table in ((f"{mode} scaling", table_rows(rows)), ("step-time breakdown, ms", breakdown_table(rows))):
+        if table is None:
+            continue
+        t = Table(title=title)
+        for name in table[0]:
+            t.add_column(name, justify="right")
+        for row in table[1]:
+            t.add_row(*row)
+        console = Console()
+        console.width = max(console.width, 150)  # a narrow pipe would fold the columns
+        console.print(t)
+
+
+def write_report(rows: list[dict], mode: str, warmup: int, notes: list[str], out: Path) -> list[Path]:
+    """Write every output of the report into `out`; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = ["efficiency.png", "throughput.png"]
+    plot_efficiency(rows, mode, out / plots[0])
+    plot_throughput(rows, out / plots[1])
+    if plot_breakdown(rows, out / "breakdown.png"):
+        plots.append("breakdown.png")
+    payload = {"mode": mode, "warmup_steps": warmup, "notes": notes, "runs": rows}
+    (out / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_csv(rows, out / "report.csv")
+    write_markdown(rows, mode, warmup, notes, plots, out / "report.md")
+    return [out / name for name in ("report.md", "report.csv", "report.json", *plots)]

@@ -1,0 +1,453 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): save, publish, keep, find, validate, load.
+
+On disk (`checkpoint.dir`, default <run.dir>/checkpoints):
+
+    step_000100.tmp/   being written by every rank; never read
+    step_000100/       published: DCP files (.metadata + one file per rank), meta.json, config.yaml
+    latest             the name of the newest published checkpoint, replaced atomically
+
+A save writes into the .tmp directory; only after DCP has finished on every rank
+(its last step gathers all ranks' results to rank 0, which then writes .metadata)
+does rank 0 rename it and move `latest`. A crash during a save therefore leaves
+the previous checkpoint as the latest, and a directory without the .tmp suffix is
+always complete. What the keys mean is in optimus.train.checkpoint_state.
+
+Loading tries `latest` first and then older checkpoints: one whose files are
+missing, short or unreadable is reported with a warning and skipped. One saved
+from a different model is a configuration error, not a reason to fall back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from optimus.config import ConfigError, OptimusConfig
+from optimus.parallel import ParallelState
+from optimus.train.checkpoint_state import (
+    apply_model_state,
+    load_optimizer_state,
+    model_state,
+    model_targets,
+    needed_ranges,
+    optimizer_requests,
+    optimizer_state,
+    saved_ranges,
+)
+
+log = logging.getLogger("optimus.checkpoint")
+
+LATEST = "latest"
+META = "meta.json"
+TMP_SUFFIX = ".tmp"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TRAINER_KEYS = ("trainer/step", "trainer/samples_consumed", "trainer/skipped_in_row", "trainer/world", "optim/step")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_root(cfg: OptimusConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def published(root: Path) -> list[Path]:
+    """Published checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def candidates(root: Path) -> list[Path]:
+    """Checkpoints to try, in order: the one `latest` names, then older published ones, newest first."""
+    all_ = published(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if STEP_DIR.match(name) and (root / name) in all_:
+            older = [p for p in all_ if _step_of(p) < _step_of(root / name)]
+            return [root / name, *reversed(older)]
+    return list(reversed(all_))
+
+
+def has_checkpoint(root: Path) -> bool:
+    return bool(candidates(root))
+
+
+def _step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def resolve_checkpoint(path: str | Path, key: str = "checkpoint.load") -> Path:
+    """A step directory, or a checkpoint root whose `latest` (or newest) checkpoint is taken."""
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    found = candidates(p) if p.is_dir() else []
+    if not found:
+        raise ConfigError(
+            f"{key}={path} is not a checkpoint: give a step directory (holding .metadata) or a checkpoint "
+            "directory that holds step_* directories."
+        )
+    return found[0]
+
+
+def inspect(path: Path) -> tuple[str | None, Any]:
+    """(why `path` cannot be loaded, or None; its DCP metadata): checks meta.json, .metadata and file sizes."""
+    if not (path / META).is_file():
+        return f"{path / META} is missing", None
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # unpickling garbage raises anything
+        return f"its .metadata is unreadable ({type(err).__name__}: {err})", None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing", None
+        if f.stat().st_size < size:
+            return f"{f} is truncated ({f.stat().st_size} of {size} bytes)", None
+    return None, metadata
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@dataclass
+class PendingSave:
+    step: int
+    tmp: Path
+    future: Any  # concurrent.futures.Future of dcp.async_save
+    started: float
+    blocking_s: float  # time the training loop waited (staging copies)
+
+
+@dataclass
+class Restored:
+    """Where a resumed run continues."""
+
+    path: Path
+    step: int
+    samples_consumed: int
+    skipped_in_row: int
+
+
+class Checkpointer:
+    """One per rank; every method is called by every rank (they hold collectives) unless it says otherwise."""
+
+    def __init__(self, cfg: OptimusConfig, run_dir: Path, ps: ParallelState, device_type: str):
+        c = cfg.checkpoint
+        if c.interval < 0:
+            raise ConfigError(f"checkpoint.interval={c.interval} must be 0 (off) or a number of steps.")
+        if c.keep < 1:
+            raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1: it is how many checkpoints are kept.")
+        if c.load_weights_only and not c.load:
+            raise ConfigError("checkpoint.load_weights_only=true needs checkpoint.load=PATH: name the checkpoint.")
+        self.cfg, self.ps, self.device_type = cfg, ps, device_type
+        self.root = checkpoint_root(cfg, run_dir)
+        # A gloo group of its own: DCP's collectives (from a background thread for async saves, and on
+        # CPU tensors) never interleave with the training collectives.
+        self.group = None
+        if ps.is_distributed:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        self.pending: PendingSave | None = None
+        self.last_saved_step: int | None = None
+        self.last_save: dict | None = None  # what the latest published save cost (rank 0)
+        if ps.is_main and self.root.is_dir():
+            for stale in self.root.glob(f"step_*{TMP_SUFFIX}"):  # saves a crash interrupted
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # ---- agreement between ranks ----------------------------------------------------------
+
+    def _from_main(self, fn):
+        """Run `fn` on rank 0 and hand its result (or its ConfigError) to every rank."""
+        box: list[Any] = [None]
+        if self.ps.is_main:
+            try:
+                box[0] = fn()
+            except ConfigError as err:
+                box[0] = err
+        if self.group is not None:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        if isinstance(box[0], ConfigError):
+            raise box[0]
+        return box[0]
+
+    def _first_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem, the same on every rank."""
+        if self.group is None:
+            return problem
+        problems: list[str | None] = [None] * self.ps.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        return next((p for p in problems if p is not None), None)
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # ---- which checkpoint a run starts from ---------------------------------------------------
+
+    def start_point(self) -> tuple[str, list[Path]]:
+        """("resume", [newest first]) from checkpoint.dir; else checkpoint.load as ("resume" | "weights",
+        [path]); else ("fresh", []). A run's own checkpoints win, so a requeued job resumes itself."""
+
+        def decide():
+            own = candidates(self.root)
+            if own:
+                return "resume", own
+            if self.cfg.checkpoint.load:
+                path = resolve_checkpoint(self.cfg.checkpoint.load)
+                return ("weights" if self.cfg.checkpoint.load_weights_only else "load"), [path]
+            return "fresh", []
+
+        return self._from_main(decide)
+
+    # ---- save ------------------------------------------------------------------------------
+
+    def state(self, step: int, model, optimizer, loader, skipped_in_row: int) -> dict[str, torch.Tensor]:
+        """Everything a run needs to continue, as flat DCP keys (this rank's part)."""
+        sd: dict[str, torch.Tensor] = {**model_state(model), **optimizer_state(optimizer, model)}
+        sd["trainer/step"] = torch.tensor(step)
+        sd["trainer/samples_consumed"] = torch.tensor(loader.state_dict()["samples_consumed"])
+        sd["trainer/skipped_in_row"] = torch.tensor(skipped_in_row)
+        sd["trainer/world"] = torch.tensor(self.ps.world_size)
+        sd[f"rng/cpu/rank_{self.ps.rank}"] = torch.get_rng_state()
+        if self.device_type != "cpu":
+            sd[f"rng/{self.device_type}/rank_{self.ps.rank}"] = torch.get_device_module(
+                self.device_type
+            ).get_rng_state()
+        return sd
+
+    def save(self, step: int, state: dict[str, torch.Tensor], block: bool = False) -> None:
+        """Write `state` for `step`; with checkpoint.async_save (and not `block`) the writing runs in the
+        background after a copy to CPU memory, and is published by a later poll()."""
+        self.wait()  # one save in flight at a time
+        tmp = self.root / (step_dir_name(step) + TMP_SUFFIX)
+        if self.ps.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()  # every rank sees the fresh directory before writing into it
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+        no_dist = self.group is None
+        started = time.perf_counter()
+        self.last_saved_step = step
+        if self.cfg.checkpoint.async_save and not block:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+            self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
+            return
+        dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        elapsed = time.perf_counter() - started
+        self._publish(step, tmp, elapsed, elapsed)
+
+    def poll(self, block: bool = False) -> None:
+        """Publish a finished background save (wait for it with `block`). Holds no collectives."""
+        p = self.pending
+        if p is None or not (block or p.future.done()):
+            return
+        self.pending = None
+        try:
+            p.future.result()
+        except Exception as err:  # the file system failed; training goes on with the previous checkpoint
+            if self.ps.is_main:
+                log.warning(f"checkpoint of step {p.step} failed ({err}); the previous one stays the latest.")
+            return
+        self._publish(p.step, p.tmp, time.perf_counter() - p.started, p.blocking_s)
+
+    def wait(self) -> None:
+        self.poll(block=True)
+
+    def _publish(self, step: int, tmp: Path, total_s: float, blocking_s: float) -> None:
+        """Rank 0: rename the finished directory, move `latest`, drop checkpoints beyond `keep`."""
+        if not self.ps.is_main:
+            return
+        ps = self.ps
+        meta = {
+            "step": step, "world": ps.world_size, "dp": ps.dp, "ep": ps.ep, "sharding": self.cfg.optim.sharding,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
+        }  # fmt: skip
+        _write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
+        _write_atomic(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        final = self.root / step_dir_name(step)
+        if final.exists():  # saved again after resuming from an older checkpoint
+            old = final.with_name(final.name + ".old")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(self.root / LATEST, final.name + "\n")
+        _fsync_dir(self.root)
+        self.last_save = {"step": step, "seconds": total_s, "blocking_seconds": blocking_s, "bytes": dir_bytes(final)}
+        self._retain(final)
+
+    def _retain(self, newest: Path) -> None:
+        keep = published(self.root)[-self.cfg.checkpoint.keep :]
+        for path in published(self.root):
+            if path not in keep and path != newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def _inspect(self, path: Path) -> tuple[str | None, Any]:
+        return self._from_main(lambda: inspect(path))
+
+    def _read(self, path: Path, targets: dict[str, torch.Tensor]) -> str | None:
+        """Load `targets` in place; returns why it failed on any rank (the same on all), or None."""
+        problem = None
+        try:
+            dcp.load(
+                targets,
+                storage_reader=dcp.FileSystemReader(str(path)),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
+        except Exception as err:  # DCP raises CheckpointException on every rank if one failed
+            problem = f"reading it failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:300]})"
+        return self._first_problem(problem)
+
+    def _model_targets(self, model, metadata, path: Path) -> dict[str, torch.Tensor]:
+        """This rank's model entries to read; a missing key or another shape means another model."""
+        targets = model_targets(model)
+        saved = metadata.state_dict_metadata
+        problem = None
+        for key, t in targets.items():
+            if key not in saved:
+                problem = f"it has no {key}"
+            elif tuple(saved[key].size) != tuple(t.shape):
+                problem = f"{key} has shape {tuple(saved[key].size)}, this model's {tuple(t.shape)}"
+            if problem:
+                break
+        problem = self._first_problem(problem)
+        if problem:
+            raise ConfigError(
+                f"checkpoint {path} was saved from another model ({problem}): use the model settings it was "
+                "saved with (its config.yaml), or a new checkpoint.dir / run.dir."
+            )
+        return targets
+
+    def load_weights(self, path: Path, model) -> None:
+        """checkpoint.load_weights_only: the model's weights (router biases included) and nothing else."""
+        problem, metadata = self._inspect(path)
+        if problem is None:
+            targets = self._model_targets(model, metadata, path)
+            problem = self._read(path, targets)
+        if problem:
+            raise ConfigError(f"checkpoint.load={path} cannot be loaded: {problem}; give another checkpoint.")
+        apply_model_state(model, targets)
+        if self.ps.is_main:
+            log.warning(f"Starting a new run from the weights of {path}.")
+
+    def resume(self, paths: list[Path], explicit: bool, model, optimizer, loader) -> Restored | None:
+        """Restore everything from the first loadable of `paths`; an unloadable one is skipped with a
+        warning (or, when the user named it with checkpoint.load, is an error)."""
+        for path in paths:
+            problem, metadata = self._inspect(path)
+            if problem is None:
+                targets = self._model_targets(model, metadata, path)
+                shards, problem = self._optimizer_targets(optimizer, model, metadata)
+                if problem is None:
+                    targets.update(self._scalar_targets(metadata))
+                    targets.update({f"{r.key}/{k}": t for r, tensors in shards.items() for k, t in tensors.items()})
+                    problem = self._read(path, targets)
+            if problem is None:
+                return self._apply(path, targets, shards, model, optimizer, loader)
+            if explicit:
+                raise ConfigError(f"checkpoint.load={path} cannot be loaded: {problem}; give another checkpoint.")
+            if self.ps.is_main:
+                log.warning(f"Checkpoint {path} cannot be loaded ({problem}); trying the previous one.")
+        if paths and self.ps.is_main:
+            log.warning(f"No checkpoint in {self.root} could be loaded; starting from step 0.")
+        return None
+
+    def _optimizer_targets(self, optimizer, model, metadata):
+        saved = metadata.state_dict_metadata
+        step = saved.get("optim/step")
+        by_name = saved_ranges(saved)
+        needed = needed_ranges(optimizer, model)
+        if not by_name:  # saved before the first update (torch's AdamW has no state yet)
+            return {}, None
+        requests, problem = optimizer_requests(needed, by_name)
+        problem = self._first_problem(problem)
+        if problem or step is None:
+            return {}, problem or "it has no optim/step"
+        shards = {}
+        for r in requests:
+            kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if f"{r.key}/{k}" in saved]
+            shards[r] = {k: torch.empty(r.hi - r.lo, dtype=saved[f"{r.key}/{k}"].properties.dtype) for k in kinds}
+        return shards, None
+
+    def _scalar_targets(self, metadata) -> dict[str, torch.Tensor]:
+        saved = metadata.state_dict_metadata
+        targets = {key: torch.zeros((), dtype=torch.int64) for key in TRAINER_KEYS if key in saved}
+        # RNG states continue only in the same world size; elsewhere the seeded states stay.
+        for device in {"cpu", self.device_type}:
+            key = f"rng/{device}/rank_{self.ps.rank}"
+            if key in saved:
+                targets[key] = torch.empty(tuple(saved[key].size), dtype=torch.uint8)
+        return targets
+
+    def _apply(self, path: Path, targets, shards, model, optimizer, loader) -> Restored:
+        """The load succeeded on every rank: only now is live state replaced."""
+        apply_model_state(model, targets)
+        load_optimizer_state(optimizer, model, int(targets.get("optim/step", torch.tensor(0))), shards)
+        step = int(targets["trainer/step"])
+        samples = int(targets["trainer/samples_consumed"])
+        loader.load_state_dict({"samples_consumed": samples})
+        same_world = int(targets.get("trainer/world", torch.tensor(-1))) == self.ps.world_size
+        if same_world and f"rng/cpu/rank_{self.ps.rank}" in targets:
+            torch.set_rng_state(targets[f"rng/cpu/rank_{self.ps.rank}"])
+        device_key = f"rng/{self.device_type}/rank_{self.ps.rank}"
+        if same_world and self.device_type != "cpu" and device_key in targets:
+            torch.get_device_module(self.device_type).set_rng_state(targets[device_key])
+        self.last_saved_step = step
+        if self.ps.is_main:
+            log.warning(f"Resuming from {path} (step {step}).")
+        return Restored(path, step, samples, int(targets.get("trainer/skipped_in_row", torch.tensor(0))))
+
+    # ---- cadence -----------------------------------------------------------------------------
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """A save is due every `interval` steps and at the end of training (when checkpointing is on)."""
+        interval = self.cfg.checkpoint.interval
+        if interval <= 0 or step == self.last_saved_step:
+            return False
+        return step % interval == 0 or step == total_steps

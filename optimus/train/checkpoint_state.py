@@ -1,0 +1,186 @@
+"""What a checkpoint holds, as flat keys that do not depend on the parallel layout.
+
+    model/<name>                     dense parameter or buffer (router biases included), the same on every rank
+    model/<name>/expert_<g>          routed expert g's slice of an expert tensor; g is the GLOBAL expert index
+    optim/<name>[<lo>:<hi>]/<kind>   AdamW state of elements [lo, hi) of the full flattened parameter
+                                     (expert tensors: all E experts); kind = exp_avg | exp_avg_sq | master
+    optim/step                       AdamW updates applied so far (bias correction)
+
+Every rank writes the keys of what it holds; replicas (dense weights, the experts of
+an expert-data-parallel group, the standard scheme's dense optimizer shards) write
+identical keys and DCP keeps one copy. On load every rank asks for exactly the keys
+it needs: its own experts, and the saved optimizer ranges that overlap the ranges
+it owns in the new layout, which is what makes a checkpoint load under any layout.
+Both optimizers (`ShardedAdamW`, and torch's AdamW inside `ReplicatedAdamW`, whose
+state is mapped to full-parameter ranges here) use the same keys, so a checkpoint
+also moves between `optim.sharding` schemes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from optimus.optim import ShardedAdamW
+
+OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "master")
+OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)\[(?P<lo>\d+):(?P<hi>\d+)\]/(?P<kind>exp_avg|exp_avg_sq|master)$")
+
+
+@dataclass(frozen=True)
+class SavedRange:
+    """One optimizer shard in a checkpoint: elements [lo, hi) of parameter `name`."""
+
+    name: str
+    lo: int
+    hi: int
+
+    @property
+    def key(self) -> str:
+        return f"optim/{self.name}[{self.lo}:{self.hi}]"
+
+
+# ---- model --------------------------------------------------------------------------------
+
+
+def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
+    """State-dict names of expert tensors [E_local, ...] -> global index of their first expert."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "expert_offset"):  # GroupedExperts (sliced by expert parallelism or not)
+            for name, _ in module.named_parameters(recurse=False):
+                out[f"{prefix}.{name}"] = module.expert_offset
+    return out
+
+
+def _model_items(model: torch.nn.Module):
+    """(checkpoint key, tensor in the model) for every entry of the model's state."""
+    offsets = expert_offsets(model)
+    for name, tensor in model.state_dict().items():
+        if name in offsets:
+            for i in range(tensor.shape[0]):
+                yield f"model/{name}/expert_{offsets[name] + i}", tensor[i]
+        else:
+            yield f"model/{name}", tensor
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's checkpoint entries (views into the live tensors: the caller saves or stages them)."""
+    return dict(_model_items(model))
+
+
+def model_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Fresh tensors to load this rank's model entries into (the model is only touched once a load succeeded)."""
+    return {key: torch.empty_like(t) for key, t in _model_items(model)}
+
+
+@torch.no_grad()
+def apply_model_state(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    for key, tensor in _model_items(model):
+        tensor.copy_(loaded[key])
+
+
+# ---- optimizer ----------------------------------------------------------------------------
+
+
+def _global_range(name: str, param: torch.Tensor, offsets: dict[str, int]) -> tuple[int, int]:
+    """This rank's elements of `name` in the full flattened parameter (experts: all E experts)."""
+    lo = offsets.get(name, 0) * (param[0].numel() if param.dim() else 1)
+    return lo, lo + param.numel()
+
+
+def _replicated_named_params(optimizer, model: torch.nn.Module):
+    """(name, param) of the parameters torch's AdamW updates (tied weights appear once)."""
+    owned = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in owned]
+
+
+def optimizer_state(optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The optimizer's checkpoint entries: its owned ranges, keyed by full-parameter element range."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(optimizer, ShardedAdamW):
+        state = optimizer.state_dict()
+        step = int(state["step"])
+        for e in state["shards"].values():
+            key = SavedRange(e["name"], e["lo"], e["hi"]).key
+            for kind in OPTIM_KINDS:
+                if kind in e:
+                    out[f"{key}/{kind}"] = e[kind]
+    else:  # ReplicatedAdamW: torch's AdamW state, full local tensors
+        offsets, step = expert_offsets(model), 0
+        for name, p in _replicated_named_params(optimizer, model):
+            st = optimizer.optimizer.state.get(p)
+            if not st:
+                continue  # no update applied yet
+            step = int(st["step"])
+            key = SavedRange(name, *_global_range(name, p, offsets)).key
+            out[f"{key}/exp_avg"] = st["exp_avg"].reshape(-1)
+            out[f"{key}/exp_avg_sq"] = st["exp_avg_sq"].reshape(-1)
+    out["optim/step"] = torch.tensor(step, dtype=torch.int64)
+    return out
+
+
+def needed_ranges(optimizer, model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """(name, lo, hi) of every range whose state this rank keeps in the current layout."""
+    if isinstance(optimizer, ShardedAdamW):
+        return [(e["name"], e["lo"], e["hi"]) for e in optimizer.state_dict()["shards"].values()]
+    offsets = expert_offsets(model)
+    return [(n, *_global_range(n, p, offsets)) for n, p in _replicated_named_params(optimizer, model)]
+
+
+def saved_ranges(keys) -> dict[str, list[tuple[SavedRange, set[str]]]]:
+    """Optimizer shards listed in a checkpoint's keys: name -> [(range, kinds saved)]."""
+    found: dict[SavedRange, set[str]] = {}
+    for key in keys:
+        m = OPTIM_KEY.match(key)
+        if m:
+            found.setdefault(SavedRange(m["name"], int(m["lo"]), int(m["hi"])), set()).add(m["kind"])
+    by_name: dict[str, list[tuple[SavedRange, set[str]]]] = {}
+    for r, kinds in sorted(found.items(), key=lambda item: (item[0].name, item[0].lo)):
+        by_name.setdefault(r.name, []).append((r, kinds))
+    return by_name
+
+
+def optimizer_requests(
+    needed: list[tuple[str, int, int]], saved: dict[str, list[tuple[SavedRange, set[str]]]]
+) -> tuple[list[SavedRange], str | None]:
+    """Saved shards overlapping this rank's ranges, or a sentence naming the first range nothing covers."""
+    wanted: dict[SavedRange, None] = {}
+    for name, lo, hi in needed:
+        covered = 0
+        for r, kinds in saved.get(name, []):
+            a, b = max(lo, r.lo), min(hi, r.hi)
+            if a < b:
+                if not {"exp_avg", "exp_avg_sq"} <= kinds:
+                    return [], f"the optimizer shard {r.key} lacks its moments"
+                wanted[r] = None
+                covered += b - a
+        if covered != hi - lo:
+            return [], f"no saved optimizer state covers elements [{lo}, {hi}) of {name}"
+    return list(wanted), None
+
+
+def load_optimizer_state(
+    optimizer, model: torch.nn.Module, step: int, shards: dict[SavedRange, dict[str, torch.Tensor]]
+) -> None:
+    """Fill this rank's optimizer state from the loaded shards (each {kind: flat tensor of r.hi - r.lo})."""
+    if isinstance(optimizer, ShardedAdamW):
+        entries = {r.key: {"name": r.name, "lo": r.lo, "hi": r.hi, **tensors} for r, tensors in shards.items()}
+        optimizer.load_state_dict({"step": step, "scheme": optimizer.scheme, "shards": entries})
+        return
+    if step == 0:
+        return  # torch's AdamW creates its state at the first update
+    offsets = expert_offsets(model)
+    for name, p in _replicated_named_params(optimizer, model):
+        lo, hi = _global_range(name, p, offsets)
+        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+            for r, tensors in shards.items():
+                a, b = max(lo, r.lo), min(hi, r.hi)
+                if r.name == name and a < b:
+                    flat[a - lo : b - lo].copy_(tensors[kind][a - r.lo : b - r.lo])
+            state[kind] = flat.view_as(p)
+        optimizer.optimizer.state[p] = state

@@ -1,0 +1,146 @@
+"""The planner against what runs measure (run_info.json) and against hand-computed formulas."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from optimus.cli import load_config, main
+from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimConfig
+from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token
+from optimus.optim import ShardedAdamW
+from optimus.parallel import ParallelState
+from optimus.parallel.expert_parallel import shard_experts
+from optimus.plan import activation_bytes, make_plan, state_bytes
+from optimus.train.trainer import Trainer
+from tests.conftest import TINY_MODEL
+from tests.distributed import run_distributed
+
+RUN = [
+    *TINY_MODEL, "data=text", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
+    "train.eval_batches=1", "machine.peak_flops=1e12",  # a fixed peak skips the CPU matmul probe
+]  # fmt: skip
+LAYOUTS = {  # world: overrides; the sharded ones need expert parallelism and the EP-aware optimizer
+    1: ["optim.sharding=none"],
+    2: ["parallel.nproc=2", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=1"],
+    4: ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=2"],
+}
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_state_bytes")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: a second thread only contends with whatever else runs on the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_run_info(overrides: list[str], cache: str) -> None:
+    """One rank: set up the trainer exactly as `optimus train` does and write run_info.json (no steps)."""
+    os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
+    trainer = Trainer(load_config(overrides))
+    try:
+        trainer.write_run_info()
+    finally:
+        trainer.loader.close()
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_plan_matches_measured_state_bytes(tmp_path, corpus_file, world):
+    run_dir = tmp_path / "run"
+    overrides = [*RUN, f"data.path={corpus_file}", f"run.dir={run_dir}", *LAYOUTS[world]]
+    if world == 1:
+        write_run_info(overrides, os.environ["OPTIMUS_CACHE"])
+    else:  # real gloo ranks with expert parallelism and the sharded optimizer
+        run_distributed(write_run_info, world, overrides, os.environ["OPTIMUS_CACHE"])
+    measured = json.loads((run_dir / "run_info.json").read_text())["per_rank"]
+    cfg = load_config(overrides)
+    plan = make_plan(cfg, world)
+    predicted = plan.state[cfg.optim.sharding]
+    assert len(measured) == world
+    for rank_bytes in measured:
+        for key in STATE_KEYS:
+            assert abs(predicted[key] - rank_bytes[key]) <= 0.01 * rank_bytes[key], (world, key, rank_bytes)
+
+
+SMALL = ModelConfig(
+    n_layers=3, dim=64, n_heads=4, n_kv_heads=2, vocab_size=500, ffn_dim=96, first_k_dense=1,
+    moe=MoEConfig(n_experts=8, top_k=2, expert_dim=48, n_shared_experts=1),
+)  # fmt: skip
+
+
+def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
+    model = Transformer(SMALL, kernels="torch").to(dtype)
+    for moe in model.moe_layers:
+        shard_experts(moe, ps.ep, ps.ep_rank)
+    return model
+
+
+@pytest.mark.parametrize("world,ep", [(4, 2), (12, 4)])
+@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
+@pytest.mark.parametrize("dtype,param_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_state_bytes_equal_the_sharded_optimizer(world, ep, scheme, dtype, param_bytes, zero):
+    """Every rank of many layouts, built in one process (building the optimizer runs no collective)."""
+    counts = count_params_of_config(SMALL)
+    predicted = state_bytes(scheme, counts.dense, counts.expert // ep, world, ep, param_bytes, zero)
+    for rank in (0, world - 1):
+        ps = ParallelState(rank=rank, world_size=world, ep=ep)
+        measured = ShardedAdamW(rank_model(ps, dtype), OptimConfig(zero=zero), ps, 1.0, scheme).memory_bytes()
+        assert {k: measured[k] for k in (*STATE_KEYS, "padding_bytes")} == {
+            k: getattr(predicted, k) for k in (*STATE_KEYS, "padding_bytes")
+        }
+
+
+def test_state_bytes_scale_as_documented():
+    """Without padding (sizes divisible by everything): the per-parameter byte counts of the docstring."""
+    dense, expert, world, ep = 2**20, 2**22, 8, 4
+    local = dense + expert // ep
+    none = state_bytes("none", dense, expert // ep, world, ep, 4)
+    assert (none.param_bytes, none.grad_bytes, none.optim_state_bytes) == (4 * local, 4 * local, 8 * local)
+    ep_aware = state_bytes("ep_aware", dense, expert // ep, world, ep, 2, zero=2)
+    assert ep_aware.grad_bytes == 2 * (dense + expert) // world
+    assert ep_aware.optim_state_bytes == 12 * (dense + expert) // world
+    standard = state_bytes("standard", dense, expert // ep, world, ep, 4, zero=1)
+    assert standard.optim_state_bytes == 8 * (dense // (world // ep) + expert // world)
+    assert standard.grad_bytes == 4 * local + 4 * (dense // (world // ep) + expert // world)
+
+
+def test_activation_bytes_by_hand():
+    t, a = 2 * 16, 2  # micro_batch 2, seq_len 16, bf16
+    d, d_kv, k, f, fs, e, ffn, v = 64, 32, 2, 48, 48, 8, 96, 512  # vocab 500 pads to 512
+    attn = 7 * d + 4 * d_kv
+    moe_layer = t * ((attn + 2 * d + k * (2 * d + 3 * f) + 3 * fs) * a + 8 * e)
+    dense_layer = t * (attn + 2 * d + 3 * ffn) * a
+    head = t * (2 * d * a + v * (a + 8))
+    assert activation_bytes(SMALL, 2, 16, a, False) == 2 * moe_layer + dense_layer + head
+    assert activation_bytes(SMALL, 2, 16, a, True) == 3 * t * d * a + max(moe_layer, dense_layer) + head
+
+
+def test_flops_and_fit(tmp_path):
+    cfg = load_config([*TINY_MODEL, "machine.memory_gb=0.01", "train.dtype=fp32"])
+    counts = count_params(Transformer(cfg.model, kernels="torch"), cfg.model)
+    plan = make_plan(cfg, 1)
+    per_step = flops_per_token(counts, cfg.model, cfg.train.seq_len) * cfg.train.global_batch * cfg.train.seq_len
+    assert plan.flops["per_step"] == pytest.approx(per_step)
+    total = plan.memory["total_no_checkpointing"]
+    assert total == sum(plan.state["none"][k] for k in STATE_KEYS) + plan.activations["no_checkpointing"]
+    assert plan.memory["fits_no_checkpointing"] == (total <= 0.01 * 2**30)
+    roomy = make_plan(load_config([*TINY_MODEL, "machine.memory_gb=64"]), 1)
+    assert roomy.memory["fits_no_checkpointing"] and roomy.memory["fits_checkpointing"]
+
+
+def test_plan_cli(capsys):
+    args = ["parallel.ep=2", "optim.sharding=ep_aware", "train.micro_batch=4", "--world", "4", "--json"]
+    assert main(["plan", *TINY_MODEL, *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["world"], out["dp"], out["ep"], out["sharding"]) == (4, 2, 2, "ep_aware")
+    assert main(["plan", *TINY_MODEL, "--nodes", "2"]) == 2  # machine=local has no ranks_per_node
+    assert "--world" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        make_plan(load_config([*TINY_MODEL, "parallel.ep=3", "train.micro_batch=1", "train.global_batch=6"]), 6)

@@ -1,0 +1,36 @@
+"""Experiment recipes compose to the published Aurora layouts; pipeline layouts refuse to run."""
+
+import pytest
+
+from optimus.cli import load_config
+from optimus.config import ConfigError, validate
+
+AURORA_TILES = 256 * 12
+
+
+@pytest.mark.parametrize(
+    "experiment, model, ep",
+    [("aurora-mula-7b-a1b", "mula-7b-a1b", 1), ("aurora-mula-20b-a2b", "mula-20b-a2b", 12)],
+)
+def test_runnable_experiments_validate_at_3072_tiles(experiment, model, ep):
+    cfg = load_config([f"experiment={experiment}"])
+    validate(cfg, AURORA_TILES)
+    assert (cfg.model.name, cfg.machine.name, cfg.parallel.ep) == (model, "aurora", ep)
+    assert (cfg.train.seq_len, cfg.train.global_batch) == (2048, 3072)
+    o = cfg.optim
+    assert (o.lr, o.lr * o.min_lr_ratio, o.warmup_steps, o.weight_decay, o.beta1, o.beta2) == pytest.approx(
+        (4e-4, 4e-5, 2500, 0.1, 0.9, 0.95)
+    )
+
+
+@pytest.mark.parametrize("experiment, pp", [("aurora-mula-100b-a7b", 4), ("aurora-mula-220b-a10b", 8)])
+def test_pipeline_experiments_say_they_need_pipeline_parallelism(experiment, pp):
+    cfg = load_config([f"experiment={experiment}"])
+    assert cfg.parallel.pp == pp and cfg.parallel.ep == 12
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        validate(cfg, AURORA_TILES)
+
+
+def test_overrides_apply_on_top_of_an_experiment():
+    cfg = load_config(["experiment=aurora-mula-20b-a2b", "parallel.ep=6", "train.steps=10"])
+    assert cfg.parallel.ep == 6 and cfg.train.steps == 10 and cfg.model.name == "mula-20b-a2b"

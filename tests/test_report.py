@@ -1,0 +1,136 @@
+"""`optimus report` on hand-written run directories whose answers are known, and its refusals."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from optimus.cli import main
+from optimus.config import OptimusConfig
+from optimus.report import ReportError, build_report
+
+SEQ_LEN = 100
+
+
+def make_run(root, name, world, ep, global_batch, step_times, *, timers=None, config=None, device="Test GPU",
+             peak=1e12, flops_per_token=1e6, legacy=False):  # fmt: skip
+    """A run directory as `optimus train` writes it; `legacy` logs tokens_per_s only (no step_time_s)."""
+    run = root / name
+    run.mkdir()
+    cfg = OmegaConf.to_container(OmegaConf.structured(OptimusConfig()))
+    cfg["train"].update(global_batch=global_batch, seq_len=SEQ_LEN)
+    cfg["parallel"].update(nproc=world, ep=ep)
+    cfg["run"]["dir"] = str(run)
+    for key, value in (config or {}).items():
+        section, field = key.split(".")
+        cfg[section][field] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    tokens = global_batch * SEQ_LEN
+    info = {
+        "flops_per_token": flops_per_token,
+        "layout": {"world": world, "dp": world // ep, "ep": ep, "accum": 1},
+        "device": {"type": "cuda", "name": device, "backend": "nccl", "peak_flops": peak},
+        "kernels": "torch",
+        "tokens_per_step": tokens,
+        "per_rank": [],
+    }
+    (run / "run_info.json").write_text(json.dumps(info))
+    lines = []
+    for step, t in enumerate(step_times, start=1):
+        record = {"step": step, "loss": 1.0, "tokens": step * tokens, "tokens_per_s": tokens / t}
+        if not legacy:
+            record["step_time_s"] = t
+        record.update(timers[step - 1] if timers else {})
+        lines.append(json.dumps(record))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_single_run_arithmetic(tmp_path):
+    # Step 1 (10 s) is warm-up; measured: 1, 2, 3, 4 s of 10 x 100 = 1000 tokens each.
+    run = make_run(tmp_path, "a", 1, 1, 10, [10.0, 1.0, 2.0, 3.0, 4.0], peak=1e9)
+    (row,) = build_report([run], tmp_path / "out", mode="strong", warmup_steps=1)
+    assert row["steps_measured"] == 4
+    assert row["tokens_per_s"] == pytest.approx(4000 / 10)
+    assert row["tokens_per_s_per_device"] == pytest.approx(400)
+    assert row["tflops_per_device"] == pytest.approx(400 * 1e6 / 1e12)
+    assert row["mfu"] == pytest.approx(400 * 1e6 / 1e9)
+    assert row["step_time_mean_s"] == pytest.approx(2.5)
+    assert row["step_time_std_s"] == pytest.approx(math.sqrt(5 / 3))  # sample std of 1, 2, 3, 4
+    assert row["step_time_p50_s"] == pytest.approx(2.5)
+    assert row["step_time_p90_s"] == pytest.approx(3.7)  # 3 + 0.7 x (4 - 3)
+    assert row["efficiency"] == pytest.approx(1.0) and row["breakdown_s"] == {}
+
+
+def test_strong_scaling_efficiency(tmp_path):
+    base = make_run(tmp_path, "n1", 1, 1, 16, [9.0, 2.0, 2.0, 2.0])
+    two = make_run(tmp_path, "n2", 2, 2, 16, [9.0, 1.25, 1.25, 1.25])
+    four = make_run(tmp_path, "n4", 4, 2, 16, [9.0, 0.8, 0.8, 0.8], legacy=True)  # from tokens_per_s
+    rows = build_report([four, base, two], tmp_path / "out", warmup_steps=1)  # auto: equal global batch -> strong
+    assert [r["devices"] for r in rows] == [1, 2, 4]
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 2.0 / 1.25, 2.0 / 0.8])
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 2.0 / (1.25 * 2), 2.0 / (0.8 * 4)])
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["mode"] == "strong"
+
+
+def test_weak_scaling_efficiency_and_outputs(tmp_path):
+    phases = {"time_forward_s": 0.5, "time_dispatch_comm_s": 0.25, "time_backward_s": 1.0}
+    base = make_run(tmp_path, "n1", 1, 1, 8, [5.0, 2.0, 2.0], timers=[phases] * 3)
+    two = make_run(tmp_path, "n2", 2, 2, 16, [5.0, 2.5, 2.5], timers=[phases] * 3)
+    rows = build_report([base, two], tmp_path / "out", warmup_steps=1)  # auto: growing batch -> weak
+    # tokens/s per device: 800 / 2 s = 400 and 1600 / 2.5 s / 2 = 320.
+    assert [r["tokens_per_s_per_device"] for r in rows] == pytest.approx([400, 320])
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 0.8])
+    assert rows[1]["breakdown_s"] == pytest.approx(
+        {"forward": 0.5, "dispatch_comm": 0.25, "backward": 1.0, "other": 2.5 - 1.75}
+    )
+    out = tmp_path / "out"
+    for name in ("report.md", "report.csv", "report.json", "efficiency.png", "throughput.png", "breakdown.png"):
+        assert (out / name).stat().st_size > 0, name
+    table = list(csv.DictReader(open(out / "report.csv")))
+    assert [float(r["efficiency"]) for r in table] == pytest.approx([1.0, 0.8])
+    assert float(table[1]["time_other_s"]) == pytest.approx(0.75)
+    assert "Weak scaling" in (out / "report.md").read_text()
+
+
+def test_runs_may_differ_in_ignored_and_allowed_keys(tmp_path):
+    a = make_run(
+        tmp_path, "a", 2, 1, 16, [1.0, 1.0, 1.0], config={"logging.wandb": True, "parallel.dispatcher": "allgather"}
+    )
+    b = make_run(tmp_path, "b", 2, 2, 16, [1.0, 1.0, 1.0], config={"checkpoint.keep": 7, "profile.timers": True})
+    assert len(build_report([a, b], tmp_path / "out", mode="strong")) == 2
+
+
+@pytest.mark.parametrize(
+    "mode,other,words",
+    [
+        ("strong", dict(global_batch=32), "train.global_batch"),
+        ("weak", dict(global_batch=32, config={"model.dim": 512}), "model.dim"),
+        ("weak", dict(global_batch=64), "batches per device"),
+        ("strong", dict(config={"optim.sharding": "standard"}), "optim.sharding"),
+        ("strong", dict(device="Other GPU"), "device.name"),
+    ],
+)
+def test_mismatched_runs_are_refused(tmp_path, mode, other, words):
+    a = make_run(tmp_path, "a", 1, 1, 16, [1.0, 1.0, 1.0])
+    kwargs = {"global_batch": 16 if mode == "strong" else 32, **other}
+    b = make_run(tmp_path, "b", 2, 2, kwargs.pop("global_batch"), [1.0, 1.0, 1.0], **kwargs)
+    with pytest.raises(ReportError, match=words) as err:
+        build_report([a, b], tmp_path / "out", mode=mode)
+    message = str(err.value)
+    assert str(a) in message and str(b) in message and message.count(". ") == 0  # one sentence
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    a = make_run(tmp_path, "a", 1, 1, 16, [1.0, 1.0])
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(a), str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    assert "has no config.yaml" in capsys.readouterr().err
+    assert main(["report", str(a), "--out", str(tmp_path / "out"), "--warmup-steps", "2"]) == 2
+    assert "none is left after --warmup-steps 2" in capsys.readouterr().err
+    assert main(["report", str(a), "--out", str(tmp_path / "out"), "--warmup-steps", "1"]) == 0
