@@ -197,10 +197,11 @@ COLUMNS = [  # (header, width, format of one row)
 
 
 def print_table(rows: list[dict]) -> None:
-    head = " ".join(f"{name:>{width}}" for name, width, _ in COLUMNS)
+    align = ["<"] + [">"] * (len(COLUMNS) - 1)  # names left, numbers right
+    head = " ".join(f"{name:{a}{width}}" for (name, width, _), a in zip(COLUMNS, align))
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        print(" ".join(f"{fmt(r):>{width}}" for _, width, fmt in COLUMNS))
+        print(" ".join(f"{fmt(r):{a}{width}}" for (_, width, fmt), a in zip(COLUMNS, align)))
 
 
 def main() -> None:

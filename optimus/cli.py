@@ -22,6 +22,7 @@ Commands:
   train [overrides]     train a model from a Hydra recipe (default: the tiny model on the built-in corpus)
   data prepare|tokenizer  tokenise a corpus into token shards, or train a tokenizer
   launch                render (and submit) a PBS or SLURM job script for a recipe
+  checkpoint export CKPT --out PATH  consolidate a sharded checkpoint into one safetensors file
   report RUN_DIR...     scaling-efficiency report (throughput, MFU, step-time breakdown) of a series of runs
   plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
 
@@ -109,12 +110,14 @@ def _worker(cfg: OptimusConfig) -> dict:
     import torch.distributed as dist
 
     from optimus.launch import discover, init_process_group
-    from optimus.platform import detect_platform
+    from optimus.platform import detect_platform, share_cpu_threads
     from optimus.train.trainer import train
 
     info = discover()
+    platform = detect_platform(cfg.machine, info.local_rank)
+    if platform.device_type == "cpu":
+        share_cpu_threads(info.local_world_size)
     if info.world_size > 1:
-        platform = detect_platform(cfg.machine, info.local_rank)
         init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
     try:
         return train(cfg, info.local_rank)
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             from optimus.jobs import main as launch_main
 
             return launch_main(rest)
+        if command == "checkpoint":
+            from optimus.checkpoint_cli import main as checkpoint_main
+
+            return checkpoint_main(rest)
         if command == "report":
             from optimus.report.cli import main as report_main
 

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from optimus.config import ConfigError, ModelConfig, OptimusConfig, validate
 from optimus.model import ParamCounts, count_params_of_config, flops_per_token, padded_vocab_size
+from optimus.optim import resolve_sharding
 
 ALIGN_BYTES = 128  # the sharded optimizer aligns each rank's slice of a bucket to 128 bytes
 SCHEMES = ("none", "standard", "ep_aware")
@@ -161,7 +162,8 @@ def make_plan(cfg: OptimusConfig, world: int, param_dtype: str = "fp32", counts:
         "peak_per_device": peak,
         "step_time_at_peak_s": per_step / world / peak if peak else None,
     }
-    chosen = sum(state[cfg.optim.sharding][k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes"))
+    sharding = resolve_sharding(cfg.optim.sharding, world)
+    chosen = sum(state[sharding][k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes"))
     device = cfg.machine.memory_gb * GIB if cfg.machine.memory_gb else None
     memory = {"device_bytes": device}
     for key in ("no_checkpointing", "checkpointing"):
@@ -169,7 +171,7 @@ def make_plan(cfg: OptimusConfig, world: int, param_dtype: str = "fp32", counts:
         memory[f"total_{key}"] = total
         memory[f"fits_{key}"] = None if device is None else total <= device
     return Plan(
-        m.name, world, world // ep, ep, cfg.optim.sharding, cfg.optim.zero, param_dtype, compute,
+        m.name, world, world // ep, ep, sharding, cfg.optim.zero, param_dtype, compute,
         counts.as_dict(), state, act, flops, memory,
     )  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import platform as _pyplatform
 import time
 from dataclasses import dataclass
@@ -230,3 +231,16 @@ def set_device(platform: Platform) -> None:
     api = _api(platform)
     if api is not None:
         api.set_device(platform.device)
+
+
+def share_cpu_threads(local_world_size: int) -> int:
+    """Give each of the ranks on this host an equal share of its cores (unless OMP_NUM_THREADS says otherwise).
+
+    PyTorch starts one intra-op thread per core in every process; several ranks on
+    one host would then oversubscribe the cores, and spinning OpenMP threads make a
+    small matmul hundreds of times slower. Returns the thread count in effect.
+    """
+    if "OMP_NUM_THREADS" not in os.environ and local_world_size > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world_size))
+    return torch.get_num_threads()

@@ -58,7 +58,7 @@ def test_expert_path_fp32_matches_reference(top_k, grouped, monkeypatch):
 def test_unaligned_shapes_use_the_loop_and_match():
     # D=6, F=5 in fp32: 24- and 40-byte row strides, which _grouped_mm rejects.
     leaves, token_idx_A, offsets_E = make_problem(11, 6, 5, 4, 2, empty_experts=(0,))
-    assert not torch_backend._use_grouped(leaves[0], leaves[1])
+    assert not torch_backend._use_grouped(4, leaves[0], leaves[1])
     got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
     want = value_and_grads(reference, leaves, token_idx_A, offsets_E)
     for name, g, w in zip(NAMES, got, want):

@@ -149,3 +149,21 @@ def test_machine_recipes_match_the_schema(name):
         device_name = {"aurora": "Intel(R) Data Center GPU Max 1550", "frontier": "AMD Instinct MI250X"}[name]
         assert machine.peak_flops == plat.lookup_peak_flops(device_name)
         assert machine.memory_gb == 64
+
+
+def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
+    import torch
+
+    from optimus.platform import share_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    try:
+        assert share_cpu_threads(4) == 2
+        assert share_cpu_threads(16) == 1  # never below one thread
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(5)
+        assert share_cpu_threads(4) == 5  # the user's setting wins
+    finally:
+        torch.set_num_threads(before)

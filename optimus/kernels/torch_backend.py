@@ -35,16 +35,23 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _use_grouped(*tensors: torch.Tensor) -> bool:
+# On CPUs the per-expert mm loop measured faster than _grouped_mm with many small experts
+# (benchmarks/moe_layer.py S2: 64 experts, ~1.9x) and level with it at 8 (S1).
+_CPU_GROUPED_MAX_EXPERTS = 16
+
+
+def _use_grouped(n_experts: int, *tensors: torch.Tensor) -> bool:
     # CUDA's _grouped_mm only takes bf16; everywhere else fall back to the loop on doubt.
     if not _HAS_GROUPED_MM or not _aligned(*tensors):
         return False
-    return tensors[0].device.type == "cpu" or tensors[0].dtype == torch.bfloat16
+    if tensors[0].device.type == "cpu":
+        return n_experts <= _CPU_GROUPED_MAX_EXPERTS
+    return tensors[0].dtype == torch.bfloat16
 
 
 def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]  -> [A, N]. `bounds` = [0] + offsets as Python ints."""
-    if _use_grouped(x_AK, w_EKN):
+    if _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
         return torch._grouped_mm(x_AK, w_EKN, offsets_E)
     y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
     for e in range(w_EKN.shape[0]):
@@ -57,7 +64,7 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
 def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """dw[e] = x[rows of e]^T @ g[rows of e]  -> [E, K, N]; zero for experts without rows."""
     x_KA = x_AK.t()
-    if _use_grouped(x_KA, g_AN):
+    if _use_grouped(offsets_E.shape[0], x_KA, g_AN):
         return torch._grouped_mm(x_KA, g_AN, offsets_E)
     n_experts = offsets_E.shape[0]
     dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])

@@ -48,9 +48,13 @@ class ReplicatedAdamW:
     def _average_grads(self) -> None:
         ps = self.ps
         for params, group in ((self.dense_params, ps.world_group), (self.expert_params, ps.edp_group)):
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
+            if not params:
                 continue
+            # A parameter unused on this rank still joins the all-reduce (as zeros): sizes must match across ranks.
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             flat /= ps.world_size

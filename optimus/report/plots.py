@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from optimus.report.summary import phase_order  # noqa: E402
+
 
 def _label(row: dict) -> str:
     return f"{row['devices']}\n(dp{row['dp']} ep{row['ep']})"
@@ -49,9 +51,7 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
 
 def plot_breakdown(rows: list[dict], path: Path) -> bool:
     """Stacked mean step time per phase, one bar per run; False (no file) when no run has timers."""
-    phases = []
-    for r in rows:
-        phases += [p for p in r["breakdown_s"] if p not in phases]
+    phases = phase_order(rows)
     if not phases:
         return False
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(rows), 4))

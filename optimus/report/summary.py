@@ -78,6 +78,13 @@ def summarize_run(run: Run, warmup_steps: int) -> dict:
     }
 
 
+def phase_order(rows: list[dict]) -> list[str]:
+    """Phases that any row timed, in the order a step runs them; unknown phases after, `other` last."""
+    seen = {p for r in rows for p in r["breakdown_s"]}
+    known = [p for p in PHASES if p in seen]
+    return known + sorted(seen - set(known) - {"other"}) + (["other"] if "other" in seen else [])
+
+
 def add_efficiency(summaries: list[dict], mode: str) -> list[dict]:
     """Sort by device count and add `efficiency` (and `speedup` for strong scaling) relative to the smallest run."""
     rows = sorted(summaries, key=lambda s: (s["devices"], s["ep"]))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from optimus.report.plots import plot_breakdown, plot_efficiency, plot_throughput
+from optimus.report.summary import phase_order
 
 COLUMNS = (
     "run", "devices", "dp", "ep", "global_batch", "steps_measured", "tokens_per_s", "tokens_per_s_per_device",
@@ -41,9 +42,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def breakdown_table(rows: list[dict]) -> tuple[list[str], list[list[str]]] | None:
-    phases = []
-    for r in rows:
-        phases += [p for p in r["breakdown_s"] if p not in phases]
+    phases = phase_order(rows)
     if not phases:
         return None
     header = ["devices", "dp x ep", *phases, "step"]
@@ -85,9 +84,7 @@ def write_markdown(rows: list[dict], mode: str, warmup: int, notes: list[str], p
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    phases = []
-    for r in rows:
-        phases += [p for p in r["breakdown_s"] if p not in phases]
+    phases = phase_order(rows)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([*COLUMNS, *(f"time_{p}_s" for p in phases)])

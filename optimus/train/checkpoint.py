@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,8 @@ from optimus.train.checkpoint_state import (
 )
 
 log = logging.getLogger("optimus.checkpoint")
+# A single process saves and loads with no_dist=True on purpose; DCP would still warn at every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 LATEST = "latest"
 META = "meta.json"
@@ -223,7 +226,7 @@ class Checkpointer:
     # ---- which checkpoint a run starts from ---------------------------------------------------
 
     def start_point(self) -> tuple[str, list[Path]]:
-        """("resume", [newest first]) from checkpoint.dir; else checkpoint.load as ("resume" | "weights",
+        """("resume", [newest first]) from checkpoint.dir; else checkpoint.load as ("load" | "weights",
         [path]); else ("fresh", []). A run's own checkpoints win, so a requeued job resumes itself."""
 
         def decide():
@@ -253,9 +256,11 @@ class Checkpointer:
             ).get_rng_state()
         return sd
 
-    def save(self, step: int, state: dict[str, torch.Tensor], block: bool = False) -> None:
+    def save(self, step: int, state: dict[str, torch.Tensor], block: bool = False, started: float | None = None):
         """Write `state` for `step`; with checkpoint.async_save (and not `block`) the writing runs in the
-        background after a copy to CPU memory, and is published by a later poll()."""
+        background after a copy to CPU memory, and is published by a later poll(). `started`: when the
+        caller began collecting `state` (perf_counter), for the reported cost."""
+        started = time.perf_counter() if started is None else started
         self.wait()  # one save in flight at a time
         tmp = self.root / (step_dir_name(step) + TMP_SUFFIX)
         if self.ps.is_main:
@@ -264,7 +269,6 @@ class Checkpointer:
         self._barrier()  # every rank sees the fresh directory before writing into it
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
         no_dist = self.group is None
-        started = time.perf_counter()
         self.last_saved_step = step
         if self.cfg.checkpoint.async_save and not block:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
@@ -305,6 +309,7 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         if final.exists():  # saved again after resuming from an older checkpoint
             old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
@@ -314,9 +319,12 @@ class Checkpointer:
         self._retain(final)
 
     def _retain(self, newest: Path) -> None:
-        keep = published(self.root)[-self.cfg.checkpoint.keep :]
+        """Keep the `keep` newest up to `newest`; newer ones belong to a timeline this run abandoned
+        (it resumed from an older checkpoint because they could not be loaded)."""
+        history = [p for p in published(self.root) if _step_of(p) <= _step_of(newest)]
+        keep = set(history[-self.cfg.checkpoint.keep :])
         for path in published(self.root):
-            if path not in keep and path != newest:
+            if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
@@ -380,6 +388,7 @@ class Checkpointer:
         """Restore everything from the first loadable of `paths`; an unloadable one is skipped with a
         warning (or, when the user named it with checkpoint.load, is an error)."""
         for path in paths:
+            started = time.perf_counter()
             problem, metadata = self._inspect(path)
             if problem is None:
                 targets = self._model_targets(model, metadata, path)
@@ -389,7 +398,12 @@ class Checkpointer:
                     targets.update({f"{r.key}/{k}": t for r, tensors in shards.items() for k, t in tensors.items()})
                     problem = self._read(path, targets)
             if problem is None:
-                return self._apply(path, targets, shards, model, optimizer, loader)
+                restored = self._apply(path, targets, shards, model, optimizer, loader)
+                if self.ps.is_main:
+                    log.warning(
+                        f"Resuming from {path} (step {restored.step}; read in {time.perf_counter() - started:.2f} s)."
+                    )
+                return restored
             if explicit:
                 raise ConfigError(f"checkpoint.load={path} cannot be loaded: {problem}; give another checkpoint.")
             if self.ps.is_main:
@@ -439,8 +453,6 @@ class Checkpointer:
         if same_world and self.device_type != "cpu" and device_key in targets:
             torch.get_device_module(self.device_type).set_rng_state(targets[device_key])
         self.last_saved_step = step
-        if self.ps.is_main:
-            log.warning(f"Resuming from {path} (step {step}).")
         return Restored(path, step, samples, int(targets.get("trainer/skipped_in_row", torch.tensor(0))))
 
     # ---- cadence -----------------------------------------------------------------------------

@@ -166,12 +166,12 @@ def load_optimizer_state(
     optimizer, model: torch.nn.Module, step: int, shards: dict[SavedRange, dict[str, torch.Tensor]]
 ) -> None:
     """Fill this rank's optimizer state from the loaded shards (each {kind: flat tensor of r.hi - r.lo})."""
+    if not shards:
+        return  # saved before the first update by torch's AdamW: the fresh state is the saved one
     if isinstance(optimizer, ShardedAdamW):
         entries = {r.key: {"name": r.name, "lo": r.lo, "hi": r.hi, **tensors} for r, tensors in shards.items()}
         optimizer.load_state_dict({"step": step, "scheme": optimizer.scheme, "shards": entries})
         return
-    if step == 0:
-        return  # torch's AdamW creates its state at the first update
     offsets = expert_offsets(model)
     for name, p in _replicated_named_params(optimizer, model):
         lo, hi = _global_range(name, p, offsets)

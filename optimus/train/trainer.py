@@ -26,9 +26,17 @@ from optimus.model import Transformer, count_params, flops_per_token
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
 from optimus.platform import Platform, detect_platform, peak_flops_per_device, synchronize
+from optimus.train.checkpoint import Checkpointer
+from optimus.train.faults import (
+    StopSignal,
+    discard_gradients,
+    pack_step_flags,
+    too_many_skipped_message,
+    unpack_step_flags,
+)
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import resolve_dtype
-from optimus.train.run_dir import resolve_run_dir
+from optimus.train.run_dir import resolve_run_dir, truncate_metrics
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
@@ -68,10 +76,6 @@ class Trainer:
         self.ps: ParallelState = build_parallel_state(cfg.parallel.ep, cfg.parallel.timeout_s)
         validate(cfg, self.ps.world_size)
         cfg.train.dtype = resolve_dtype(cfg.train.dtype, self.platform.device_type)  # recorded in config.yaml
-        if cfg.checkpoint.interval > 0:
-            raise ConfigError(
-                "checkpoint.interval > 0: checkpointing is not available in this version; set checkpoint.interval=0."
-            )
         self.accum = grad_accum_steps(cfg, self.ps.world_size)
         self.run_dir = resolve_run_dir(cfg, self.ps)
         self.device = self.platform.device
@@ -83,6 +87,12 @@ class Trainer:
                 f"set model.vocab_size >= {self.data.vocab_size}."
             )
         self.model = self._build_model()
+        # Where the run starts: its own latest checkpoint, else checkpoint.load. Weights-only loads come
+        # before the optimizer is built, since it takes its own copy of the parameters.
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.ps, self.platform.device_type)
+        start_mode, start_paths = self.checkpointer.start_point()
+        if start_mode == "weights":
+            self.checkpointer.load_weights(start_paths[0], self.model)
         self.param_counts = count_params(self.model, cfg.model)
         self.flops_per_token = flops_per_token(self.param_counts, cfg.model, cfg.train.seq_len)
         # On a CPU the peak is a matmul probe in the dtype the run computes in.
@@ -111,7 +121,18 @@ class Trainer:
             for b in eval_batches(self.data.val, t.eval_batches, t.micro_batch, self.ps.rank, self.ps.world_size)
         ]
         self.step = 0
-        self.tokens_seen = 0
+        self.skipped_in_row = 0
+        self.stop_signal = StopSignal()
+        self.stop_agreed = False
+        if start_mode in ("resume", "load"):
+            restored = self.checkpointer.resume(
+                start_paths, start_mode == "load", self.model, self.optimizer, self.loader
+            )
+            if restored is not None:
+                self.step, self.skipped_in_row = restored.step, restored.skipped_in_row
+        self.tokens_seen = self.step * t.global_batch * t.seq_len
+        if self.ps.is_main:
+            truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
     def _build_model(self) -> Transformer:
         cfg = self.cfg
@@ -144,25 +165,36 @@ class Trainer:
             sums_4 += torch.stack([loss.detach(), lm_loss.detach(), out.aux_loss.detach(), out.z_loss.detach()])
             if out.tokens_per_expert_LE is not None:
                 counts_LE = out.tokens_per_expert_LE if counts_LE is None else counts_LE + out.tokens_per_expert_LE
+        # One reduction agrees on the losses, on which ranks saw a non-finite loss, and on a stop signal.
+        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested)
         if ps.is_distributed:
-            dist.all_reduce(sums_4)
+            dist.all_reduce(flags)
             if counts_LE is not None:
                 dist.all_reduce(counts_LE)
-        means = (sums_4 / (self.accum * ps.world_size)).tolist()
+        agreed = unpack_step_flags(flags, self.accum * ps.world_size)
+        self.stop_agreed = agreed.stop
+        means = agreed.means
 
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         with timers("optimizer"):
-            grad_norm = self.optimizer.step(lr)
-            self.optimizer.zero_grad()
-        skipped = not math.isfinite(grad_norm)
+            if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
+                discard_gradients(self.optimizer)
+                grad_norm = float("nan")
+            else:
+                grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
+                self.optimizer.zero_grad()
+        skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
             for router_counts_E, moe in zip(counts_LE, self.model.moe_layers):
                 moe.router.update_bias(router_counts_E, cfg.model.moe.bias_update_rate)
-        return {
+        record = {
             "loss": means[0], "lm_loss": means[1], "aux_loss": means[2], "z_loss": means[3],
             "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "expert_load_imbalance": expert_load_imbalance(counts_LE),
         }  # fmt: skip
+        if agreed.nonfinite_ranks:
+            record["nonfinite_ranks"] = agreed.nonfinite_ranks
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -213,8 +245,8 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, disable=not (ps.is_main and cfg.logging.progress), dynamic_ncols=True)
         summary = {"first_val_loss": self.evaluate()}
         self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
-        skipped_in_row = 0
         trace = self.trace
+        self.stop_signal.install()
         try:
             while self.step < cfg.train.steps:
                 trace.before_step(self.step + 1)
@@ -230,11 +262,15 @@ class Trainer:
                 record.update(
                     throughput(tokens_per_step, elapsed, self.flops_per_token, ps.world_size, self.peak_flops)
                 )
-                skipped_in_row = skipped_in_row + 1 if record["skipped"] else 0
-                if skipped_in_row > cfg.train.max_skipped_steps:
+                self.skipped_in_row = self.skipped_in_row + 1 if record["skipped"] else 0
+                if self.skipped_in_row > cfg.train.max_skipped_steps:
                     raise RuntimeError(
-                        f"{skipped_in_row} steps in a row had a non-finite gradient norm: "
-                        "lower optim.lr or check the data."
+                        too_many_skipped_message(
+                            self.skipped_in_row,
+                            cfg.train.max_skipped_steps,
+                            record.get("nonfinite_ranks", []),
+                            ps.world_size,
+                        )
                     )
                 if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                     record["val_loss"] = summary["last_val_loss"] = self.evaluate()
@@ -244,13 +280,46 @@ class Trainer:
                 if self.step % cfg.train.log_interval == 0 or "val_loss" in record:
                     line = console_line(record, cfg.train.steps)
                     self._print(line + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""), bar)
+                if self._checkpoint_boundary(bar):
+                    summary["stopped_by"] = self.stop_signal.received or "a stop signal on another rank"
+                    break
+            self.checkpointer.close()  # waits for a background save
+            self._report_checkpoint(bar)
         finally:
+            self.stop_signal.restore()
             trace.close()
             bar.close()
             metrics.close()
             self.loader.close()
         summary.update(steps=self.step, run_dir=str(self.run_dir))
         return summary
+
+    # ---- checkpoints ----------------------------------------------------------
+
+    def save_checkpoint(self, block: bool = False) -> None:
+        started = time.perf_counter()
+        state = self.checkpointer.state(self.step, self.model, self.optimizer, self.loader, self.skipped_in_row)
+        self.checkpointer.save(self.step, state, block=block, started=started)
+
+    def _checkpoint_boundary(self, bar: tqdm) -> bool:
+        """Publish finished background saves, save when due; True when the ranks agreed to stop."""
+        self.checkpointer.poll()
+        if self.stop_agreed or self.checkpointer.due(self.step, self.cfg.train.steps):
+            self.save_checkpoint(block=self.stop_agreed)  # a stopping job must not exit mid-write
+        self._report_checkpoint(bar)
+        if self.stop_agreed:
+            root = self.checkpointer.root
+            self._print(f"Stop signal: saved step {self.step} in {root}; run the same command again to resume.", bar)
+        return self.stop_agreed
+
+    def _report_checkpoint(self, bar: tqdm) -> None:
+        saved, self.checkpointer.last_save = self.checkpointer.last_save, None
+        if saved:
+            self._print(
+                f"checkpoint step {saved['step']}: {saved['bytes'] / 2**20:.1f} MiB in {saved['seconds']:.2f} s "
+                f"({saved['blocking_seconds']:.2f} s blocking training)",
+                bar,
+            )
 
     def _print(self, line: str, bar: tqdm) -> None:
         if self.ps.is_main:

@@ -1,0 +1,105 @@
+"""Resharding: a checkpoint written by world 4 (EP 2, EP-aware sharded optimizer) continues the same
+trajectory under other layouts and optimizer schemes (relative 1e-5 in fp32).
+
+The reference run saves at step 2 (in the background: checkpoint.async_save) and goes
+on to step 4; each other layout starts from its step-2 checkpoint (checkpoint.load) and
+must reproduce steps 3-4: losses, gradient norms, and the final parameters (compared
+through the export's consolidation). The standard scheme with EP 2 writes its dense
+optimizer shards from both EP ranks under the same keys (DCP keeps one).
+The sigmoid router makes the router biases (model buffers) part of what must carry over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from optimus.checkpoint_cli import consolidated_state
+from tests.conftest import TINY_MODEL
+from tests.distributed import run_distributed
+
+COMMON = [
+    *TINY_MODEL,
+    "model.dim=32",
+    "model.moe.expert_dim=32",
+    "model.moe.router=sigmoid",
+    "model.moe.bias_update_rate=0.01",
+    "train.dtype=fp32",
+    "kernels=torch",
+    "logging.progress=false",
+    "train.steps=4",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.eval_batches=4",
+    "train.eval_interval=100",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "parallel.timeout_s=60",
+    "checkpoint.interval=2",
+    "checkpoint.keep=5",
+]
+
+
+def train_rank(overrides: list[str], cache: str) -> int:
+    """Body of one rank (also run in-process for world 1): compose the config and train."""
+    os.environ["OPTIMUS_CACHE"] = cache
+    torch.set_num_threads(1)
+    from optimus.cli import load_config
+    from optimus.train.trainer import Trainer
+
+    return Trainer(load_config(overrides)).fit()["steps"]
+
+
+def run(overrides: list[str], world: int, cache: str) -> None:
+    if world == 1:
+        train_rank(overrides, cache)
+    else:
+        assert run_distributed(train_rank, world, overrides, cache, timeout_s=240) == [4] * world
+
+
+def read_metrics(run_dir) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus_file):
+    root = tmp_path_factory.mktemp("reshard")
+    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
+    run_dir = root / "reference"
+    layout = ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "checkpoint.async_save=true"]
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
+    return run_dir, cache
+
+
+@pytest.mark.parametrize(
+    "world,ep,sharding",
+    [(4, 4, "ep_aware"), (2, 2, "standard"), (1, 1, "none")],
+    ids=["world4-ep4-ep_aware", "world2-ep2-standard", "world1-none"],
+)
+def test_checkpoint_continues_under_another_layout(reference, corpus_file, tmp_path, world, ep, sharding):
+    ref_dir, cache = reference
+    ref_metrics = read_metrics(ref_dir)
+    assert sorted(ref_metrics) == [1, 2, 3, 4]
+    run_dir = tmp_path / "run"
+    layout = [f"parallel.nproc={world}", f"parallel.ep={ep}", f"optim.sharding={sharding}"]
+    load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], world, cache)
+
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [3, 4]  # the run started at the checkpoint's step
+    for step in (3, 4):
+        for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "expert_load_imbalance"):
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5), (step, key)
+        assert metrics[step]["lr"] == ref_metrics[step]["lr"]  # the schedule continues from step 2
+
+    final = consolidated_state(run_dir / "checkpoints" / "step_000004")
+    expected = consolidated_state(ref_dir / "checkpoints" / "step_000004")
+    assert final.keys() == expected.keys()
+    assert any(t.abs().sum() > 0 for k, t in expected.items() if k.endswith("expert_bias"))  # biases moved
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)

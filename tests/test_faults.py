@@ -1,0 +1,172 @@
+"""Fault handling: a non-finite loss on one rank is skipped on every rank, too many in a row stop the run
+naming that rank, and SIGTERM / SIGUSR1 save a checkpoint at the next step boundary and exit 0.
+
+Faults are injected by the tests (patching the loss inside the spawned ranks, sending signals), never
+through hooks in the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from optimus.train.faults import StopSignal, pack_step_flags, unpack_step_flags
+from tests.conftest import TINY_MODEL
+from tests.distributed import DistributedTestError, run_distributed
+
+COMMON = [
+    *TINY_MODEL,
+    "model.dim=32",
+    "model.moe.expert_dim=32",
+    "model.moe.router=sigmoid",
+    "model.moe.bias_update_rate=0.01",
+    "train.dtype=fp32",
+    "kernels=torch",
+    "logging.progress=false",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.eval_batches=2",
+    "train.eval_interval=100",
+    "optim.warmup_steps=2",
+    "parallel.timeout_s=60",
+]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_step_flags_pack_and_unpack():
+    sums = torch.tensor([4.0, 3.0, 2.0, float("nan")])
+    packed = pack_step_flags(sums, rank=2, world_size=3, stop=True)
+    assert packed.shape == (8,) and packed[4:].tolist() == [0.0, 0.0, 1.0, 1.0]
+    agreed = unpack_step_flags(packed + pack_step_flags(torch.ones(4), 0, 3, False), n_micro_batches=2)
+    assert agreed.nonfinite_ranks == [2] and agreed.stop
+    assert agreed.means[:3] == [2.5, 2.0, 1.5]
+
+
+def test_stop_signal_sets_a_flag_instead_of_killing():
+    stop = StopSignal()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.received == "SIGUSR1"
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def faulty_rank(overrides: list[str], cache: str, bad_rank: int, bad_steps: list[int], term_step: int | None):
+    """One rank: NaN added to its loss at `bad_steps` (gradients stay finite, so only the agreement can
+    skip the step), or SIGTERM sent to itself during step `term_step`; returns per-step snapshots."""
+    os.environ["OPTIMUS_CACHE"] = cache
+    torch.set_num_threads(1)
+    import optimus.train.trainer as trainer_module
+    from optimus.cli import load_config
+
+    trainer = trainer_module.Trainer(load_config(overrides))
+    rank = dist.get_rank()
+    real_loss = trainer_module.micro_batch_loss
+
+    def poisoned_loss(model, batch, cfg, platform):
+        loss, lm_loss, out = real_loss(model, batch, cfg, platform)
+        if rank == bad_rank and trainer.step + 1 in bad_steps:
+            loss = loss + float("nan")
+        if rank == bad_rank and trainer.step + 1 == term_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss, lm_loss, out
+
+    trainer_module.micro_batch_loss = poisoned_loss
+    snapshots = []
+    real_step = trainer.train_step
+
+    def recording_step():
+        record = real_step()
+        # Plain lists: tensors would travel back through shared memory that dies with the rank.
+        state = {k: v.tolist() for k, v in trainer.model.state_dict().items() if ".experts." not in k}
+        snapshots.append(state)
+        return record
+
+    trainer.train_step = recording_step
+    summary = trainer.fit()
+    return snapshots, summary, trainer.loader.state_dict()["samples_consumed"]
+
+
+def _overrides(corpus_file, run_dir, *extra):
+    layout = ["parallel.nproc=2", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=2", "optim.bucket_mb=0.01"]
+    return [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, *extra]
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_on_all(tmp_path, corpus_file):
+    run_dir = tmp_path / "run"
+    cache = os.environ["OPTIMUS_CACHE"]
+    results = run_distributed(
+        faulty_rank, 2, _overrides(corpus_file, run_dir, "train.steps=4"), cache, 1, [2], None, timeout_s=180
+    )
+    metrics = read_metrics(run_dir)
+    assert [m["skipped"] for m in metrics] == [False, True, False, False]
+    assert metrics[1]["nonfinite_ranks"] == [1] and metrics[1]["grad_norm"] is None
+    for snapshots, _, consumed in results:
+        assert consumed == 4 * 8  # the skipped step's batch is consumed all the same
+        for key in snapshots[0]:
+            assert snapshots[1][key] == snapshots[0][key], f"step 2 changed {key}"
+        assert any(snapshots[2][k] != snapshots[1][k] for k in snapshots[0])  # step 3 trains
+    (snaps0, _, _), (snaps1, _, _) = results
+    for key in snaps0[-1]:  # replicated state stayed identical across ranks
+        assert snaps0[-1][key] == snaps1[-1][key], key
+
+
+def test_too_many_skipped_steps_name_the_rank(tmp_path, corpus_file):
+    overrides = _overrides(corpus_file, tmp_path / "run", "train.steps=4", "train.max_skipped_steps=1")
+    with pytest.raises(DistributedTestError, match=r"2 steps in a row were skipped .* rank\(s\) 1 of 2"):
+        run_distributed(faulty_rank, 2, overrides, os.environ["OPTIMUS_CACHE"], 1, [2, 3], None, timeout_s=180)
+
+
+def test_sigterm_on_one_rank_stops_all_at_a_checkpoint(tmp_path, corpus_file):
+    run_dir = tmp_path / "run"
+    overrides = _overrides(corpus_file, run_dir, "train.steps=20")  # checkpoint.interval=0: a signal still saves
+    results = run_distributed(faulty_rank, 2, overrides, os.environ["OPTIMUS_CACHE"], 1, [], 2, timeout_s=180)
+    # The signal lands during step 2's forward on rank 1, before the step's flags are reduced: both ranks
+    # finish step 2, save it, and stop.
+    (_, summary0, _), (_, summary1, _) = results
+    assert summary0["steps"] == summary1["steps"] == 2
+    assert summary1["stopped_by"] == "SIGTERM" and summary0["stopped_by"] == "a stop signal on another rank"
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_sigterm_to_a_training_process_saves_and_exits_zero(tmp_path, corpus_file):
+    run_dir = tmp_path / "run"
+    overrides = [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.steps=500"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimus", "train", *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    last = read_metrics(run_dir)[-1]["step"]
+    assert 2 <= last < 500
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
+    assert "run the same command again to resume" in output
