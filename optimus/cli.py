@@ -127,15 +127,18 @@ def _worker(cfg: OptimusConfig) -> dict:
 
 
 def cmd_train(overrides: list[str]) -> int:
-    from optimus.launch import discover, spawn_local
+    from optimus.launch import SpawnStopped, discover, spawn_local
 
     cfg = load_config(overrides)
     info = discover()
     world_size = info.world_size if info.launcher != "none" else cfg.parallel.nproc
     validate(cfg, world_size)
     if info.launcher == "none" and cfg.parallel.nproc > 1:
-        results = spawn_local(cfg.parallel.nproc, _worker, (cfg,))
-        summary = results[0]
+        try:
+            summary = spawn_local(cfg.parallel.nproc, _worker, (cfg,))[0]
+        except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved and stopped
+            print(f"optimus: {stopped}; run the same command again to resume from the last checkpoint.")
+            return 0
     else:
         summary = _worker(cfg)
     if info.rank == 0 and summary:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -310,12 +311,17 @@ class SpawnError(RuntimeError):
     """A locally spawned rank failed; the message carries the child's exception."""
 
 
+class SpawnStopped(RuntimeError):
+    """The launcher got SIGTERM and passed it on to the ranks, which stop at a step boundary."""
+
+
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:
     """Run `entrypoint(*args)` in `nproc` fresh processes (torchrun's launcher); returns {rank: value}.
 
     `entrypoint` must be importable by name (a module-level function): children are spawned,
     not forked. Each child sees the torchrun environment, so `discover()` works inside it.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -338,3 +344,6 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise SpawnError(f"a local rank failed:\n{_failure_message(e)}") from None
+    except SignalException as e:
+        # The elastic agent has already forwarded the signal to the ranks and waited for them.
+        raise SpawnStopped(f"stopped by {signal.Signals(e.sigval).name}") from None

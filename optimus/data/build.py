@@ -118,12 +118,17 @@ def _split_by_hash(source: TokenSource, val_fraction: float, seq_len: int) -> tu
         order = permute(np.arange(n_docs), n_docs, _VAL_KEY)
     val_docs = np.zeros(n_docs, dtype=bool)
     if val_fraction > 0:
+        # Prefer documents of at most 1/16 of the held-out size, so the validation set is many
+        # ordinary documents rather than one or two outliers (a large data table, a long docstring file).
+        size_limit = max(need / 16, seq_len + 1)
         taken = 0
-        for d in order:
-            if taken >= need or val_docs.sum() == n_docs - 1:
-                break
-            val_docs[d] = True
-            taken += int(ends[d] - starts[d])
+        for limit in (size_limit, np.inf):
+            for d in order:
+                if taken >= need or val_docs.sum() == n_docs - 1:
+                    break
+                if not val_docs[d] and ends[d] - starts[d] <= limit:
+                    val_docs[d] = True
+                    taken += int(ends[d] - starts[d])
     parts = [_concat_docs(source.stream, starts[sel], ends[sel]) for sel in (~val_docs, val_docs)]
     if len(parts[0]) < seq_len + 1:
         raise DataError(
