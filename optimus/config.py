@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class MoEConfig:
     n_experts: int = 8  # 0 = dense model
     top_k: int = 2
-    expert_dim: int = 512  # hidden size F of one routed (and one shared) expert
+    expert_dim: int = 256  # hidden size F of one routed (and one shared) expert
     n_shared_experts: int = 0
     router: str = "softmax"  # softmax | sigmoid
     norm_topk: bool = False  # renormalise the k softmax weights to sum to 1
@@ -86,9 +86,9 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    global_batch: int = 16  # sequences per optimizer step, over all ranks
-    micro_batch: int = 16  # sequences per forward/backward on one rank
+    steps: int = 250
+    global_batch: int = 8  # sequences per optimizer step, over all ranks
+    micro_batch: int = 8  # sequences per forward/backward on one rank
     seq_len: int = 256
     seed: int = 0
     dtype: str = "auto"  # auto (bf16 where bf16 matmuls are fast, else fp32) | bf16 | fp32
@@ -101,9 +101,9 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 6e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
