@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -39,6 +40,7 @@ import torch
 
 from optimus.kernels import get_backend, gpu_present, reference, torch_backend
 from optimus.kernels.dtypes import math_dtype
+from optimus.platform import keep_cpu_allocations
 
 SCENARIOS = {
     "S1": dict(T=4096, D=512, F=1024, E=8, K=2),
@@ -131,8 +133,11 @@ def time_round_robin(steps: dict, iters: int, warmup: int) -> dict:
         for _ in range(warmup):
             step()
     times = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, step in steps.items():
+    names = list(steps)
+    for i in range(iters):
+        # Rotate the order so no method is always the one that runs after the largest frees.
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            step = steps[name]
             t0 = time.perf_counter()
             step()
             if torch.cuda.is_available():
@@ -197,7 +202,9 @@ def main():
     ref_help = "time the reference loop (auto: only where its native 16-bit CPU matmuls are not minutes long)"
     parser.add_argument("--reference", choices=("auto", "on", "off"), default="auto", help=ref_help)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_layer_<device>.json)")
+    parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
     args = parser.parse_args()
+    kept = args.device == "cpu" and not args.default_malloc and keep_cpu_allocations()
     results = []
     for name in args.scenarios.split(","):
         for dtype_name in args.dtypes.split(","):
@@ -215,6 +222,8 @@ def main():
         "cpu": platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "iters": args.iters,
+        "load_average": os.getloadavg(),
+        "malloc_kept": kept,
         "flops_counted": "expert GEMMs only: 6 * (T*K) * D * 3F per fwd+bwd",
     }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")

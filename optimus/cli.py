@@ -110,13 +110,14 @@ def _worker(cfg: OptimusConfig) -> dict:
     import torch.distributed as dist
 
     from optimus.launch import discover, init_process_group
-    from optimus.platform import detect_platform, share_cpu_threads
+    from optimus.platform import detect_platform, keep_cpu_allocations, share_cpu_threads
     from optimus.train.trainer import train
 
     info = discover()
     platform = detect_platform(cfg.machine, info.local_rank)
     if platform.device_type == "cpu":
         share_cpu_threads(info.local_world_size)
+        keep_cpu_allocations()
     if info.world_size > 1:
         init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
     try:

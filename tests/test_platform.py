@@ -167,3 +167,40 @@ def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
         assert share_cpu_threads(4) == 5  # the user's setting wins
     finally:
         torch.set_num_threads(before)
+
+
+_MMAPPED_BYTES_AROUND_A_64MB_TENSOR = """
+import ctypes, sys
+import torch
+from optimus.platform import keep_cpu_allocations
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "keep":
+    assert keep_cpu_allocations()
+before = libc.mallinfo2().hblkhd
+t = torch.empty(16 * 2**20)  # 64 MB
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+def test_kept_cpu_allocations_are_not_mmapped():
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2") or pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    except OSError:
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+
+    def mmapped_bytes(mode):
+        cmd = [sys.executable, "-c", _MMAPPED_BYTES_AROUND_A_64MB_TENSOR, mode]
+        return int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+    assert mmapped_bytes("default") >= 64 * 2**20  # glibc's default: a large block is its own mmap
+    assert mmapped_bytes("keep") == 0  # kept: it comes from the heap, which is not trimmed
