@@ -136,7 +136,7 @@ def test_flops_and_fit(tmp_path):
 
 
 def test_plan_cli(capsys):
-    args = ["parallel.ep=2", "optim.sharding=ep_aware", "train.micro_batch=4", "--world", "4", "--json"]
+    args = ["parallel.ep=2", "optim.sharding=ep_aware", "train.micro_batch=2", "--world", "4", "--json"]
     assert main(["plan", *TINY_MODEL, *args]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["world"], out["dp"], out["ep"], out["sharding"]) == (4, 2, 2, "ep_aware")
