@@ -14,7 +14,8 @@ from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig, validate
 from optimus.data.errors import DataError
-from optimus.launch import SpawnError
+from optimus.launch import LaunchError, SpawnError
+from optimus.train.faults import TrainingDiverged
 
 USAGE = """usage: optimus <command> [args]
 
@@ -47,8 +48,9 @@ Frequently used keys (see ARCHITECTURE.md for all):
 Examples:
   optimus train                                   # tiny MoE on the built-in corpus, a few minutes on a CPU
   optimus train train.steps=50 model.moe.router=sigmoid
-  optimus train parallel.nproc=4 parallel.ep=2    # 4 local processes, experts split over pairs
-  torchrun --nproc-per-node 8 -m optimus train model=mula-7b-a1b machine=nvidia
+  optimus train parallel.nproc=4 parallel.ep=2 train.micro_batch=2   # 4 local processes, experts split over pairs
+  torchrun --nproc-per-node 8 -m optimus train model=mula-7b-a1b machine=nvidia \\
+      train.micro_batch=1 train.global_batch=64
 """
 
 
@@ -138,7 +140,8 @@ def cmd_train(overrides: list[str]) -> int:
         try:
             summary = spawn_local(cfg.parallel.nproc, _worker, (cfg,))[0]
         except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved and stopped
-            print(f"optimus: {stopped}; run the same command again to resume from the last checkpoint.")
+            how = "run the same command again" if cfg.run.dir else "run the command printed above"
+            print(f"optimus: {stopped}; {how} to resume from the last checkpoint.")
             return 0
     else:
         summary = _worker(cfg)
@@ -148,6 +151,8 @@ def cmd_train(overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Lines from spawned ranks reach the terminal (or job log) as they are printed, not at exit.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -183,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"optimus: error: {err}", file=sys.stderr)
         return 2
-    except SpawnError as err:  # a local worker failed; its own message says why
+    except LaunchError as err:  # the launcher's environment does not say where rank 0 is
+        print(f"optimus: error: {err}", file=sys.stderr)
+        return 2
+    except (SpawnError, TrainingDiverged) as err:  # a local worker failed, or the loss diverged
         print(f"optimus: error: {err}", file=sys.stderr)
         return 1
     print(f"optimus: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
@@ -191,5 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

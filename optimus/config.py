@@ -218,8 +218,19 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     _choice(p.dispatcher, "parallel.dispatcher", ("alltoall", "allgather"))
     _choice(cfg.optim.sharding, "optim.sharding", ("auto", "ep_aware", "standard", "none"))
     _choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
-    for key in ("steps", "global_batch", "micro_batch", "seq_len"):
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "eval_interval", "eval_batches", "log_interval"):
         _positive(getattr(t, key), f"train.{key}")
+    if t.max_skipped_steps < 0:
+        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be 0 or positive.")
+    if t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} must be 0 (no clipping) or positive.")
+    _positive(cfg.optim.lr, "optim.lr")
+    if cfg.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be 0 or positive.")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must lie in [0, 1]: it is the final lr over optim.lr."
+        )
     _positive(p.nproc, "parallel.nproc")
     _positive(p.ep, "parallel.ep")
     if t.global_batch % t.micro_batch:

@@ -102,6 +102,20 @@ def _directives(scheduler: str, nodes: int, job_name: str, account, queue, wallt
     return lines
 
 
+def _directive_key(line: str) -> str:
+    """What a directive sets: its option, and for PBS `-l` the resource ("-l walltime")."""
+    words = line.split()
+    option = words[1].split("=", 1)[0] if len(words) > 1 else ""
+    if option == "-l" and len(words) > 2:
+        return "-l " + words[2].split("=", 1)[0]
+    return option
+
+
+def _gpus_per_node(line: str, ranks_per_node: int) -> str:
+    """One GPU per rank: the allocation's GPU request follows machine.ranks_per_node."""
+    return re.sub(r"--gpus-per-node=\d+", f"--gpus-per-node={ranks_per_node}", line)
+
+
 def _set_line(script: str, pattern: str, line: str) -> str:
     """Replace the one line of the template that matches `pattern` (a regex anchored at line start)."""
     new, count = re.subn(rf"^{pattern}.*$", lambda _: line, script, count=1, flags=re.M)
@@ -134,9 +148,17 @@ def render(
     args = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
 
     prefix = SCHEDULERS[scheduler][2]
+    directives = _directives(scheduler, nodes, job_name, account, queue, walltime, run_dir)
+    rendered_keys = {_directive_key(d) for d in directives}
+    # The template's other directives (--exclusive, a GPU request) are the machine's own: keep them.
+    kept = [
+        _gpus_per_node(ln, cfg.machine.ranks_per_node)
+        for ln in template.splitlines()
+        if ln.startswith(prefix + " ") and _directive_key(ln) not in rendered_keys
+    ]
     lines = [ln for ln in template.splitlines() if not ln.startswith(prefix + " ")]
     first_code = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
-    directives = _directives(scheduler, nodes, job_name, account, queue, walltime, run_dir)
+    directives += kept
     script = "\n".join(lines[:first_code] + directives + lines[first_code:]) + "\n"
 
     script = _set_line(script, "RANKS_PER_NODE=", f"RANKS_PER_NODE={cfg.machine.ranks_per_node}")

@@ -60,6 +60,24 @@ def test_ep_must_divide_experts_and_world():
     assert "model.moe.n_experts=8" in error_of(["parallel.ep=3", "train.global_batch=24", "train.micro_batch=4"], 6)
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.eval_interval=0",
+        "train.eval_batches=0",
+        "train.log_interval=0",
+        "train.max_skipped_steps=-1",
+        "train.grad_clip=-1",
+        "optim.lr=0",
+        "optim.warmup_steps=-5",
+        "optim.min_lr_ratio=1.5",
+    ],
+)
+def test_intervals_and_rates_out_of_range_are_named(override):
+    key, value = override.split("=")
+    assert f"{key}={value}" in error_of([override])
+
+
 def test_bad_choice_lists_the_options():
     assert "auto, bf16, fp32" in error_of(["train.dtype=fp8"])
 

@@ -182,6 +182,10 @@ def test_corrupt_shards_are_refused(tmp_path, tok_file):
     (out / meta["shards"][0]["file"]).unlink()
     with pytest.raises(DataError, match="is missing"):
         open_tokens(out)
+    for broken, problem in (('{"format": ', "is not valid JSON"), ("[1, 2]", "has format 'list'")):
+        (out / "meta.json").write_text(broken)
+        with pytest.raises(DataError, match=problem):
+            open_tokens(out)
 
 
 def test_tokens_config_errors(tmp_path, tok_file):
@@ -200,6 +204,8 @@ def test_tokens_config_errors(tmp_path, tok_file):
         build_data(DataConfig(name="tokens", path=str(out), mix=[{"path": str(out)}]), SEQ, seed=0)
     with pytest.raises(ConfigError, match=r"data.mix\[0\].weight"):
         build_data(DataConfig(name="tokens", mix=[{"path": str(out), "weight": 0}]), SEQ, seed=0)
+    with pytest.raises(ConfigError, match=r"data.mix\[0\].weight='half' is not a number"):
+        build_data(DataConfig(name="tokens", mix=[{"path": str(out), "weight": "half"}]), SEQ, seed=0)
     syn = _synthetic(tmp_path / "syn", 1, 100, 5000, 0)
     with pytest.raises(DataError, match="different tokenizers"):
         build_data(DataConfig(name="tokens", mix=[{"path": str(out)}, {"path": str(syn)}]), SEQ, seed=0)

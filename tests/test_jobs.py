@@ -93,6 +93,8 @@ def test_pbs_aurora_script_launches_12_ranks_per_node(nodes, tmp_path, fakes):
     header = script.split("set -eo pipefail")[0]  # PBS reads directives only before the first command
     for directive in (f"-l select={nodes}", "-l walltime=02:00:00", "-A MyProj", "-q prod", f"-o {run_dir}/job.log"):
         assert f"#PBS {directive}\n" in header
+    options = [jobs._directive_key(ln) for ln in header.splitlines() if ln.startswith("#PBS ")]
+    assert sorted(options) == sorted(set(options)) and "-l filesystems" in options
 
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("".join(f"x4102c{i}s0b0n0.hsn.cm.aurora\n" for i in range(nodes)))
@@ -130,7 +132,8 @@ def test_slurm_frontier_script_launches_8_ranks_per_node(nodes, tmp_path, fakes)
     bash_syntax_ok(script, tmp_path)
 
     header = script.split("set -eo pipefail")[0]
-    for directive in (f"-N {nodes}", "-t 00:30:00", "-A ABC123", "-p batch", f"-o {run_dir}/job-%j.log"):
+    for directive in (f"-N {nodes}", "-t 00:30:00", "-A ABC123", "-p batch", f"-o {run_dir}/job-%j.log",
+                      "--signal=USR1@300"):  # fmt: skip
         assert f"#SBATCH {directive}\n" in header
 
     run_script(script, tmp_path, bin_dir, {"SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "77", "USER": "me"})
@@ -151,6 +154,11 @@ def test_nvidia_slurm_script_renders_and_runs(tmp_path, fakes):
     cfg = make_cfg("nvidia", ep=8, global_batch=16)
     script = jobs.render("slurm", 2, cfg, ["machine=nvidia"], run_dir=tmp_path / "run", python=str(python))
     bash_syntax_ok(script, tmp_path)
+    header = script.split("set -eo pipefail")[0]
+    # The template's own requests survive rendering, and no option is given twice.
+    assert "#SBATCH --exclusive\n" in header and "#SBATCH --gpus-per-node=8\n" in header
+    options = [jobs._directive_key(ln) for ln in header.splitlines() if ln.startswith("#SBATCH ")]
+    assert sorted(options) == sorted(set(options)) and "-N" in options
     run_script(script, tmp_path, bin_dir, {"SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "96"})
     launched = lines(tmp_path / "launcher.txt")
     assert launched[:9] == ["-N", "2", "-n", "16", "--ntasks-per-node=8", "--gpus-per-node=8"] + [

@@ -145,6 +145,13 @@ def test_triton_missing_says_how_to_install(monkeypatch):
         get_backend("triton")
 
 
+def test_triton_without_gpu_says_to_use_torch(monkeypatch):
+    _probes(monkeypatch, False, True, False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="set kernels=torch"):
+        get_backend("triton")
+
+
 def test_unknown_backend_is_a_config_error():
     with pytest.raises(ConfigError, match="kernels='cuda'"):
         get_backend("cuda")

@@ -143,6 +143,18 @@ def test_pbs_missing_nodefile_is_explained(tmp_path):
         discover(env)
 
 
+def test_cli_reports_a_launch_error_in_one_sentence(monkeypatch, capsys):
+    from optimus.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PALS_RANKID", "0")
+    monkeypatch.delenv("PMI_SIZE", raising=False)
+    assert main(["train", "train.steps=1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == "optimus: error: PALS_RANKID is set but PMI_SIZE is not: set PMI_SIZE to the number of ranks."
+
+
 def test_mpich_hydra_single_host():
     env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"}
     assert discover(env) == RankInfo(3, 3, 4, 4, "127.0.0.1", 29500, "mpi")

@@ -24,20 +24,20 @@ def make_moe(seed=0, **overrides) -> MoE:
 
 
 def naive_routing(logits_E: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor):
-    """Per-token routing from the textbook definitions."""
+    """Per-token routing from the textbook definitions: chosen experts, their weights, their raw scores."""
     if cfg.router == "softmax":
         probs = torch.exp(logits_E) / torch.exp(logits_E).sum()
         chosen = sorted(range(E), key=lambda e: -probs[e].item())[: cfg.top_k]
-        weights = [probs[e] for e in chosen]
+        weights = raw = [probs[e] for e in chosen]
         if cfg.norm_topk:
             total = sum(weights)
             weights = [w / total for w in weights]
     else:
         scores = 1 / (1 + torch.exp(-logits_E))
         chosen = sorted(range(E), key=lambda e: -(scores[e] + bias_E[e]).item())[: cfg.top_k]
-        total = sum(scores[e] for e in chosen)
-        weights = [scores[e] / total for e in chosen]
-    return chosen, weights
+        raw = [scores[e] for e in chosen]
+        weights = [scores[e] / sum(raw) for e in chosen]
+    return chosen, weights, raw
 
 
 def naive_expert(x_D, w13_DF2, w2_FD):
@@ -46,7 +46,7 @@ def naive_expert(x_D, w13_DF2, w2_FD):
 
 
 def naive_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
-    """Loop over tokens; capacity applied per expert by descending weight, ties by position."""
+    """Loop over tokens; capacity keeps each expert's most probable assignments (raw score), ties by position."""
     cfg = MoEConfig(
         n_experts=E,
         top_k=moe.router.top_k,
@@ -57,20 +57,20 @@ def naive_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
     routes = []
     for t in range(x_TD.shape[0]):
         logits_E = x_TD[t] @ moe.router.gate.weight.T
-        chosen, weights = naive_routing(logits_E, cfg, moe.router.expert_bias)
-        routes.append(list(zip(chosen, weights)))
+        chosen, weights, raw = naive_routing(logits_E, cfg, moe.router.expert_bias)
+        routes.append(list(zip(chosen, weights, raw)))
     keep = {(t, k): True for t in range(len(routes)) for k in range(cfg.top_k)}
     if cfg.capacity_factor is not None:
         capacity = math.ceil(cfg.capacity_factor * len(routes) * cfg.top_k / E)
         for e in range(E):
-            assigned = [(t, k) for t, r in enumerate(routes) for k, (ee, _) in enumerate(r) if ee == e]
-            assigned.sort(key=lambda tk: -routes[tk[0]][tk[1]][1].item())  # stable: position breaks ties
+            assigned = [(t, k) for t, r in enumerate(routes) for k, (ee, _, _) in enumerate(r) if ee == e]
+            assigned.sort(key=lambda tk: -routes[tk[0]][tk[1]][2].item())  # stable: position breaks ties
             for tk in assigned[capacity:]:
                 keep[tk] = False
     outputs = []
     for t, r in enumerate(routes):
         y = torch.zeros(D)
-        for k, (e, w) in enumerate(r):
+        for k, (e, w, _) in enumerate(r):
             if keep[(t, k)]:
                 y = y + w * naive_expert(x_TD[t], moe.experts.w13[e], moe.experts.w2[e])
         if moe.shared is not None:
@@ -84,6 +84,7 @@ CASES = [
     dict(router="softmax", norm_topk=True),
     dict(router="sigmoid"),
     dict(router="softmax", capacity_factor=0.5),
+    dict(router="softmax", norm_topk=True, capacity_factor=0.5),
     dict(router="sigmoid", capacity_factor=0.75),
     dict(router="softmax", n_shared_experts=1),
     dict(router="softmax", top_k=1),
@@ -176,3 +177,17 @@ def test_bias_update_moves_toward_balance():
         router.update_bias(torch.bincount(router(x).expert_idx_TK.view(-1), minlength=4).float(), rate=0.01)
     after = torch.bincount(router(x).expert_idx_TK.view(-1), minlength=4).float()
     assert after.max() / after.mean() < before.max() / before.mean()
+
+
+def test_router_stays_fp32_under_bf16_autocast():
+    """Autocast would run the gate matmul in bf16; routing must match the fp32 reference exactly."""
+    router = Router(D, MoEConfig(n_experts=E, top_k=2))
+    x = torch.randn(64, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = router(x.bfloat16())
+    assert routing.weight_TK.dtype == torch.float32
+    # The input itself was rounded to bf16; compare against fp32 routing of that same input.
+    reference = router(x.bfloat16().float())
+    assert torch.equal(routing.expert_idx_TK, reference.expert_idx_TK)
+    torch.testing.assert_close(routing.weight_TK, reference.weight_TK, rtol=0, atol=0)
+    torch.testing.assert_close(routing.z_loss, reference.z_loss, rtol=0, atol=0)

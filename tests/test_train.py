@@ -55,9 +55,11 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
 def test_lr_schedule_in_metrics(tmp_path, corpus_file):
     _, metrics = run_train(tmp_path, corpus_file, "train.steps=10", "optim.lr=1e-3", "optim.min_lr_ratio=0.1")
     lrs = [m["lr"] for m in metrics]
-    assert lrs[:5] == [1e-3 * (i + 1) / 5 for i in range(5)]  # linear warmup
-    # Step index 9 (0-based) is 4/5 of the way through the 5 cosine steps.
-    assert abs(lrs[-1] - (1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 4 / 5)))) < 1e-12
+    assert lrs[:5] == [1e-3 * (i + 1) / 5 for i in range(5)]  # linear warmup, peak at the last warmup step
+    # The 5 decay steps are 1/5, 2/5, ..., 5/5 of the way down the cosine: the last one is the floor.
+    for i, lr in enumerate(lrs[5:]):
+        assert abs(lr - (1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * (i + 1) / 5)))) < 1e-12
+    assert abs(lrs[-1] - 1e-4) < 1e-12
 
 
 def test_existing_run_dir_is_refused(tmp_path, corpus_file, capsys):
@@ -65,3 +67,46 @@ def test_existing_run_dir_is_refused(tmp_path, corpus_file, capsys):
     overrides = [*TINY_MODEL, "data=text", f"data.path={corpus_file}", f"run.dir={tmp_path / 'run'}"]
     assert main(["train", *overrides, "train.steps=2", "logging.progress=false"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_an_empty_metrics_file_does_not_block_the_run_dir(tmp_path, corpus_file):
+    """A run that died before its first step leaves an empty metrics.jsonl; the same command runs again."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    _, metrics = run_train(tmp_path, corpus_file, "train.steps=2")
+    assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_diverging_run_ends_with_one_sentence_and_keeps_its_records(tmp_path, corpus_file, monkeypatch, capsys):
+    import optimus.train.trainer as trainer_module
+
+    real_loss = trainer_module.micro_batch_loss
+
+    def nan_loss(*args):
+        loss, lm_loss, out = real_loss(*args)
+        return loss + float("nan"), lm_loss, out
+
+    monkeypatch.setattr(trainer_module, "micro_batch_loss", nan_loss)
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_MODEL, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.seq_len=32",
+                 "train.steps=5", "train.max_skipped_steps=1", "logging.progress=false"]  # fmt: skip
+    assert main(["train", *overrides]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("optimus: error: 2 steps in a row were skipped") and "\n" not in error
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["skipped"]) for m in metrics] == [(1, True), (2, True)]
+
+
+def test_resume_hint_names_the_run_dir_the_run_chose():
+    from pathlib import Path
+
+    from optimus.cli import load_config
+    from optimus.train.run_dir import resume_hint
+
+    cfg = load_config([])  # run.dir unset: a rerun would pick a new timestamped directory
+    assert (
+        resume_hint(cfg, Path("/scratch/runs/tiny-1"))
+        == "run the same command with run.dir=/scratch/runs/tiny-1 to resume"
+    )
+    cfg = load_config(["run.dir=/scratch/runs/tiny-1"])
+    assert resume_hint(cfg, Path("/scratch/runs/tiny-1")) == "run the same command again to resume"

@@ -193,8 +193,12 @@ def _mix_entries(cfg: DataConfig) -> list[tuple[Any, float]]:
     for i, item in enumerate(cfg.mix):
         if not isinstance(item, Mapping) or "path" not in item:
             raise ConfigError(f"data.mix[{i}]={item!r} must be a mapping like {{path: DIR, weight: 0.5}}.")
-        weight = float(item.get("weight", 1.0))
-        if weight <= 0:
+        try:
+            weight = float(item.get("weight", 1.0))
+        except (TypeError, ValueError):
+            bad = item.get("weight")
+            raise ConfigError(f"data.mix[{i}].weight={bad!r} is not a number: give a positive number.") from None
+        if not weight > 0:  # also rejects nan
             raise ConfigError(f"data.mix[{i}].weight={weight} must be positive.")
         entries.append((item["path"], weight))
     if not entries:

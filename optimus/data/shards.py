@@ -107,8 +107,9 @@ def read_meta(directory: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON ({e.msg}): re-run `optimus data prepare`.") from None
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}: re-run `optimus data prepare`.")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: re-run `optimus data prepare`.")
     return meta
 
 

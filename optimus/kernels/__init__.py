@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +89,11 @@ def get_backend(name: str = "auto") -> KernelBackend:
             raise ConfigError(
                 "kernels=triton needs the triton package, which cannot be imported here: "
                 "install it with `pip install triton` (or set kernels=torch)."
+            )
+        if not gpu_present() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "kernels=triton needs a GPU and none is visible: set kernels=torch on CPUs "
+                "(or TRITON_INTERPRET=1 to run the kernels in Triton's slow interpreter)."
             )
         return _triton_backend()
     if gpu_present() and triton_importable() and triton_compiles():

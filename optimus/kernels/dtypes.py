@@ -20,13 +20,16 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 @functools.cache
 def cpu_has_fast_half_gemm() -> bool:
-    """True when this CPU has native 16-bit matmul units (AVX512-BF16/FP16 or AMX).
+    """True when this CPU has native bf16 matmul units (AVX512-BF16 or AMX).
 
     Without them PyTorch's bf16/fp16 CPU matmul is a scalar fallback that runs at a few
     GFLOP/s, far below the fp32 BLAS path.
     """
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability.startswith("AVX512") or "AMX" in capability
+    # torch's capability string says "AVX512" for any AVX-512 CPU, with or without BF16 units,
+    # so read the CPU flags themselves (the same test train.dtype=auto uses).
+    from optimus.train.precision import cpu_has_fast_bf16
+
+    return cpu_has_fast_bf16()
 
 
 def math_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

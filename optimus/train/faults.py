@@ -86,6 +86,10 @@ def discard_gradients(optimizer) -> None:
     optimizer.zero_grad()
 
 
+class TrainingDiverged(RuntimeError):
+    """More steps in a row than train.max_skipped_steps had a non-finite loss or gradient."""
+
+
 def too_many_skipped_message(in_row: int, limit: int, ranks: list[int], world_size: int) -> str:
     where = (
         f"rank(s) {', '.join(map(str, ranks))} of {world_size} saw a non-finite loss"

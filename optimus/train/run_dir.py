@@ -24,6 +24,19 @@ def may_resume(cfg: OptimusConfig, run_dir: Path) -> bool:
     return cfg.checkpoint.interval > 0 or has_checkpoint(checkpoint_root(cfg, run_dir))
 
 
+def resume_hint(cfg: OptimusConfig, run_dir: Path) -> str:
+    """How to resume this run: the same command, pinned to this run directory when it chose one itself."""
+    if cfg.run.dir:
+        return "run the same command again to resume"
+    return f"run the same command with run.dir={run_dir} to resume"
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True when run_dir has step records; an empty metrics.jsonl is a run that died before its first step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.exists() and path.stat().st_size > 0
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Keep the records of steps <= `step` (a resumed run re-does, and re-logs, the steps after its checkpoint)."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -47,7 +60,7 @@ def resolve_run_dir(cfg: OptimusConfig, ps: ParallelState) -> Path:
     chosen = [None]
     if ps.is_main:
         run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-        if (run_dir / "metrics.jsonl").exists() and not may_resume(cfg, run_dir):
+        if holds_run(run_dir) and not may_resume(cfg, run_dir):
             chosen[0] = ConfigError(
                 f"run.dir={run_dir} already holds a run (metrics.jsonl) without checkpoints to resume from: "
                 "choose a new run.dir or move the old one away."

@@ -29,6 +29,7 @@ from optimus.platform import Platform, detect_platform, peak_flops_per_device, s
 from optimus.train.checkpoint import Checkpointer
 from optimus.train.faults import (
     StopSignal,
+    TrainingDiverged,
     discard_gradients,
     pack_step_flags,
     too_many_skipped_message,
@@ -36,7 +37,7 @@ from optimus.train.faults import (
 )
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import resolve_dtype
-from optimus.train.run_dir import resolve_run_dir, truncate_metrics
+from optimus.train.run_dir import resolve_run_dir, resume_hint, truncate_metrics
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
@@ -242,7 +243,8 @@ class Trainer:
         wandb_run = self._start_wandb() if ps.is_main and cfg.logging.wandb else None
         metrics = MetricsLog(self.run_dir, enabled=ps.is_main, wandb_run=wandb_run)
         tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        bar = tqdm(total=cfg.train.steps, disable=not (ps.is_main and cfg.logging.progress), dynamic_ncols=True)
+        show_bar = ps.is_main and cfg.logging.progress
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True)
         summary = {"first_val_loss": self.evaluate()}
         self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
         trace = self.trace
@@ -264,7 +266,8 @@ class Trainer:
                 )
                 self.skipped_in_row = self.skipped_in_row + 1 if record["skipped"] else 0
                 if self.skipped_in_row > cfg.train.max_skipped_steps:
-                    raise RuntimeError(
+                    metrics.log(record)  # the record of the step that ended the run is kept
+                    raise TrainingDiverged(
                         too_many_skipped_message(
                             self.skipped_in_row,
                             cfg.train.max_skipped_steps,
@@ -309,7 +312,7 @@ class Trainer:
         self._report_checkpoint(bar)
         if self.stop_agreed:
             root = self.checkpointer.root
-            self._print(f"Stop signal: saved step {self.step} in {root}; run the same command again to resume.", bar)
+            self._print(f"Stop signal: saved step {self.step} in {root}; {resume_hint(self.cfg, self.run_dir)}.", bar)
         return self.stop_agreed
 
     def _report_checkpoint(self, bar: tqdm) -> None:

@@ -66,18 +66,22 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=True)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
-        # Router math in fp32: small logit differences decide the routing.
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        # Router math in fp32, with autocast off (it would cast the gate matmul back to bf16):
+        # small logit differences decide the routing.
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return self._route(x_TD.float())
+
+    def _route(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE = F.linear(x_TD, self.gate.weight.float())
         if self.score_func == "softmax":
             probs_TE = logits_TE.softmax(dim=-1)
-            weight_TK, expert_idx_TK = probs_TE.topk(self.top_k, dim=-1)
-            if self.norm_topk:
-                weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+            score_TK, expert_idx_TK = probs_TE.topk(self.top_k, dim=-1)
+            weight_TK = score_TK / score_TK.sum(dim=-1, keepdim=True) if self.norm_topk else score_TK
         else:
             scores_TE = logits_TE.sigmoid()
             _, expert_idx_TK = (scores_TE + self.expert_bias).topk(self.top_k, dim=-1)
-            weight_TK = scores_TE.gather(1, expert_idx_TK)
-            weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+            score_TK = scores_TE.gather(1, expert_idx_TK)
+            weight_TK = score_TK / score_TK.sum(dim=-1, keepdim=True)
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
         n_tokens = x_TD.shape[0]
@@ -89,7 +93,8 @@ class Router(nn.Module):
         keep_TK = None
         if self.capacity_factor is not None:
             capacity = expert_capacity(self.capacity_factor, n_tokens, self.top_k, self.n_experts)
-            keep_TK = capacity_keep_mask(expert_idx_TK, weight_TK.detach(), self.n_experts, capacity)
+            # Drop the least probable assignments (raw scores, not the per-token renormalised weights).
+            keep_TK = capacity_keep_mask(expert_idx_TK, score_TK.detach(), self.n_experts, capacity)
             weight_TK = weight_TK * keep_TK
         return Routing(expert_idx_TK, weight_TK, keep_TK, aux_loss, z_loss, tokens_per_expert_E)
 
