@@ -4,7 +4,8 @@ The file holds the model's full state dict under the model's own parameter names
 with each expert tensor stacked back into [E, ...] over the global expert index,
 so `Transformer(cfg.model).load_state_dict(safetensors.torch.load_file(PATH))`
 works. The resolved config travels in the file's metadata ("optimus_config", YAML)
-and beside it as config.yaml. One process reads everything (no process group).
+and beside it as PATH with the suffix .yaml (model.safetensors -> model.yaml), so exports
+of several models can share a folder. One process reads everything (no process group).
 """
 
 from __future__ import annotations
@@ -68,8 +69,13 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     metadata = {"format": "pt", "optimus_config": config_yaml, "optimus_checkpoint": str(path.resolve())}
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=metadata)
     if config_yaml:
-        (out.parent / "config.yaml").write_text(config_yaml)
+        config_path(out).write_text(config_yaml)
     return out
+
+
+def config_path(out: Path) -> Path:
+    """Where the config of the export `out` is written: beside it, same name, suffix .yaml."""
+    return out.with_suffix(".yaml")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         help="write one consolidated safetensors file of a checkpoint's model",
         description="Consolidate a sharded checkpoint (any layout) into one safetensors file of the full model "
-        "(experts stacked as [E, ...]) with its config in the metadata and a config.yaml beside it.",
+        "(experts stacked as [E, ...]) with its config in the metadata and in a .yaml file of the same name beside it.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -92,5 +98,5 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     out = export(args.checkpoint, args.out)
     size = out.stat().st_size / 2**20
-    print(f"Wrote {out} ({size:.1f} MiB) and {out.parent / 'config.yaml'}", file=sys.stdout)
+    print(f"Wrote {out} ({size:.1f} MiB) and {config_path(out)}", file=sys.stdout)
     return 0

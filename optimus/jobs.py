@@ -169,7 +169,19 @@ def render(
         bind, workers = aurora_cpu_bind(cfg.machine.ranks_per_node)
         script = _set_line(script, "CPU_BIND=", f'CPU_BIND="{bind}"')
         script = _set_line(script, "export CCL_WORKER_AFFINITY=", f'export CCL_WORKER_AFFINITY="{workers}"')
+        threads = aurora_cores_per_rank(cfg.machine.ranks_per_node) - 1  # the block less the oneCCL worker's core
+        script = _set_line(script, "export OMP_NUM_THREADS=", f"export OMP_NUM_THREADS={threads}  # the rank's cores")
     return script
+
+
+def aurora_cores_per_rank(ranks_per_node: int, cores_per_socket: int = 52) -> int:
+    """Cores in each rank's block (one of them for the oneCCL worker): 8, fewer when more ranks share a socket."""
+    if ranks_per_node % 2:
+        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} must be even on Aurora: one half per socket.")
+    block = min(8, (cores_per_socket - 1) // (ranks_per_node // 2))
+    if block < 2:
+        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} leaves under 2 cores per rank on Aurora.")
+    return block
 
 
 def aurora_cpu_bind(ranks_per_node: int, cores_per_socket: int = 52) -> tuple[str, str]:
@@ -178,12 +190,8 @@ def aurora_cpu_bind(ranks_per_node: int, cores_per_socket: int = 52) -> tuple[st
     Core 0 of each socket is the OS's; the first half of the ranks (tiles) sit on socket 0.
     Each rank gets a block of cores on its socket: one for the oneCCL worker, the rest for itself.
     """
-    if ranks_per_node % 2:
-        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} must be even on Aurora: one half per socket.")
     per_socket = ranks_per_node // 2
-    block = min(8, (cores_per_socket - 1) // per_socket)
-    if block < 2:
-        raise ConfigError(f"machine.ranks_per_node={ranks_per_node} leaves under 2 cores per rank on Aurora.")
+    block = aurora_cores_per_rank(ranks_per_node, cores_per_socket)
     ranges, workers = [], []
     for socket in range(2):
         for i in range(per_socket):

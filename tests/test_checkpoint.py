@@ -127,7 +127,7 @@ def test_export_is_the_full_model_with_its_config(trained, tmp_path):
     model.load_state_dict(exported, strict=True)
     with safe_open(str(out), "pt") as f:
         config_yaml = f.metadata()["optimus_config"]
-    assert "n_experts: 4" in config_yaml and (out.parent / "config.yaml").read_text() == config_yaml
+    assert "n_experts: 4" in config_yaml and out.with_suffix(".yaml").read_text() == config_yaml
 
 
 def test_load_weights_only_starts_a_new_run(trained, tmp_path, corpus_file):

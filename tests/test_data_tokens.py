@@ -97,8 +97,13 @@ def test_rerun_is_a_no_op_and_other_inputs_need_overwrite(inputs, tok_file, tmp_
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
     with pytest.raises(DataError, match="--overwrite"):
         prepare([str(d / "a.jsonl")], out, str(tok_file), progress=False)
+    (out / "NOTES.txt").write_text("the user's own file")
     meta = prepare([str(d / "a.jsonl")], out, str(tok_file), progress=False, overwrite=True)
     assert meta["n_docs"] == 40
+    # --overwrite replaces what prepare wrote, and only that.
+    assert (out / "NOTES.txt").read_text() == "the user's own file"
+    assert sorted(p.name for p in out.glob("shard_*.bin")) == sorted(sh["file"] for sh in meta["shards"])
+    assert open_tokens(out).meta["n_tokens"] == meta["n_tokens"]  # every shard checks against the new metadata
 
 
 def test_an_unfinished_directory_is_not_trusted(inputs, tok_file, tmp_path):

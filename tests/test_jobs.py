@@ -203,6 +203,16 @@ def test_aurora_binding_matches_the_template_and_is_disjoint():
         # The first half of the ranks (tiles 0-5 for 12) sits on socket 0.
         firsts = [int(r.split("-")[0]) for r in ranges]
         assert all(f < 52 for f in firsts[: rpn // 2]) and all(f > 52 for f in firsts[rpn // 2 :])
+        # The rank's threads fill its block, less the oneCCL worker's core.
+        lo, hi = map(int, ranges[0].split("-"))
+        assert jobs.aurora_cores_per_rank(rpn) - 1 == hi - lo + 1
+
+
+def test_aurora_threads_follow_the_ranks_per_node(tmp_path):
+    cfg = make_cfg("aurora", ep=12)
+    cfg.machine.ranks_per_node = 24  # two ranks per tile: 25 usable cores per socket over 12 ranks
+    script = jobs.render("pbs", 1, cfg, ["machine=aurora"], run_dir=tmp_path / "run")
+    assert "export OMP_NUM_THREADS=3 " in script  # blocks of 4 cores, one for the oneCCL worker
 
 
 def test_layout_errors_are_one_clear_sentence():

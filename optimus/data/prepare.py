@@ -12,7 +12,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +148,13 @@ def input_docs(inputs: list[str], text_field: str, split: str) -> Iterator[str]:
             yield from dataset_docs(load_hf(spec, split, None), spec, text_field)
 
 
+def remove_token_files(out: Path) -> None:
+    """Delete what a prepare wrote into `out` (shards, their ends, the tokenizer), nothing else of the user's."""
+    ours = ["shard_*.bin", "shard_*.ends.npy", ".shard_*.tmp", ".meta.json.*.tmp", "tokenizer.json"]
+    for path in [p for pattern in ours for p in out.glob(pattern)]:
+        path.unlink(missing_ok=True)
+
+
 def prepare(
     inputs: list[str],
     output: str | Path,
@@ -177,7 +183,7 @@ def prepare(
                 f"{out} already holds shards of other inputs or tokenizer: choose another --output or pass --overwrite."
             )
         meta_path.unlink()  # untrusted from here on, until the new metadata is written
-        shutil.rmtree(out)
+        remove_token_files(out)
     meta = {"fingerprint": fingerprint, "inputs": [str(i) for i in inputs], "text_field": text_field}
     docs = input_docs(inputs, text_field, split)
     what = "--input " + " ".join(map(str, inputs))
