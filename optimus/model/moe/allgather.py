@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from optimus.config import ConfigError
+from optimus.kernels.dtypes import compute_dtype
 from optimus.model.moe.dispatch import run_experts
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
@@ -74,9 +75,12 @@ class AllGatherDispatcher:
         )
         # Expert id and keep flag travel in one integer tensor: -1 marks a dropped assignment.
         packed_TK = torch.where(keep_TK, routing.expert_idx_TK, -1)
+        # Under autocast the experts take their rows in the autocast dtype: gather them in it (half
+        # the bytes of the fp32 residual stream, and the same values the experts would round to).
+        x_TD = x_TD.to(compute_dtype(x_TD))
         with timed("dispatch_comm"):
             packed_NK = all_gather(packed_TK, self.group)
-            weight_NK = all_gather(routing.weight_TK, self.group)
+            weight_NK = all_gather(routing.weight_TK, self.group)  # fp32: the combine weights stay exact
             x_ND = all_gather(x_TD, self.group)
 
         first = self.ep_rank * self.n_local
