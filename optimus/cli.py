@@ -185,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             from optimus.plan import main as plan_main
 
             return plan_main(rest)
-    except (ConfigError, DataError) as err:
-        print(f"optimus: error: {err}", file=sys.stderr)
-        return 2
-    except LaunchError as err:  # the launcher's environment does not say where rank 0 is
+    except (ConfigError, DataError, LaunchError) as err:  # LaunchError: the launcher's environment is incomplete
         print(f"optimus: error: {err}", file=sys.stderr)
         return 2
     except (SpawnError, TrainingDiverged) as err:  # a local worker failed, or the loss diverged

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from optimus.data.errors import DataError
-from optimus.data.shards import META, ShardWriter
+from optimus.data.shards import META, ShardWriter, remove_token_files
 from optimus.data.sources import dataset_docs, expand_paths, iter_docs, load_hf
 from optimus.data.tokenizer import TokenizerInfo, encode_docs, load_tokenizer
 
@@ -148,13 +148,6 @@ def input_docs(inputs: list[str], text_field: str, split: str) -> Iterator[str]:
             yield from dataset_docs(load_hf(spec, split, None), spec, text_field)
 
 
-def remove_token_files(out: Path) -> None:
-    """Delete what a prepare wrote into `out` (shards, their ends, the tokenizer), nothing else of the user's."""
-    ours = ["shard_*.bin", "shard_*.ends.npy", ".shard_*.tmp", ".meta.json.*.tmp", "tokenizer.json"]
-    for path in [p for pattern in ours for p in out.glob(pattern)]:
-        path.unlink(missing_ok=True)
-
-
 def prepare(
     inputs: list[str],
     output: str | Path,
@@ -183,7 +176,7 @@ def prepare(
                 f"{out} already holds shards of other inputs or tokenizer: choose another --output or pass --overwrite."
             )
         meta_path.unlink()  # untrusted from here on, until the new metadata is written
-        remove_token_files(out)
+        remove_token_files(out)  # only prepare's own files: the folder may hold the user's
     meta = {"fingerprint": fingerprint, "inputs": [str(i) for i in inputs], "text_field": text_field}
     docs = input_docs(inputs, text_field, split)
     what = "--input " + " ".join(map(str, inputs))

@@ -95,6 +95,13 @@ class ShardWriter:
         return meta
 
 
+def remove_token_files(directory: Path) -> None:
+    """Delete the files of the layout above (and unfinished temporaries of them), nothing else in `directory`."""
+    ours = ["shard_*.bin", "shard_*.ends.npy", ".shard_*.tmp", f".{META}.*.tmp", "tokenizer.json"]
+    for path in [p for pattern in ours for p in directory.glob(pattern)]:
+        path.unlink(missing_ok=True)
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
     path = directory / META
     if not directory.is_dir():
