@@ -3,7 +3,7 @@
     python benchmarks/dispatch.py [--tokens 4096] [--dim 512] [--experts 16] [--top-k 2] [--ranks 2 4]
 
 For each dispatcher (alltoall, allgather) and EP size, one MoE layer's dispatch and
-combine run on gloo ranks started by optimus.launch.spawn_local (the path of
+combine run on gloo ranks started by optimus.ranks.spawn_local (the path of
 `optimus train parallel.nproc=N`). The experts are the identity, so the time is the
 token movement alone (permute, collectives, regroup, combine); the local dispatcher
 at 1 rank is the baseline. Bytes are counted at the collectives, per rank, for one
@@ -37,10 +37,10 @@ import torch.nn as nn
 import optimus.parallel.collectives as coll
 from optimus.config import MoEConfig
 from optimus.kernels import get_backend
-from optimus.model.moe.allgather import AllGatherDispatcher
-from optimus.model.moe.alltoall import AllToAllDispatcher
 from optimus.model.moe.dispatch import LocalDispatcher
 from optimus.model.moe.router import Router
+from optimus.parallel.allgather_dispatch import AllGatherDispatcher
+from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
@@ -116,7 +116,7 @@ def timed(fn, iters: int) -> float:
 
 def bench_rank(args: argparse.Namespace, dispatcher_name: str) -> dict:
     """Body of one rank (also run alone for the local baseline)."""
-    from optimus.launch import discover, init_process_group
+    from optimus.ranks import discover, init_process_group
 
     torch.set_num_threads(1)
     info = discover()
@@ -205,7 +205,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    from optimus.launch import spawn_local
+    from optimus.ranks import spawn_local
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch")

@@ -41,7 +41,7 @@ CPU_MODEL = [
 ]  # fmt: skip
 COMMON = [
     "train.seq_len=128", "train.micro_batch=4", "train.dtype=fp32", "train.eval_interval=100000",
-    "train.eval_batches=1", "train.log_interval=100000", "optim.sharding=ep_aware", "optim.warmup_steps=2",
+    "train.eval_sequences=4", "train.log_interval=100000", "optim.sharding=ep_aware", "optim.warmup_steps=2",
     "profile.timers=true", "logging.progress=false",
 ]  # fmt: skip
 
@@ -118,9 +118,9 @@ def run_local(args) -> None:
 
 
 def emit_cluster(args) -> None:
-    """One job script per (mode, node count), rendered from the machine's template by optimus.jobs."""
+    """One job script per (mode, node count), rendered from the machine's template by optimus.job_scripts."""
     from optimus.cli import load_config
-    from optimus.jobs import DEFAULT_SCHEDULER, SCHEDULERS, render
+    from optimus.job_scripts import DEFAULT_SCHEDULER, SCHEDULERS, render
 
     scheduler = DEFAULT_SCHEDULER[args.cluster]
     base = [f"model={args.model}", f"machine={args.cluster}", "optim.sharding=ep_aware", "profile.timers=true",

@@ -6,20 +6,27 @@ so `Transformer(cfg.model).load_state_dict(safetensors.torch.load_file(PATH))`
 works. The resolved config travels in the file's metadata ("optimus_config", YAML)
 and beside it as PATH with the suffix .yaml (model.safetensors -> model.yaml), so exports
 of several models can share a folder. One process reads everything (no process group).
+
+`--format hf` writes a Hugging Face directory instead and `optimus checkpoint import`
+reads one; both live in optimus.hf (OLMoE, Qwen3-MoE, Mixtral).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.config import ConfigError
+from optimus.data.cache import atomic_path, default_file_mode
 from optimus.train.checkpoint import inspect, resolve_checkpoint
+from optimus.train.checkpoint_checks import read_meta, verify_files
 
 EXPERT_KEY = re.compile(r"^model/(?P<name>.+)/expert_(?P<g>\d+)$")
 
@@ -27,12 +34,15 @@ _EPILOG = """\
 examples:
   optimus checkpoint export runs/tiny/checkpoints --out tiny.safetensors          # the latest checkpoint
   optimus checkpoint export runs/tiny/checkpoints/step_000300 --out tiny-300.safetensors
+  optimus checkpoint export runs/tiny/checkpoints --format hf --out tiny-hf --dtype bf16   # a HF model directory
+  optimus checkpoint import OLMoE-1B-7B --out olmoe-ckpt        # then run the `optimus train` line it prints
 """
 
 
 def consolidated_state(path: Path) -> dict[str, torch.Tensor]:
     """The full model state of checkpoint `path`: dense entries as saved, experts stacked into [E, ...]."""
     problem, metadata = inspect(path)
+    problem = problem or verify_files(path, read_meta(path))
     if problem:
         raise ConfigError(f"checkpoint {path} cannot be read: {problem}; export another checkpoint.")
     saved = metadata.state_dict_metadata
@@ -41,7 +51,11 @@ def consolidated_state(path: Path) -> dict[str, torch.Tensor]:
         for key, md in saved.items()
         if key.startswith("model/")
     }
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    try:
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"checkpoint {path} cannot be read ({first}): export another checkpoint.") from None
     state: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in targets.items():
@@ -61,16 +75,31 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the consolidated model of `checkpoint` (a step dir or a checkpoint root) to `out`; returns out."""
     from safetensors.torch import save_file
 
+    out = Path(out)
+    check_out(out)
     path = resolve_checkpoint(checkpoint, key="CKPT")
     state = consolidated_state(path)
     config_yaml = (path / "config.yaml").read_text() if (path / "config.yaml").is_file() else ""
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "optimus_config": config_yaml, "optimus_checkpoint": str(path.resolve())}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=metadata)
+    with atomic_path(out) as tmp:  # a failed export leaves no half-written file under the final name
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, default_file_mode())  # safetensors creates its files 0600
     if config_yaml:
         config_path(out).write_text(config_yaml)
     return out
+
+
+def check_out(out: Path) -> None:
+    """--out must name a file that its own config (beside it, as .yaml) will not replace."""
+    if out.is_dir():
+        example = out / "model.safetensors"
+        raise ConfigError(f"--out {out} is a directory: name the file to write, e.g. --out {example}.")
+    if config_path(out) == out:
+        raise ConfigError(
+            f"--out {out} would be overwritten by the config written beside it as {config_path(out).name}: "
+            "name the weights file with the .safetensors suffix."
+        )
 
 
 def config_path(out: Path) -> Path:
@@ -80,7 +109,7 @@ def config_path(out: Path) -> Path:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="optimus checkpoint", description="Work with optimus checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{export}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{export,import}")
     exp = sub.add_parser(
         "export",
         help="write one consolidated safetensors file of a checkpoint's model",
@@ -90,12 +119,42 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     exp.add_argument("checkpoint", metavar="CKPT", help="a step directory, or a checkpoint directory (its latest)")
-    exp.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file to write")
+    exp.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file (or, with hf, directory)")
+    exp.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors: one file, Optimus names; hf: a Hugging Face directory (OLMoE for qk_norm=full, "
+        "Qwen3-MoE for head, Mixtral for none)",
+    )  # fmt: skip
+    exp.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="hf: weights dtype")
+    exp.add_argument("--tokenizer", metavar="PATH", help="hf: a tokenizer.json file or directory to include")
+    imp = sub.add_parser(
+        "import",
+        help="write an Optimus checkpoint and model recipe from a Hugging Face OLMoE/Qwen3-MoE/Mixtral directory",
+        description="Convert a Hugging Face model directory into an Optimus checkpoint (a step directory that any "
+        "layout loads) with the model recipe that builds it, and print the command that continues pretraining.",
+    )
+    imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors weights")
+    imp.add_argument("--out", required=True, metavar="CKPT", help="new directory for the checkpoint")
+    imp.add_argument("--name", help="model recipe name (default: from HF_DIR)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "import":
+        from optimus.hf.convert import import_hf
+
+        done = import_hf(args.hf_dir, args.out, args.name)
+        print(f"Wrote checkpoint {done.checkpoint} and recipe {done.recipe}; continue pretraining with:")
+        print(f"  {done.command}")
+        return 0
+    if args.format == "hf":
+        from optimus.hf.convert import export_hf
+
+        path = resolve_checkpoint(args.checkpoint, key="CKPT")
+        out = export_hf(path, consolidated_state(path), args.out, args.dtype, args.tokenizer)
+        print(f"Wrote Hugging Face model directory {out}", file=sys.stdout)
+        return 0
     out = export(args.checkpoint, args.out)
     size = out.stat().st_size / 2**20
     print(f"Wrote {out} ({size:.1f} MiB) and {config_path(out)}", file=sys.stdout)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig, validate
 from optimus.data.errors import DataError
-from optimus.launch import LaunchError, SpawnError
+from optimus.ranks import LaunchError, SpawnError
+from optimus.recipes import load_config, recipe_groups, recipes_dir
 from optimus.train.faults import TrainingDiverged
 
 USAGE = """usage: optimus <command> [args]
@@ -23,7 +23,8 @@ Commands:
   train [overrides]     train a model from a Hydra recipe (default: the tiny model on the built-in corpus)
   data prepare|tokenizer  tokenise a corpus into token shards, or train a tokenizer
   launch                render (and submit) a PBS or SLURM job script for a recipe
-  checkpoint export CKPT --out PATH  consolidate a sharded checkpoint into one safetensors file
+  checkpoint export CKPT --out PATH  consolidate a sharded checkpoint into one safetensors file (--format hf: HF dir)
+  checkpoint import HF_DIR --out CKPT  an Optimus checkpoint + model recipe from an OLMoE/Qwen3-MoE/Mixtral dir
   report RUN_DIR...     scaling-efficiency report (throughput, MFU, step-time breakdown) of a series of runs
   plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
 
@@ -41,8 +42,10 @@ Frequently used keys (see ARCHITECTURE.md for all):
   model.n_layers, model.dim, model.n_heads, model.n_kv_heads, model.vocab_size
   model.moe.n_experts, model.moe.top_k, model.moe.expert_dim, model.moe.n_shared_experts
   model.moe.router=softmax|sigmoid, model.moe.capacity_factor=null|1.25
+  model.qk_norm=full|head|none, model.moe.aux_loss_scope=micro_batch|global, model.moe.n_groups
   train.steps, train.global_batch, train.micro_batch, train.seq_len, train.dtype=bf16|fp32
   optim.lr, parallel.nproc, parallel.ep, parallel.dispatcher=alltoall|allgather
+  parallel.pp, parallel.pp_schedule=gpipe|1f1b|interleaved_1f1b, parallel.pp_virtual
   kernels=auto|torch|triton, run.dir, logging.wandb=true
 
 Examples:
@@ -54,91 +57,65 @@ Examples:
 """
 
 
-def recipes_dir() -> Path:
-    """Recipes ship inside the wheel (optimus/recipes) or sit at the repository root (editable install)."""
-    packaged = Path(__file__).parent / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
-
-
-def recipe_groups() -> dict[str, list[str]]:
-    root = recipes_dir()
-    return {
-        group.name: sorted(p.stem for p in group.glob("*.yaml"))
-        for group in sorted(root.iterdir())
-        if group.is_dir() and any(group.glob("*.yaml"))
-    }
-
-
-def _explain_compose_error(err: Exception, overrides: list[str]) -> str:
-    """Turn Hydra's multi-line errors into one sentence that says what to change."""
-    text = str(err)
-    for group, names in recipe_groups().items():
-        if f"Could not find '{group}/" in text:
-            bad = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "?")
-            return f"Unknown {group} recipe {bad!r}: choose one of {', '.join(names)}."
-    if text.startswith("Could not override '"):
-        key = text.split("'")[1]
-        return f"Unknown config key {key!r}: check the spelling against `optimus train --help` and ARCHITECTURE.md."
-    if text.startswith("Error merging override "):
-        override = text.removeprefix("Error merging override ").strip()
-        cause = str(err.__cause__).strip().splitlines()[0] if err.__cause__ else "wrong type"
-        return f"Bad value in {override} ({cause}): give a value of the key's type."
-    first_line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return f"Invalid override ({first_line}): fix it or see `optimus train --help`."
-
-
-def load_config(overrides: list[str]) -> OptimusConfig:
-    """Compose recipes + overrides into a typed, validated-for-types OptimusConfig."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    ConfigStore.instance().store(name="optimus_schema", node=OptimusConfig)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-            composed = compose(config_name="config", overrides=list(overrides))
-        cfg = OmegaConf.to_object(composed)
-    except ConfigError:
-        raise
-    except Exception as err:  # Hydra and OmegaConf raise many types; all mean "bad override"
-        raise ConfigError(_explain_compose_error(err, list(overrides))) from None
-    return cfg
-
-
 def _worker(cfg: OptimusConfig) -> dict:
     """Body of one rank: join the process group (if any), train, leave."""
     import torch.distributed as dist
 
-    from optimus.launch import discover, init_process_group
     from optimus.platform import detect_platform, keep_cpu_allocations, share_cpu_threads
+    from optimus.ranks import discover, init_process_group
+    from optimus.train.memory_check import check_cpu_memory
+    from optimus.train.run_dir import remove_if_empty
     from optimus.train.trainer import train
 
     info = discover()
     platform = detect_platform(cfg.machine, info.local_rank)
     if platform.device_type == "cpu":
+        check_cpu_memory(cfg, info.world_size, info.local_world_size)
         share_cpu_threads(info.local_world_size)
         keep_cpu_allocations()
     if info.world_size > 1:
         init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
     try:
         return train(cfg, info.local_rank)
+    except BaseException:
+        remove_if_empty()  # a run that failed to start leaves no empty run directory behind
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _spawned_worker(cfg: OptimusConfig) -> dict:
+    """Body of a rank that `parallel.nproc=N` started: a user error goes to the parent, which says it once."""
+    from optimus.ranks import report_user_error
+
+    try:
+        return _worker(cfg)
+    except (ConfigError, DataError, LaunchError) as err:
+        report_user_error(str(err))
+        raise SystemExit(2) from None
+
+
+def _check_memory_before_spawning(cfg: OptimusConfig) -> None:
+    """The ranks would each refuse; saying it once, before starting them, is clearer and faster."""
+    from optimus.platform import detect_platform
+    from optimus.train.memory_check import check_cpu_memory
+
+    if detect_platform(cfg.machine, 0).device_type == "cpu":
+        check_cpu_memory(cfg, cfg.parallel.nproc, cfg.parallel.nproc)
+
+
 def cmd_train(overrides: list[str]) -> int:
-    from optimus.launch import SpawnStopped, discover, spawn_local
+    from optimus.ranks import SpawnStopped, discover, spawn_local
 
     cfg = load_config(overrides)
     info = discover()
     world_size = info.world_size if info.launcher != "none" else cfg.parallel.nproc
     validate(cfg, world_size)
     if info.launcher == "none" and cfg.parallel.nproc > 1:
+        _check_memory_before_spawning(cfg)
         try:
-            summary = spawn_local(cfg.parallel.nproc, _worker, (cfg,))[0]
+            summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (cfg,))[0]
         except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved and stopped
             how = "run the same command again" if cfg.run.dir else "run the command printed above"
             print(f"optimus: {stopped}; {how} to resume from the last checkpoint.")
@@ -170,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return data_main(rest)
         if command == "launch":
-            from optimus.jobs import main as launch_main
+            from optimus.job_scripts import main as launch_main
 
             return launch_main(rest)
         if command == "checkpoint":

@@ -26,10 +26,16 @@ class MoEConfig:
     n_shared_experts: int = 0
     router: str = "softmax"  # softmax | sigmoid
     norm_topk: bool = False  # renormalise the k softmax weights to sum to 1
-    aux_loss_coef: float = 0.01
+    # Load-balancing loss E * sum_e f_e P_e (f_e counts all k choices: k when balanced), OLMoE's convention.
+    aux_loss_coef: float | None = None  # null = 0.01 for softmax, 0 for sigmoid (see moe_aux_loss_coef)
+    aux_loss_scope: str = "micro_batch"  # micro_batch | global (f_e counted over the data-parallel ranks)
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (1 when balanced)
     z_loss_coef: float = 0.001
     bias_update_rate: float = 0.001  # sigmoid router: aux-loss-free balancing step size
     capacity_factor: float | None = None  # null = dropless
+    n_groups: int = 1  # group-limited routing (DeepSeek-V3): experts split into n_groups groups
+    topk_groups: int = 1  # ... of which each token may use the topk_groups best
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights
 
 
 @dataclass
@@ -43,7 +49,7 @@ class ModelConfig:
     ffn_dim: int = 1024  # hidden size of the dense SwiGLU layers
     first_k_dense: int = 0
     rope_theta: float = 10000.0
-    qk_norm: bool = True
+    qk_norm: str = "full"  # none | head (RMSNorm per head, Qwen3) | full (over the whole projection, OLMoE)
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -79,7 +85,9 @@ class DataConfig:
 class ParallelConfig:
     nproc: int = 1
     ep: int = 1
-    pp: int = 1  # pipeline stages; recipes name it, the trainer refuses pp > 1 until it exists
+    pp: int = 1  # pipeline stages (PP is the outermost rank dimension: world = pp x dp x ep)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_virtual: int = 1  # stages per rank (interleaved_1f1b: 2 or more)
     dispatcher: str = "alltoall"  # alltoall | allgather
     timeout_s: float = 600.0
 
@@ -94,9 +102,12 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 where bf16 matmuls are fast, else fp32) | bf16 | fp32
     grad_clip: float = 1.0  # 0 = no clipping
     eval_interval: int = 50
-    eval_batches: int = 4
+    eval_sequences: int = 32  # the held-out set: this many sequences, the same in every layout
     log_interval: int = 10
     max_skipped_steps: int = 5
+    # none | selective (recompute attention) | full (recompute every block's math but the EP exchange);
+    # see optimus/train/activation_checkpointing.py
+    activation_checkpointing: str = "none"
 
 
 @dataclass
@@ -110,6 +121,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
     zero: int = 1
+    grad_dtype: str = "fp32"  # fp32 | bf16: dtype of gradient accumulation and reduction
     bucket_mb: float = 32.0
     max_collective_numel: int = 256 * 1024 * 1024
 
@@ -127,6 +139,7 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str | None = None  # null = runs/<model>-<timestamp>
+    overwrite: bool = False  # start afresh in a run.dir that holds another run (its records and checkpoints go)
 
 
 @dataclass
@@ -158,19 +171,44 @@ class OptimusConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
+# Values of train.activation_checkpointing, from least to most recomputation.
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+
+
 def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not supported: set it to one of {', '.join(allowed)}.")
 
 
 def _positive(value: float, key: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}={value} must be positive.")
+    if not 0 < value < float("inf"):  # also refuses nan and inf
+        raise ConfigError(f"{key}={value} must be a positive, finite number.")
+
+
+QK_NORMS = ("none", "head", "full")
+# Configs written before qk_norm had a choice held a boolean: true meant today's "full".
+_LEGACY_QK_NORM = {"true": "full", "false": "none"}
+
+
+def qk_norm_mode(value: str | bool) -> str:
+    """model.qk_norm as one of QK_NORMS (old boolean values mapped to what they meant)."""
+    return _LEGACY_QK_NORM.get(str(value).lower(), str(value))
+
+
+def moe_aux_loss_coef(moe: MoEConfig) -> float:
+    """The load-balancing coefficient in force: as set, else 0.01 for softmax routers (OLMoE's value, in the
+    same convention) and 0 for the sigmoid router, which balances through its selection bias instead."""
+    if moe.aux_loss_coef is not None:
+        return moe.aux_loss_coef
+    return 0.0 if moe.router == "sigmoid" else 0.01
 
 
 def validate_model(m: ModelConfig) -> None:
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size"):
         _positive(getattr(m, key), f"model.{key}")
+    _choice(qk_norm_mode(m.qk_norm), "model.qk_norm", QK_NORMS)
+    _positive(m.rope_theta, "model.rope_theta")
+    _positive(m.norm_eps, "model.norm_eps")
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}: choose n_heads that divides dim."
@@ -207,6 +245,32 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.moe.n_shared_experts={moe.n_shared_experts} must be 0 or positive.")
     if m.first_k_dense:
         _positive(m.ffn_dim, "model.ffn_dim")
+    _validate_balancing(moe)
+
+
+def _validate_balancing(moe: MoEConfig) -> None:
+    _choice(moe.aux_loss_scope, "model.moe.aux_loss_scope", ("micro_batch", "global"))
+    for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
+        value = getattr(moe, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"model.moe.{key}={value} must be 0 or positive.")
+    _positive(moe.routed_scaling_factor, "model.moe.routed_scaling_factor")
+    _positive(moe.n_groups, "model.moe.n_groups")
+    if moe.n_experts % moe.n_groups:
+        raise ConfigError(
+            f"model.moe.n_groups={moe.n_groups} does not divide model.moe.n_experts={moe.n_experts}: "
+            "choose a number of groups that divides the number of experts."
+        )
+    if not 1 <= moe.topk_groups <= moe.n_groups:
+        raise ConfigError(
+            f"model.moe.topk_groups={moe.topk_groups} must lie between 1 and model.moe.n_groups={moe.n_groups}."
+        )
+    reachable = moe.topk_groups * (moe.n_experts // moe.n_groups)
+    if moe.top_k > reachable:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} exceeds the {reachable} experts of model.moe.topk_groups={moe.topk_groups} "
+            "groups: raise topk_groups or lower top_k."
+        )
 
 
 def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
@@ -214,11 +278,13 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     validate_model(cfg.model)
     t, p = cfg.train, cfg.parallel
     _choice(t.dtype, "train.dtype", ("auto", "bf16", "fp32"))
+    _choice(t.activation_checkpointing, "train.activation_checkpointing", ACTIVATION_CHECKPOINTING)
     _choice(cfg.kernels, "kernels", ("auto", "torch", "triton"))
     _choice(p.dispatcher, "parallel.dispatcher", ("alltoall", "allgather"))
     _choice(cfg.optim.sharding, "optim.sharding", ("auto", "ep_aware", "standard", "none"))
+    _choice(cfg.optim.grad_dtype, "optim.grad_dtype", ("fp32", "bf16"))
     _choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
-    for key in ("steps", "global_batch", "micro_batch", "seq_len", "eval_interval", "eval_batches", "log_interval"):
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "eval_interval", "eval_sequences", "log_interval"):
         _positive(getattr(t, key), f"train.{key}")
     if t.max_skipped_steps < 0:
         raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be 0 or positive.")
@@ -238,20 +304,18 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
             f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}: "
             "choose a global batch that is a multiple of the micro batch."
         )
-    if t.global_batch % (t.micro_batch * world_size):
+    validate_pipeline(cfg, world_size)
+    data_parallel = world_size // p.pp  # the ranks of one pipeline stage
+    if t.global_batch % (t.micro_batch * data_parallel):
+        what = "world size" if p.pp == 1 else "ranks per pipeline stage"
         raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch x world size = "
-            f"{t.micro_batch} x {world_size}: make global_batch a multiple of {t.micro_batch * world_size}."
+            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch x {what} = "
+            f"{t.micro_batch} x {data_parallel}: make global_batch a multiple of {t.micro_batch * data_parallel}."
         )
-    if p.pp != 1:
-        raise ConfigError(
-            f"parallel.pp={p.pp} asks for pipeline parallelism, which Optimus does not have yet: "
-            "this layout cannot run until it exists; use parallel.pp=1 with a model that fits DP x EP."
-        )
-    if world_size % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} does not divide the world size {world_size}: choose an ep that divides it."
-        )
+    validate_micro_batches(cfg, world_size)
+    if data_parallel % p.ep:
+        where = f"the world size {world_size}" if p.pp == 1 else f"the {data_parallel} ranks of a pipeline stage"
+        raise ConfigError(f"parallel.ep={p.ep} does not divide {where}: choose an ep that divides it.")
     if p.ep > 1 and cfg.model.moe.n_experts == 0:
         raise ConfigError("parallel.ep > 1 needs a model with experts: set parallel.ep=1 for a dense model.")
     if cfg.model.moe.n_experts and cfg.model.moe.n_experts % p.ep:
@@ -264,4 +328,64 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
 
 
 def grad_accum_steps(cfg: OptimusConfig, world_size: int) -> int:
+    """Micro-batches per rank and step; `world_size` counts the data-parallel ranks (one pipeline stage's)."""
     return cfg.train.global_batch // (cfg.train.micro_batch * world_size)
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
+    """parallel.pp / pp_schedule / pp_virtual, and what pipeline parallelism does not combine with yet."""
+    p = cfg.parallel
+    _positive(p.pp, "parallel.pp")
+    _positive(p.pp_virtual, "parallel.pp_virtual")
+    _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    if p.pp == 1:
+        return
+    if world_size % p.pp:
+        raise ConfigError(
+            f"parallel.pp={p.pp} does not divide the world size {world_size}: choose a pp that divides it."
+        )
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    if interleaved and p.pp_virtual < 2:
+        raise ConfigError(
+            "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual >= 2 stages per rank: set it to 2."
+        )
+    if not interleaved and p.pp_virtual != 1:
+        raise ConfigError(
+            f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule=interleaved_1f1b: "
+            "set that, or pp_virtual=1."
+        )
+    if cfg.model.n_layers < p.pp * p.pp_virtual:
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} cannot fill parallel.pp x parallel.pp_virtual = "
+            f"{p.pp * p.pp_virtual} pipeline stages: use fewer stages or more layers."
+        )
+    if cfg.model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings=true needs the embedding and the LM head on one stage: "
+            "set model.tie_embeddings=false to use parallel.pp > 1."
+        )
+    if cfg.optim.zero == 2:
+        raise ConfigError("optim.zero=2 does not work with parallel.pp > 1 yet: set optim.zero=1.")
+    if cfg.checkpoint.interval or cfg.checkpoint.load:
+        raise ConfigError(
+            "checkpoints do not work with parallel.pp > 1 yet: "
+            "set checkpoint.interval=0 and leave checkpoint.load unset."
+        )
+
+
+def validate_micro_batches(cfg: OptimusConfig, world_size: int) -> None:
+    """The pipeline schedules' needs on the number of micro-batches each rank runs per step."""
+    p = cfg.parallel
+    if p.pp == 1 or p.pp_schedule == "gpipe":
+        return
+    accum = grad_accum_steps(cfg, world_size // p.pp)
+    rounds = max(1, accum // p.pp)  # interleaved_1f1b runs the micro-batches in rounds of pp
+    if accum < p.pp or (p.pp_schedule == "interleaved_1f1b" and accum % rounds):
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule} needs a multiple of parallel.pp={p.pp} micro-batches per step on "
+            f"each rank, got {accum} = train.global_batch / (train.micro_batch x {world_size // p.pp} ranks per "
+            "stage): change global_batch or micro_batch."
+        )

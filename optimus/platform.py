@@ -10,12 +10,15 @@ import importlib
 import logging
 import os
 import platform as _pyplatform
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from optimus.config import ConfigError, MachineConfig
+from optimus.kernels.dtypes import cpu_has_fast_bf16
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,20 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 _warned_unknown: set[str] = set()
 
 
+def resolve_dtype(requested: str, device_type: str, cpuinfo: str | None = None) -> str:
+    """`bf16` or `fp32` for `train.dtype=requested` on a device of `device_type`.
+
+    `auto` picks bf16 only where bf16 matmuls are fast: every accelerator (CUDA, ROCm, XPU) has bf16
+    matrix units; a CPU needs AVX512-BF16 or AMX, without which PyTorch emulates bf16 matmuls tens
+    of times slower than fp32.
+    """
+    if requested != "auto":
+        return requested
+    if device_type != "cpu":
+        return "bf16"
+    return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
+
+
 def lookup_peak_flops(device_name: str) -> float | None:
     for key, flops in PEAK_BF16_FLOPS:
         if key.lower() in device_name.lower():
@@ -226,11 +243,29 @@ def max_memory_allocated(platform: Platform) -> int:
     return int(api.max_memory_allocated(platform.device)) if api is not None else 0
 
 
-def set_device(platform: Platform) -> None:
-    """Make the rank's device current, so kernels and collectives without a device land on it."""
-    api = _api(platform)
-    if api is not None:
-        api.set_device(platform.device)
+def peak_resident_bytes() -> int:
+    """This process's peak resident set size.
+
+    Linux: VmHWM, the peak of this process image alone; getrusage's ru_maxrss would also carry the
+    peak of the process that forked it (a launcher, a test runner) across fork and exec.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kilobytes
+
+
+def peak_memory_bytes(platform: Platform) -> int:
+    """This rank's peak so far: the device allocator's on accelerators, the process's resident set on a CPU."""
+    if _api(platform) is not None:
+        return max_memory_allocated(platform)
+    return peak_resident_bytes()
 
 
 def share_cpu_threads(local_world_size: int) -> int:

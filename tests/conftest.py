@@ -1,9 +1,17 @@
 """Shared fixtures: a small local corpus and tiny-model overrides, so no test downloads anything."""
 
 import json
+import os
 import random
 
 import pytest
+import torch
+
+# Triton fixes compiled-or-interpreted when it is first imported, and with a CUDA build of torch (what a plain
+# `pip install torch` gives) importing torch._dynamo, as some optimus modules do, imports it: without a GPU the
+# Triton tests need the interpreter, so it is chosen here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_MODEL = [
     "model.n_layers=2",
@@ -42,3 +50,47 @@ def isolated_cache(tmp_path_factory, monkeypatch):
     """Tokenizers and token caches of tests go to a per-session temp dir, never the user's cache."""
     monkeypatch.setenv("OPTIMUS_CACHE", str(tmp_path_factory.getbasetemp() / "optimus-cache"))
     monkeypatch.setenv("WANDB_MODE", "offline")
+
+
+# A small finished run, trained once per session and shared: tests copy it (copy_small_run) before changing it.
+SMALL_RUN = [
+    *TINY_MODEL,
+    "model.dim=32",
+    "model.moe.expert_dim=32",
+    "train.dtype=fp32",
+    "kernels=torch",
+    "logging.progress=false",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "train.micro_batch=4",
+    "train.eval_sequences=8",
+    "train.eval_interval=2",
+    "optim.warmup_steps=1",
+    "checkpoint.interval=2",
+    "checkpoint.keep=3",
+    "train.steps=4",
+]
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory, corpus_file):
+    """(run directory with checkpoints at steps 2 and 4, the overrides that made it); read-only for tests."""
+    from optimus.cli import load_config
+    from optimus.train.trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("small-run") / "run"
+    overrides = [*SMALL_RUN, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}"]
+    with pytest.MonkeyPatch.context() as mp:  # the function-scoped isolated_cache does not reach here
+        mp.setenv("OPTIMUS_CACHE", str(tmp_path_factory.getbasetemp() / "optimus-cache"))
+        Trainer(load_config(overrides)).fit()
+    return run_dir, overrides
+
+
+def copy_small_run(small_run, tmp_path):
+    """A private copy of the small run: (its run directory, the overrides that resume it)."""
+    import shutil
+
+    source, overrides = small_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    return run_dir, [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]

@@ -137,3 +137,23 @@ def test_helper_kills_ranks_past_the_deadline():
     with pytest.raises(DistributedTestError, match="rank 0 was killed or timed out"):
         run_distributed(_hang, 2, timeout_s=2)
     assert time.monotonic() - start < 30
+
+
+def bf16_sums() -> list[torch.Tensor]:
+    """reduce_scatter (and all_gather's backward, a reduce-scatter) of bf16 rows from 4 ranks."""
+    rank = dist.get_rank()
+    # Rank 0 sends 1.0, the others 2^-8 each: in bf16 (8 significant bits) every partial sum
+    # 1 + 2^-8 rounds back to 1.0, while the exact sum 1 + 3 * 2^-8 rounds to 1.015625.
+    x = torch.full((4, 2), 1.0 if rank == 0 else 2.0**-8, dtype=torch.bfloat16)
+    forward = reduce_scatter(x, dist.group.WORLD)
+    leaf = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
+    (all_gather(leaf, dist.group.WORLD) * x).sum().backward()
+    return [forward, leaf.grad]
+
+
+def test_bf16_sums_over_ranks_round_once():
+    """A sum over ranks is accumulated in fp32 and rounded once, not rounded after every partial sum."""
+    exact = torch.tensor(1.0 + 3 * 2.0**-8).to(torch.bfloat16)
+    for forward, backward in run_distributed(bf16_sums, 4):
+        assert forward.dtype == backward.dtype == torch.bfloat16
+        assert torch.all(forward == exact) and torch.all(backward == exact), (forward, backward)

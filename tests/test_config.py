@@ -64,7 +64,7 @@ def test_ep_must_divide_experts_and_world():
     "override",
     [
         "train.eval_interval=0",
-        "train.eval_batches=0",
+        "train.eval_sequences=0",
         "train.log_interval=0",
         "train.max_skipped_steps=-1",
         "train.grad_clip=-1",

@@ -123,13 +123,17 @@ def test_bad_layouts_and_empty_datasets_are_refused():
         BatchLoader(TokenWindows(np.arange(4), SEQ), 2, 1, 0, 1, 0)
 
 
-def test_eval_batches_are_layout_invariant_and_equal_per_rank():
-    ds = _windows(5)  # fewer windows than the evaluation asks for: wraps around
-    ref = eval_batches(ds, 4, 2, 0, 1)
-    assert len(ref) == 4
-    for world in (2, 4):
-        per_rank = [eval_batches(ds, 4, 2, r, world) for r in range(world)]
-        assert {len(p) for p in per_rank} == {4 // world}
-        union = [m for p in per_rank for m in p]
-        assert all(torch.equal(a, b) for a, b in zip(union, ref, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(ref, eval_batches(ds, 4, 2, 0, 1), strict=True))
+def test_eval_set_is_the_same_sequences_in_every_layout():
+    """Every (world size, micro-batch) evaluates the same windows once each, with equal forwards per rank."""
+    ds = _windows(11)
+    ref = [row for batch, weight in eval_batches(ds, 7, 1, 0, 1) for row, w in zip(batch, weight) if w]
+    assert len(ref) == 7
+    for world in (1, 2, 3, 4):
+        for micro_batch in (1, 2, 4):
+            per_rank = [eval_batches(ds, 7, micro_batch, r, world) for r in range(world)]
+            assert len({len(p) for p in per_rank}) == 1, "every rank must run the same number of forwards"
+            assert all(batch.shape[0] == micro_batch for p in per_rank for batch, _ in p)
+            kept = [row for p in per_rank for batch, weight in p for row, w in zip(batch, weight) if w]
+            assert len(kept) == 7 and all(torch.equal(a, b) for a, b in zip(kept, ref))
+    small = [w for _, weight in eval_batches(_windows(3), 8, 2, 0, 1) for w in weight]
+    assert sum(small) == 3, "a held-out set smaller than asked for is used once, not wrapped around"

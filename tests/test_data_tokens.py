@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from optimus.config import ConfigError, DataConfig
-from optimus.data import BatchLoader, DataError, build_data, open_tokens, prepare, train_bpe
+from optimus.data import BatchLoader, DataError, build_data, open_tokens, train_bpe
 from optimus.data.cli import main as cli_main
+from optimus.data.prepare import prepare  # the package attribute `prepare` may be the submodule
 from optimus.data.shards import ShardWriter
 
 SEQ = 16
@@ -110,7 +111,9 @@ def test_an_unfinished_directory_is_not_trusted(inputs, tok_file, tmp_path):
     d, docs = inputs
     out = tmp_path / "out"
     prepare([str(d)], out, str(tok_file), progress=False, shard_tokens=500)
-    (out / "meta.json").unlink()  # as if killed before the metadata was written
+    written = json.loads((out / "meta.json").read_text())["files"]
+    (out / "meta.json").unlink()  # as if killed before the metadata was written: its journal lists its files
+    (out / ".prepare-files.json").write_text(json.dumps(written))
     (out / ".shard_00009.bin.tmp").write_bytes(b"\x00" * 10)
     with pytest.raises(DataError, match="has no meta.json"):
         open_tokens(out)

@@ -34,7 +34,7 @@ COMMON = [
     "train.seq_len=16",
     "train.global_batch=8",
     "train.micro_batch=2",
-    "train.eval_batches=2",
+    "train.eval_sequences=8",
     "train.eval_interval=100",
     "optim.warmup_steps=2",
     "parallel.timeout_s=60",
@@ -78,12 +78,12 @@ def faulty_rank(overrides: list[str], cache: str, bad_rank: int, bad_steps: list
     real_loss = trainer_module.micro_batch_loss
 
     def poisoned_loss(model, batch, cfg, platform):
-        loss, lm_loss, out = real_loss(model, batch, cfg, platform)
+        loss = real_loss(model, batch, cfg, platform)
         if rank == bad_rank and trainer.step + 1 in bad_steps:
             loss = loss + float("nan")
         if rank == bad_rank and trainer.step + 1 == term_step:
             os.kill(os.getpid(), signal.SIGTERM)
-        return loss, lm_loss, out
+        return loss
 
     trainer_module.micro_batch_loss = poisoned_loss
     snapshots = []
@@ -145,7 +145,8 @@ def test_sigterm_on_one_rank_stops_all_at_a_checkpoint(tmp_path, corpus_file):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
-def test_sigterm_to_a_training_process_saves_and_exits_zero(tmp_path, corpus_file):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_to_a_training_process_saves_and_exits_zero(tmp_path, corpus_file, sig):
     run_dir = tmp_path / "run"
     overrides = [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.steps=500"]
     proc = subprocess.Popen(
@@ -161,7 +162,7 @@ def test_sigterm_to_a_training_process_saves_and_exits_zero(tmp_path, corpus_fil
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         output, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -170,3 +171,71 @@ def test_sigterm_to_a_training_process_saves_and_exits_zero(tmp_path, corpus_fil
     assert 2 <= last < 500
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
     assert "run the same command again to resume" in output
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in os.scandir(f"/proc/{todo.pop()}/task"):
+            try:
+                children = [int(c) for c in open(f"{task.path}/children").read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as ended)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM])  # SIGUSR1 and SIGINT take the same path (test_launch.py)
+def test_a_stop_signal_to_a_local_two_rank_run_saves_and_ends_every_process(tmp_path, corpus_file, sig):
+    """The signal goes to the launching process only (as `kill PID` or a batch system does): it passes it on,
+    the ranks save at the next step boundary, and every process ends within 10 s of the checkpoint."""
+    run_dir = tmp_path / "run"
+    overrides = [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "parallel.nproc=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimus", "train", *overrides, "train.steps=100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group, so the test can clean up whatever is left
+    )
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 180
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.1)
+        ranks = _descendants(proc.pid)
+        assert len(ranks) >= 2
+        proc.send_signal(sig)
+        while not latest.exists():
+            assert time.monotonic() < deadline, "no checkpoint was saved"
+            time.sleep(0.05)
+        saved_at = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < saved_at + 10:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if _alive(pid)]
+        ended_after_s = time.monotonic() - saved_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, output
+    assert not left and ended_after_s < 10, f"processes {left} still ran {ended_after_s:.1f} s after the checkpoint"
+    assert f"stopped by {sig.name}" in output and "Traceback" not in output
+    last = read_metrics(run_dir)[-1]["step"]
+    assert latest.read_text().strip() == f"step_{last:06d}"

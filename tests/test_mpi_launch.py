@@ -28,7 +28,7 @@ def test_mpiexec_trains_with_expert_parallelism(tmp_path, corpus_file):
         "mpiexec", "-n", "2", sys.executable, "-m", "optimus", "train", *TINY_MODEL,
         "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "parallel.ep=2",
         "train.steps=3", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=4",
-        "train.eval_batches=2", "logging.progress=false", "parallel.timeout_s=120",
+        "train.eval_sequences=8", "logging.progress=false", "parallel.timeout_s=120",
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

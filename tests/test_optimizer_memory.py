@@ -11,7 +11,7 @@ import torch
 
 from optimus.config import ModelConfig, MoEConfig, OptimConfig, OptimusConfig
 from optimus.model import Transformer, count_params
-from optimus.optim import ReplicatedAdamW, ShardedAdamW, build_optimizer
+from optimus.optim import ShardedAdamW, build_optimizer
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
 
@@ -40,42 +40,66 @@ def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
     return model
 
 
-def formula_state_bytes(scheme: str, dense: int, expert: int, world: int, ep: int, per_param: int) -> float:
+def owner_ranks(scheme: str, world: int, ep: int) -> dict[str, int]:
+    """Ranks that split each group's optimizer state (the table in optimus.optim.sharded)."""
     dp = world // ep
-    dense_share = dense / world if scheme == "ep_aware" else dense / dp
-    return per_param * (dense_share + expert / world)  # experts: (expert / ep) / dp
+    return {"dense": {"none": 1, "standard": dp, "ep_aware": world}[scheme], "expert": 1 if scheme == "none" else dp}
+
+
+def held_bytes(opt: ShardedAdamW) -> int:
+    """Bytes of every distinct buffer the optimizer holds (a buffer used twice counts once)."""
+    storages = {}
+    for g in opt.groups.values():
+        for t in (g.flat.buffer, g.full_grad, g.grad_shard, g.master, g.exp_avg, g.exp_avg_sq):
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 @pytest.mark.parametrize("world,ep", LAYOUTS)
-@pytest.mark.parametrize("dtype,per_param", [(torch.float32, 8), (torch.bfloat16, 12)])
-@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["none", "ep_aware", "standard"])
 @pytest.mark.parametrize("zero", [1, 2])
-def test_optim_state_bytes_match_formula(world, ep, dtype, per_param, scheme, zero):
-    cfg = OptimConfig(zero=zero, bucket_mb=0.05)  # several buckets per group
+def test_state_bytes_match_formula_and_the_buffers_held(world, ep, dtype, scheme, zero):
+    cfg = OptimConfig(zero=zero, bucket_mb=0.05)  # several buckets per group; fp32 gradients
     for rank in range(world):
         ps = ParallelState(rank=rank, world_size=world, ep=ep)
         model = rank_model(ps, dtype)
         counts = count_params(model, MODEL)
         local = sum(p.numel() for p in model.parameters())
-        mem = ShardedAdamW(model, cfg, ps, 1.0, scheme).memory_bytes()
-        formula = formula_state_bytes(scheme, counts.dense, counts.expert, world, ep, per_param)
+        opt = ShardedAdamW(model, cfg, ps, 1.0, scheme)
+        mem = opt.memory_bytes()
+        owners = owner_ranks(scheme, world, ep)
+        local_numel = {"dense": counts.dense, "expert": counts.expert / ep}
+        owned = sum(local_numel[k] / owners[k] for k in owners)
         pad = mem["padding_bytes"]
-        assert abs(mem["optim_state_bytes"] - formula) <= pad, (rank, mem, formula)
-        total = mem["param_bytes"] + mem["grad_bytes"] + mem["optim_state_bytes"]
-        assert pad < 0.005 * total
+        assert abs(mem["optim_state_bytes"] - 8 * owned) <= pad, (rank, mem, owned)  # two fp32 moments
         es = torch.finfo(dtype).bits // 8
+        assert abs(mem["master_bytes"] - (4 * owned if es != 4 else 0)) <= pad  # fp32 master of bf16 params
+        total = mem["param_bytes"] + mem["grad_bytes"] + mem["master_bytes"] + mem["optim_state_bytes"]
+        assert pad < 0.005 * total
+        assert total == held_bytes(opt)
         assert 0 <= mem["param_bytes"] - local * es <= pad
-        dense_shard = counts.dense / (world if scheme == "ep_aware" else world // ep)
-        shard_bytes = es * (dense_shard + counts.expert / world)
-        full = local * es if zero == 1 else 0  # ZeRO-1 keeps the full gradients too; ZeRO-2 only the shard
-        assert abs(mem["grad_bytes"] - full - shard_bytes) <= pad
+        # ZeRO-1 keeps the full fp32 gradients, plus the reduced shard where others own the rest; ZeRO-2 the shard.
+        full = local * 4 if zero == 1 else 0
+        shard = sum(4 * local_numel[k] / owners[k] for k in owners if zero == 2 or owners[k] > 1)
+        assert abs(mem["grad_bytes"] - full - shard) <= pad, (rank, mem)
+
+
+def test_one_owner_holds_each_gradient_once():
+    """ep_aware with ep = world: the expert group has one owner, so ZeRO-1 keeps one expert gradient buffer."""
+    ps = ParallelState(rank=1, world_size=4, ep=4)
+    opt = ShardedAdamW(rank_model(ps, torch.float32), OptimConfig(zero=1), ps, 1.0, "ep_aware")
+    expert = opt.groups["expert"]
+    assert expert.grad_shard is expert.full_grad
+    assert expert.state_bytes().grad_bytes == 4 * expert.flat.padded_numel
 
 
 @pytest.mark.parametrize("world,ep", LAYOUTS)
-@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
+@pytest.mark.parametrize("scheme", ["none", "ep_aware", "standard"])
 def test_every_element_is_owned_once(world, ep, scheme):
     """state_dict ranges, keyed in the full (all-experts) parameter: ep_aware tiles every parameter exactly once;
-    standard repeats each dense range on the EP ranks of a DP group and tiles the experts once."""
+    standard repeats each dense range on the EP ranks of a DP group and tiles the experts once; none replicates."""
     full = Transformer(MODEL, kernels="torch")
     numel = {n: p.numel() for n, p in full.named_parameters()}
     owners: dict[str, list[tuple[int, int]]] = {n: [] for n in numel}
@@ -89,7 +113,10 @@ def test_every_element_is_owned_once(world, ep, scheme):
             assert entry["exp_avg"].numel() == entry["hi"] - entry["lo"]
             owners[entry["name"]].append((entry["lo"], entry["hi"]))
     for name, ranges in owners.items():
-        copies = ep if scheme == "standard" and ".experts." not in name else 1
+        if scheme == "none":  # every rank holds every element it has: dense on all ranks, experts on their DP peers
+            copies = world if ".experts." not in name else world // ep
+        else:
+            copies = ep if scheme == "standard" and ".experts." not in name else 1
         covered = torch.zeros(numel[name], dtype=torch.int64)
         for lo, hi in ranges:
             covered[lo:hi] += 1
@@ -100,7 +127,7 @@ def test_build_optimizer_auto_picks_by_world_size():
     cfg = OptimusConfig(model=MODEL)
     cfg.optim.sharding = "auto"
     single = ParallelState()
-    assert isinstance(build_optimizer(rank_model(single, torch.float32), cfg, single), ReplicatedAdamW)
+    assert build_optimizer(rank_model(single, torch.float32), cfg, single).scheme == "none"
     ps = ParallelState(rank=1, world_size=4, ep=2)
     opt = build_optimizer(rank_model(ps, torch.float32), cfg, ps)
     assert isinstance(opt, ShardedAdamW) and opt.scheme == "ep_aware"
@@ -111,7 +138,7 @@ def test_build_optimizer_auto_picks_by_world_size():
 def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
     ps = ParallelState(rank=2, world_size=4, ep=2)
     model = rank_model(ps, torch.bfloat16)
-    opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=5000), ps, 1.0, "ep_aware")
+    opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=5000, grad_dtype="bf16"), ps, 1.0, "ep_aware")
     for group in opt.groups.values():
         flat = group.flat
         assert len(flat.buckets) > 1 and flat.buckets[0].start == 0 and flat.buckets[-1].end == flat.padded_numel

@@ -9,26 +9,28 @@ import pytest
 import torch
 
 from optimus.cli import load_config, main
-from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimConfig
-from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token
-from optimus.optim import ShardedAdamW
+from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
+from optimus.model import Transformer, count_params, flops_per_token
+from optimus.optim import ShardedAdamW, rank_state_bytes
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
-from optimus.plan import activation_bytes, make_plan, state_bytes
+from optimus.plan import activation_bytes, make_plan
 from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
+from tests.test_optimizer_memory import held_bytes
 
 RUN = [
     *TINY_MODEL, "data=text", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
-    "train.eval_batches=1", "machine.peak_flops=1e12",  # a fixed peak skips the CPU matmul probe
+    "train.eval_sequences=4", "machine.peak_flops=1e12",  # a fixed peak skips the CPU matmul probe
 ]  # fmt: skip
-LAYOUTS = {  # world: overrides; the sharded ones need expert parallelism and the EP-aware optimizer
-    1: ["optim.sharding=none"],
-    2: ["parallel.nproc=2", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=1"],
-    4: ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=2"],
+LAYOUTS = {  # name: (world, overrides); the sharded ones need expert parallelism and the EP-aware optimizer
+    "1-fp32": (1, ["optim.sharding=none", "train.dtype=fp32"]),
+    "1-bf16": (1, ["optim.sharding=none", "train.dtype=bf16"]),
+    "2-fp32": (2, ["parallel.nproc=2", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=1", "train.dtype=fp32"]),
+    "4-bf16": (4, ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=2", "train.dtype=bf16"]),
 }
-STATE_KEYS = ("param_bytes", "grad_bytes", "optim_state_bytes")
+STATE_KEYS = ("param_bytes", "grad_bytes", "master_bytes", "optim_state_bytes")
 
 
 @pytest.fixture(autouse=True)
@@ -50,15 +52,18 @@ def write_run_info(overrides: list[str], cache: str) -> None:
         trainer.loader.close()
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_plan_matches_measured_state_bytes(tmp_path, corpus_file, world):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_plan_matches_measured_state_bytes(tmp_path, corpus_file, layout):
     run_dir = tmp_path / "run"
-    overrides = [*RUN, f"data.path={corpus_file}", f"run.dir={run_dir}", *LAYOUTS[world]]
+    world, extra = LAYOUTS[layout]
+    overrides = [*RUN, f"data.path={corpus_file}", f"run.dir={run_dir}", *extra]
     if world == 1:
         write_run_info(overrides, os.environ["OPTIMUS_CACHE"])
     else:  # real gloo ranks with expert parallelism and the sharded optimizer
         run_distributed(write_run_info, world, overrides, os.environ["OPTIMUS_CACHE"])
-    measured = json.loads((run_dir / "run_info.json").read_text())["per_rank"]
+    info = json.loads((run_dir / "run_info.json").read_text())
+    measured = info["per_rank"]
+    assert info["dtypes"] == {"param": extra[-1].split("=")[1], "grad": "fp32", "master": "fp32"}
     cfg = load_config(overrides)
     plan = make_plan(cfg, world)
     predicted = plan.state[cfg.optim.sharding]
@@ -82,44 +87,59 @@ def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
 
 
 @pytest.mark.parametrize("world,ep", [(4, 2), (12, 4)])
-@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
-@pytest.mark.parametrize("dtype,param_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("scheme", ["none", "ep_aware", "standard"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [1, 2])
-def test_state_bytes_equal_the_sharded_optimizer(world, ep, scheme, dtype, param_bytes, zero):
+def test_plan_equals_the_buffers_the_optimizer_holds(world, ep, scheme, dtype, zero):
     """Every rank of many layouts, built in one process (building the optimizer runs no collective)."""
-    counts = count_params_of_config(SMALL)
-    predicted = state_bytes(scheme, counts.dense, counts.expert // ep, world, ep, param_bytes, zero)
+    cfg = OptimusConfig(model=SMALL)
+    cfg.parallel.ep, cfg.train.dtype, cfg.optim.zero = ep, dtype, zero
+    cfg.train.micro_batch, cfg.train.global_batch = 1, world
+    predicted = make_plan(cfg, world).state[scheme]
     for rank in (0, world - 1):
         ps = ParallelState(rank=rank, world_size=world, ep=ep)
-        measured = ShardedAdamW(rank_model(ps, dtype), OptimConfig(zero=zero), ps, 1.0, scheme).memory_bytes()
-        assert {k: measured[k] for k in (*STATE_KEYS, "padding_bytes")} == {
-            k: getattr(predicted, k) for k in (*STATE_KEYS, "padding_bytes")
-        }
+        model = rank_model(ps, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        opt = ShardedAdamW(model, cfg.optim, ps, 1.0, scheme)
+        assert sum(predicted[k] for k in STATE_KEYS) == held_bytes(opt)
+        assert opt.memory_bytes() == predicted
 
 
 def test_state_bytes_scale_as_documented():
     """Without padding (sizes divisible by everything): the per-parameter byte counts of the docstring."""
     dense, expert, world, ep = 2**20, 2**22, 8, 4
-    local = dense + expert // ep
-    none = state_bytes("none", dense, expert // ep, world, ep, 4)
-    assert (none.param_bytes, none.grad_bytes, none.optim_state_bytes) == (4 * local, 4 * local, 8 * local)
-    ep_aware = state_bytes("ep_aware", dense, expert // ep, world, ep, 2, zero=2)
-    assert ep_aware.grad_bytes == 2 * (dense + expert) // world
-    assert ep_aware.optim_state_bytes == 12 * (dense + expert) // world
-    standard = state_bytes("standard", dense, expert // ep, world, ep, 4, zero=1)
-    assert standard.optim_state_bytes == 8 * (dense // (world // ep) + expert // world)
-    assert standard.grad_bytes == 4 * local + 4 * (dense // (world // ep) + expert // world)
+    dp, local = world // ep, dense + expert // ep
+    none = rank_state_bytes("none", dense, expert // ep, world, dp, 4, 4, zero=1)
+    assert (none.param_bytes, none.grad_bytes, none.master_bytes, none.optim_state_bytes) == (
+        4 * local, 4 * local, 0, 8 * local,
+    )  # fmt: skip
+    ep_aware = rank_state_bytes("ep_aware", dense, expert // ep, world, dp, 2, 4, zero=2)
+    assert ep_aware.param_bytes == 2 * local
+    assert ep_aware.grad_bytes == 4 * (dense + expert) // world
+    assert ep_aware.master_bytes == 4 * (dense + expert) // world
+    assert ep_aware.optim_state_bytes == 8 * (dense + expert) // world
+    standard = rank_state_bytes("standard", dense, expert // ep, world, dp, 4, 4, zero=1)
+    assert standard.optim_state_bytes == 8 * (dense // dp + expert // world)
+    assert standard.grad_bytes == 4 * local + 4 * (dense // dp + expert // world)
 
 
 def test_activation_bytes_by_hand():
+    """bf16, QK-norm on: the per-token counts of the module docstring, mode by mode (measured in
+    tests/test_activation_checkpointing.py)."""
     t, a = 2 * 16, 2  # micro_batch 2, seq_len 16, bf16
-    d, d_kv, k, f, fs, e, ffn, v = 64, 32, 2, 48, 48, 8, 96, 512  # vocab 500 pads to 512
-    attn = 7 * d + 4 * d_kv
-    moe_layer = t * ((attn + 2 * d + k * (2 * d + 3 * f) + 3 * fs) * a + 8 * e)
-    dense_layer = t * (attn + 2 * d + 3 * ffn) * a
-    head = t * (2 * d * a + v * (a + 8))
-    assert activation_bytes(SMALL, 2, 16, a, False) == 2 * moe_layer + dense_layer + head
-    assert activation_bytes(SMALL, 2, 16, a, True) == 3 * t * d * a + max(moe_layer, dense_layer) + head
+    d, d_kv, n, k, f, fs, e, ffn, v = 64, 32, 4, 2, 48, 48, 8, 96, 512  # vocab 500 pads to 512
+    norms, attn = 6 * d * a, (5 * d + 4 * d_kv) * a + 4 * n
+    router, rows, experts, shared = 4 * d + 8 * e + 28 * k, 2 * k * d * a, 4 * k * f * a, 4 * fs * a
+    dense, moe = norms + attn + 4 * ffn * a, norms + attn + router + rows + experts + shared
+    head = 3 * d * a + v * (a + 4) + 16
+    kept = {  # one dense block, then two MoE blocks
+        "none": dense + 2 * moe + head,
+        "selective": dense - attn + 2 * (moe - attn) + head,
+        "full": d * a + 2 * (norms + router + rows) + head,
+    }
+    logits_grad = v * (4 + a)  # larger here than any recomputed region, so it sets every mode's peak
+    for mode, per_token in kept.items():
+        assert activation_bytes(SMALL, 2, 16, a, mode, recompute=False) == t * per_token, mode
+        assert activation_bytes(SMALL, 2, 16, a, mode) == t * (per_token + logits_grad), mode
 
 
 def test_flops_and_fit(tmp_path):

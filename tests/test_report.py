@@ -134,3 +134,29 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(a), "--out", str(tmp_path / "out"), "--warmup-steps", "2"]) == 2
     assert "none is left after --warmup-steps 2" in capsys.readouterr().err
     assert main(["report", str(a), "--out", str(tmp_path / "out"), "--warmup-steps", "1"]) == 0
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda run: (run / "config.yaml").write_text("train: [unclosed"), "config.yaml is not valid YAML"),
+        (lambda run: (run / "config.yaml").write_text("- a list\n"), "does not hold a config mapping"),
+        (lambda run: (run / "run_info.json").write_text("[1, 2]"), "not a JSON object"),
+        (lambda run: (run / "run_info.json").write_text('{"layout": {}}'), "has no number at layout.world"),
+        (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\n'), "line 1 is not a step record"),
+        (lambda run: (run / "metrics.jsonl").write_text("3\n"), "line 1 is not a step record"),
+    ],
+)
+def test_a_malformed_run_directory_is_one_sentence(tmp_path, capsys, damage, words):
+    run = make_run(tmp_path, "a", 1, 1, 16, [1.0, 1.0, 1.0])
+    damage(run)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_an_out_that_is_a_file_is_one_sentence(tmp_path, capsys):
+    run = make_run(tmp_path, "a", 1, 1, 16, [1.0, 1.0, 1.0])
+    (tmp_path / "out").write_text("")
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert "choose another --out" in capsys.readouterr().err

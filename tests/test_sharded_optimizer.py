@@ -1,10 +1,12 @@
-"""Sharded AdamW (ep_aware / standard, ZeRO-1 / ZeRO-2) against one process with torch's AdamW.
+"""The optimizer (none / standard / ep_aware, ZeRO-1 / ZeRO-2) against one process with torch's AdamW.
 
-Every layout trains a tiny MoE model for 10 steps on fixed random token batches,
-each rank taking its micro-batches as the data contract says (the global batch
-cut into micro-batches in order, rank r takes [r*A, (r+1)*A)). The reference is
-one process, same init, every micro-batch accumulated, clip_grad_norm_ and
-torch.optim.AdamW. Clipping triggers on every step.
+Every layout trains a tiny MoE model on fixed random token batches, each rank
+taking its micro-batches as the data contract says (the global batch cut into
+micro-batches in order, rank r takes [r*A, (r+1)*A)). The reference is one
+process, same init, every micro-batch accumulated, torch.optim.AdamW, and a
+gradient norm computed here in fp64 (no code shared with the optimizer; torch's
+own fp32 norms are up to 1e-4 short on long vectors on CPU). Clipping acts on
+every step.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from optimus.config import ModelConfig, MoEConfig, OptimConfig, ParallelConfig
-from optimus.model import Transformer
+from optimus.model import Transformer, moe_layer_ids
+from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import ShardedAdamW, lr_at
-from optimus.optim.replicated import param_groups
 from optimus.parallel import build_parallel_state, parallelize_model
 from tests.distributed import run_distributed
 
-STEPS, SEQ, MICRO, GLOBAL_MICRO_BATCHES = 10, 16, 2, 8
+STEPS, SEQ, MICRO, GLOBAL_MICRO_BATCHES = 8, 16, 2, 8
 GRAD_CLIP = 0.2  # below every step's norm, so clipping always acts
 MODEL = ModelConfig(
     n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=64,
@@ -33,74 +35,104 @@ MODEL = ModelConfig(
 HAS_EP = importlib.util.find_spec("optimus.parallel.expert_parallel") is not None
 
 
-def optim_cfg(zero: int, bucket_mb: float = 32.0, max_numel: int = 256 * 1024 * 1024) -> OptimConfig:
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """torch AdamW groups as the contract says: decay matrices and embeddings, never norms or biases (1-D)."""
+    decay = [p for _, p in named_params if p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def optim_cfg(zero: int, bucket_mb: float = 32.0, max_numel: int = 256 * 1024 * 1024, grad_dtype="fp32"):
     return OptimConfig(
-        lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb, max_collective_numel=max_numel
-    )
+        lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb, max_collective_numel=max_numel,
+        grad_dtype=grad_dtype,
+    )  # fmt: skip
 
 
-def batches() -> torch.Tensor:
+def batches(model_cfg: ModelConfig = MODEL) -> torch.Tensor:
     """[steps, micro-batches of the global batch, micro_batch, seq + 1] token windows."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, MODEL.vocab_size, (STEPS, GLOBAL_MICRO_BATCHES, MICRO, SEQ + 1), generator=g)
+    return torch.randint(0, model_cfg.vocab_size, (STEPS, GLOBAL_MICRO_BATCHES, MICRO, SEQ + 1), generator=g)
 
 
-def new_model(dtype: torch.dtype = torch.float32) -> Transformer:
-    model = Transformer(MODEL, kernels="torch")
+def new_model(dtype: torch.dtype = torch.float32, model_cfg: ModelConfig = MODEL) -> Transformer:
+    model = Transformer(model_cfg, kernels="torch")
     model.init_weights(torch.Generator().manual_seed(0))
     return model.to(dtype)
 
 
-def loss_of(model: Transformer, batch_BS1: torch.Tensor) -> torch.Tensor:
-    out = model(batch_BS1[:, :-1])
-    lm = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), batch_BS1[:, 1:].reshape(-1))
-    return lm + MODEL.moe.aux_loss_coef * out.aux_loss + MODEL.moe.z_loss_coef * out.z_loss
+def loss_of(model: Transformer, batch_BS1: torch.Tensor, accum: int) -> torch.Tensor:
+    """LM loss plus weighted router losses of one micro-batch, to be back-propagated as `loss / accum`: the
+    router losses' gradients ride on the LM loss's backward (optimus.model.moe.stats), scaled by 1 / accum."""
+    stats = RouterStats(moe_layer_ids(model.cfg), model.cfg.moe.n_experts)
+    stats.grad_scale = 1.0 / accum
+    model.attach_router_stats(stats)
+    lm = F.cross_entropy(model(batch_BS1[:, :-1]).flatten(0, 1).float(), batch_BS1[:, 1:].reshape(-1))
+    return lm + router_loss(model.cfg.moe, *stats.micro_batch_means(1)[0])
 
 
-def reference(skip_steps: tuple[int, ...] = ()) -> dict:
-    """One process: all micro-batches accumulated, clip_grad_norm_, torch.optim.AdamW; `skip_steps` get no update."""
+def fp64_norm(params) -> float:
+    """The reference gradient norm: every element squared and summed in fp64."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+
+
+def reference(n_micro_batches: int = GLOBAL_MICRO_BATCHES, skip_steps: tuple[int, ...] = ()) -> dict:
+    """One process: the first `n_micro_batches` of each step accumulated, fp64 norm, clip, torch.optim.AdamW."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only contend with the ranks of the tests
     try:
-        return _reference(skip_steps)
+        return _reference(n_micro_batches, skip_steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(skip_steps: tuple[int, ...]) -> dict:
+def _reference(n_micro_batches: int, skip_steps: tuple[int, ...]) -> dict:
     model, cfg = new_model(), optim_cfg(1)
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     losses, norms = [], []
-    for step, micro_batches in enumerate(batches()):
+    for step, micro_batches in enumerate(batches()[:, :n_micro_batches]):
         total = 0.0
         for mb in micro_batches:
-            loss = loss_of(model, mb)
-            (loss / GLOBAL_MICRO_BATCHES).backward()
+            loss = loss_of(model, mb, n_micro_batches)
+            (loss / n_micro_batches).backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
+        norm = fp64_norm(model.parameters())
+        norms.append(norm)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(min(1.0, GRAD_CLIP / (norm + 1e-6)))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg, STEPS)
         if step not in skip_steps:
             opt.step()
         opt.zero_grad()
-        losses.append(total / GLOBAL_MICRO_BATCHES)
+        losses.append(total / n_micro_batches)
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in named}}
 
 
 def train_sharded(
-    ep: int, scheme: str, cfg: OptimConfig, dtype=torch.float32, poison_rank: int | None = None, resume_cfg=None
+    ep: int,
+    scheme: str,
+    cfg: OptimConfig,
+    dtype=torch.float32,
+    poison_rank: int | None = None,
+    resume_cfg=None,
+    dispatcher: str = "alltoall",
+    n_micro_batches: int = GLOBAL_MICRO_BATCHES,
 ) -> dict:
-    """Body run on every rank: 10 steps of the layout; returns this rank's slice of the model and the curves.
+    """Body run on every rank: STEPS steps of the layout; returns this rank's slice of the model and the curves.
 
     `poison_rank` makes that rank's step-0 loss NaN. `resume_cfg`: halfway, rebuild model and optimizer
     with this config and continue from the merged state_dict of every rank (a reshard when buckets differ).
-    """
+    Each step's global batch is its first `n_micro_batches` micro-batches.
+    """  # fmt: skip
     ps = build_parallel_state(ep)
     model = new_model(dtype)
-    parallelize_model(model, ps, ParallelConfig(ep=ep))
+    parallelize_model(model, ps, ParallelConfig(ep=ep, dispatcher=dispatcher))
     opt = ShardedAdamW(model, cfg, ps, GRAD_CLIP, scheme)
-    accum = GLOBAL_MICRO_BATCHES // ps.world_size
+    accum = n_micro_batches // ps.world_size
+    grads_by_hook = dtype != {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.grad_dtype]
     losses, norms = [], []
     for step, micro_batches in enumerate(batches()):
         if resume_cfg is not None and step == STEPS // 2:
@@ -108,27 +140,34 @@ def train_sharded(
         mine = micro_batches[ps.rank * accum : (ps.rank + 1) * accum]
         total = torch.zeros(())
         for i, mb in enumerate(mine):
-            opt.set_last_micro_batch(i == accum - 1)
-            loss = loss_of(model, mb)
+            last = i == accum - 1
+            opt.set_last_micro_batch(last)
+            loss = loss_of(model, mb, accum)
             if poison_rank == ps.rank and step == 0:
                 loss = loss * float("nan")
             (loss / accum).backward()
             total += loss.detach().float()
             if cfg.zero == 2:  # reductions start in the hooks of the last backward only, and take the grads away
                 launched = [g.next_launch for g in opt.groups.values()]
-                assert launched == ([len(g.flat.buckets) for g in opt.groups.values()] if i == accum - 1 else [0, 0])
-                assert all((p.grad is None) == (i == accum - 1) for p in model.parameters())
+                assert launched == ([len(g.flat.buckets) for g in opt.groups.values()] if last else [0, 0])
+            if cfg.zero == 2 or grads_by_hook:  # .grad is kept only where autograd accumulates in grad_dtype
+                assert all((p.grad is None) == (last or grads_by_hook) for p in model.parameters())
         dist.all_reduce(total)
         norms.append(opt.step(lr_at(step, cfg, STEPS)))
         opt.zero_grad()
-        losses.append(total.item() / GLOBAL_MICRO_BATCHES)
+        losses.append(total.item() / n_micro_batches)
     return {"losses": losses, "norms": norms, "params": local_params(model), "memory": opt.memory_bytes()}
 
 
 def resume(model, opt, ps, ep, dtype, cfg, scheme):
     """A fresh model and optimizer (another bucket layout) that continue from the saved state of every rank."""
     states = [None] * ps.world_size
-    dist.all_gather_object(states, opt.state_dict())
+    own = opt.state_dict()  # views of the live state: copy before pickling
+    for entry in own["shards"].values():
+        for kind in ("exp_avg", "exp_avg_sq", "master"):
+            if kind in entry:
+                entry[kind] = entry[kind].clone()
+    dist.all_gather_object(states, own)
     merged = {"step": states[0]["step"], "shards": {k: v for s in states for k, v in s["shards"].items()}}
     fresh = new_model(dtype)
     parallelize_model(fresh, ps, ParallelConfig(ep=ep))
@@ -182,13 +221,20 @@ def assert_matches(rank_results: list[dict], ref: dict, tol: float = 1e-5) -> No
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict:
-    result = reference()
-    assert min(result["norms"]) > GRAD_CLIP, "the test needs clipping to act on every step"
-    return result
+def refs() -> dict[int, dict]:
+    """Reference runs by global batch size in micro-batches (world 4: 1 or 2 micro-batches per rank)."""
+    out = {n: reference(n) for n in (4, GLOBAL_MICRO_BATCHES)}
+    assert min(min(r["norms"]) for r in out.values()) > GRAD_CLIP, "the test needs clipping to act on every step"
+    return out
 
 
-SCHEME_ZERO = [("ep_aware", 1), ("ep_aware", 2), ("standard", 1), ("standard", 2)]
+@pytest.fixture(scope="module")
+def ref(refs) -> dict:
+    return refs[GLOBAL_MICRO_BATCHES]
+
+
+SCHEMES = ("none", "standard", "ep_aware")
+SCHEME_ZERO = [(scheme, zero) for scheme in SCHEMES for zero in (1, 2)]
 
 
 def test_dp2_matches_single_process(ref):
@@ -200,32 +246,125 @@ def test_dp2_matches_single_process(ref):
         assert_matches([r[i] for r in per_rank], ref)
 
 
+def world4_layouts() -> list[tuple]:
+    """Every scheme x ZeRO stage x EP size x dispatcher x gradient accumulation (1 or 2 micro-batches per rank)."""
+    layouts = []
+    for ep in (1, 2, 4):
+        for dispatcher in ("alltoall", "allgather") if ep > 1 else ("alltoall",):
+            for scheme, zero in SCHEME_ZERO:
+                for n_micro_batches in (4, GLOBAL_MICRO_BATCHES):
+                    cfg = optim_cfg(zero, bucket_mb=0.02)
+                    layouts.append((ep, scheme, cfg, torch.float32, None, None, dispatcher, n_micro_batches))
+    return layouts
+
+
 @pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
-def test_world4_ep_layouts_match_single_process(ref):
-    layouts = [(ep, scheme, optim_cfg(zero, bucket_mb=0.02)) for ep in (2, 4) for scheme, zero in SCHEME_ZERO]
-    per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=240)
-    for i, layout in enumerate(layouts):
+def test_world4_layouts_match_single_process(refs):
+    """Loss, grad norm (every step, 1e-5) and final parameters of 30 layouts against the single process."""
+    layouts = world4_layouts()
+    per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
+    for i, (ep, scheme, cfg, *_, dispatcher, n_mb) in enumerate(layouts):
         try:
-            assert_matches([r[i] for r in per_rank], ref)
+            assert_matches([r[i] for r in per_rank], refs[n_mb])
         except AssertionError as err:
-            raise AssertionError(f"layout ep={layout[0]} {layout[1]} zero={layout[2].zero}: {err}") from err
+            name = f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}"
+            raise AssertionError(f"layout {name}: {err}") from err
 
 
-def test_bf16_params_track_fp32(ref):
-    """bf16 parameters with an fp32 master shard follow the fp32 run loosely (bf16 weights, grads and reductions)."""
-    per_rank = run_distributed(run_layouts, 2, [(1, "ep_aware", optim_cfg(2), torch.bfloat16)])
-    res = per_rank[0][0]
+# ---- the gradient norm on long vectors ----------------------------------------------------------
+
+BIG_VOCAB = ModelConfig(
+    n_layers=1, dim=32, n_heads=4, n_kv_heads=2, vocab_size=32768, ffn_dim=64,
+    moe=MoEConfig(n_experts=4, top_k=2, expert_dim=32),
+)  # fmt: skip  # embedding and head: 1M elements each, where an fp32 running sum is ~1e-5 off
+
+
+def step1_norms(layouts: list[tuple]) -> list[float]:
+    """Body: for each (ep, dispatcher, scheme, zero, micro-batches), one optimizer step's pre-clip grad norm."""
+    tokens = torch.randint(0, BIG_VOCAB.vocab_size, (GLOBAL_MICRO_BATCHES, MICRO, SEQ + 1),
+                           generator=torch.Generator().manual_seed(7))  # fmt: skip
+    norms = []
+    for ep, dispatcher, scheme, zero, n_micro_batches in layouts:
+        ps = build_parallel_state(ep)
+        model = new_model(model_cfg=BIG_VOCAB)
+        parallelize_model(model, ps, ParallelConfig(ep=ep, dispatcher=dispatcher))
+        opt = ShardedAdamW(model, optim_cfg(zero, bucket_mb=1.0), ps, GRAD_CLIP, scheme)
+        accum = n_micro_batches // ps.world_size
+        for i, mb in enumerate(tokens[ps.rank * accum : (ps.rank + 1) * accum]):
+            opt.set_last_micro_batch(i == accum - 1)
+            (loss_of(model, mb, accum) / accum).backward()
+        norms.append(opt.step(1e-3))
+    return norms
+
+
+def test_step1_grad_norm_equals_fp64_reference():
+    """Every scheme x ZeRO x EP x dispatcher x accumulation: the norm of ~2.2M gradients within 1e-6 of fp64."""
+    tokens = torch.randint(0, BIG_VOCAB.vocab_size, (GLOBAL_MICRO_BATCHES, MICRO, SEQ + 1),
+                           generator=torch.Generator().manual_seed(7))  # fmt: skip
+    expected = {}
+    for n_micro_batches in (4, GLOBAL_MICRO_BATCHES):
+        model = new_model(model_cfg=BIG_VOCAB)
+        for mb in tokens[:n_micro_batches]:
+            (loss_of(model, mb, n_micro_batches) / n_micro_batches).backward()
+        expected[n_micro_batches] = fp64_norm(model.parameters())
+    layouts = [
+        (ep, dispatcher, scheme, zero, n_mb)
+        for ep in (1, 2, 4)
+        for dispatcher in (("alltoall", "allgather") if ep > 1 else ("alltoall",))
+        for scheme, zero in SCHEME_ZERO
+        for n_mb in (4, GLOBAL_MICRO_BATCHES)
+    ]
+    per_rank = run_distributed(step1_norms, 4, layouts, timeout_s=600)
+    for rank_norms in per_rank:
+        for layout, norm in zip(layouts, rank_norms, strict=True):
+            assert rel(norm, expected[layout[-1]]) < 1e-6, f"{layout}: {norm!r} vs fp64 {expected[layout[-1]]!r}"
+
+
+# ---- bf16 parameters ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme,zero", [("ep_aware", 1), ("ep_aware", 2), ("none", 2)])
+def test_bf16_params_track_fp32(ref, scheme, zero):
+    """bf16 parameters, fp32 grads (accumulated over 4 micro-batches), fp32 master shard: close to the fp32 run."""
+    per_rank = run_distributed(run_layouts, 2, [(1, scheme, optim_cfg(zero), torch.bfloat16)])
+    check_bf16_run([r[0] for r in per_rank], ref, loss_tol=1e-3, norm_tol=1e-2)
+    mem = per_rank[0][0]["memory"]
+    # Per rank: bf16 params (2 B) of the whole model; fp32 master (4 B) and moments (8 B) of what it owns.
+    n = sum(p.numel() for p in ref["params"].values())
+    owned = n if scheme == "none" else n / 2
+    assert mem["param_bytes"] - mem["padding_bytes"] <= 2 * n <= mem["param_bytes"]
+    assert 4 * owned <= mem["master_bytes"] <= 4 * owned + mem["padding_bytes"]
+    assert 8 * owned <= mem["optim_state_bytes"] <= 8 * owned + mem["padding_bytes"]
+
+
+def test_bf16_grads_follow_fp32_grads_loosely(ref):
+    """optim.grad_dtype=bf16 (accumulated and reduced in bf16) still trains like the fp32 run, more loosely."""
+    per_rank = run_distributed(run_layouts, 2, [(1, "ep_aware", optim_cfg(1, grad_dtype="bf16"), torch.bfloat16)])
+    check_bf16_run([r[0] for r in per_rank], ref, loss_tol=2e-3, norm_tol=3e-2)
+
+
+@pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
+def test_bf16_dispatchers_stray_alike_from_fp32(ref):
+    """EP 4 in bf16: the all-gather dispatcher (sums over ranks in fp32) is no further from fp32 than all-to-all."""
+    layouts = [(4, "ep_aware", optim_cfg(1), torch.bfloat16, None, None, d, 8) for d in ("alltoall", "allgather")]
+    per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=300)
+    stray = {}
+    for i, (*_, dispatcher, _) in enumerate(layouts):
+        check_bf16_run([r[i] for r in per_rank], ref, loss_tol=1e-3, norm_tol=1e-2)
+        stray[dispatcher] = max(rel(n, r) for n, r in zip(per_rank[0][i]["norms"], ref["norms"]))
+    assert stray["allgather"] <= 2 * stray["alltoall"], stray
+
+
+def check_bf16_run(rank_results: list[dict], ref, loss_tol: float, norm_tol: float) -> None:
+    res = rank_results[0]
     for step in range(STEPS):
-        assert rel(res["losses"][step], ref["losses"][step]) < 1e-3
-        assert rel(res["norms"][step], ref["norms"][step]) < 1e-2
-    params = assemble([r[0] for r in per_rank])
+        assert rel(res["losses"][step], ref["losses"][step]) < loss_tol, step
+        assert rel(res["norms"][step], ref["norms"][step]) < norm_tol, step
+    params = assemble(rank_results)
     diff = torch.cat([(params[n] - p).flatten() for n, p in ref["params"].items()])
     assert diff.norm() / torch.cat([p.flatten() for p in ref["params"].values()]).norm() < 2e-2
     for name, ref_p in ref["params"].items():  # routed experts drift most: bf16 rounding flips some routes
         assert (params[name] - ref_p).norm() / ref_p.norm() < 0.1, name
-    # fp32 master + two fp32 moments: 12 bytes per owned element, half of the model per rank.
-    formula = 12 * sum(p.numel() for p in ref["params"].values()) / 2
-    assert formula <= res["memory"]["optim_state_bytes"] <= formula + res["memory"]["padding_bytes"]
 
 
 def test_non_finite_grad_skips_the_step_on_every_rank():

@@ -87,7 +87,7 @@ def test_step_window():
 
 RUN = [
     *TINY_MODEL, "data=text", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.steps=2",
-    "train.eval_batches=1", "machine.peak_flops=1e12", "logging.progress=false",
+    "train.eval_sequences=4", "machine.peak_flops=1e12", "logging.progress=false",
 ]  # fmt: skip
 TRAINER_PHASES = {"data_wait", "forward", "backward", "optimizer"}
 COMM_PHASES = {"dispatch_comm", "combine_comm", "grad_reduce", "param_gather"}

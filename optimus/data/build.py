@@ -165,18 +165,24 @@ def _open_checked(directory: Any, expected: TokenizerInfo | None, spec: str | No
 
 
 def _split_tail(source: TokenSource, val_fraction: float, seq_len: int) -> tuple[TokenStream, TokenStream]:
-    """Train = all but the last documents; val = the last documents holding >= val_fraction of the tokens."""
+    """Train = all but the last documents; val = the last documents holding >= val_fraction of the tokens.
+
+    When no document start leaves a training window before it (one long document), the tail of the
+    tokens is held out instead, as for a single-document corpus in _split_by_hash.
+    """
     total = len(source.stream)
     split = total
     if val_fraction > 0:
-        need = max(val_fraction * total, seq_len + 1)
+        need = int(np.ceil(max(val_fraction * total, seq_len + 1)))
         cut_points = np.concatenate([[0], source.doc_ends[:-1]])  # document starts
         fits = cut_points[cut_points <= total - need]
         split = int(fits[-1]) if len(fits) else 0
+        if split < seq_len + 1:
+            split = total - need
     if split < seq_len + 1:
         raise DataError(
             f"{source.directory} holds {total} tokens, too few for a training window of {seq_len + 1} tokens plus "
-            "validation documents: prepare more data, lower data.val_fraction or lower train.seq_len."
+            f"{total - split} held-out tokens: prepare more data, lower data.val_fraction or lower train.seq_len."
         )
     return source.stream.slice(0, split), source.stream.slice(split, total)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from optimus.data.errors import DataError
+
 
 def cache_root() -> Path:
     """`$OPTIMUS_CACHE`, else the platform's user cache directory, else ~/.cache/optimus."""
@@ -35,9 +37,26 @@ def cache_root() -> Path:
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `path`.lock for the duration of the block (works across processes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    lock = FileLock(str(path) + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as err:
+        raise DataError(
+            f"cannot write to the cache directory {path.parent} ({err.strerror or err}): set OPTIMUS_CACHE to a "
+            "directory you may write to."
+        ) from None
+    try:
         yield
+    finally:
+        lock.release()
+
+
+def default_file_mode() -> int:
+    """The mode `open()` gives a new file under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -46,9 +65,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; shared data must be readable like any other file
+    os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; shared data must be readable like any other file
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -129,16 +129,26 @@ class BatchLoader:
             self._thread = None
 
 
-def eval_batches(dataset: Any, n: int, micro_batch: int, rank: int, world_size: int, seed: int = 0) -> list:
-    """This rank's evaluation micro-batches: ceil(n / world_size) x [mb, S + 1], the same for every call.
+def eval_batches(
+    dataset: Any, n_sequences: int, micro_batch: int, rank: int, world_size: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the held-out set: (tokens [mb, S + 1], weight [mb]) micro-batches.
 
-    The global evaluation set is the first ceil(n / W) * W micro-batches of
-    `dataset` in its seed-`seed` order (wrapping around a small dataset); rank r
-    takes a contiguous block of them, as in training. So with W dividing n every
-    layout evaluates the same n micro-batches, and every rank runs the same
-    number of forwards (needed by expert-parallel collectives).
+    The held-out set is the first min(n_sequences, len(dataset)) windows of `dataset`
+    in its seed-`seed` order, whatever the layout. Rank r takes the contiguous block
+    [r * P, (r + 1) * P) of them, P = ceil(n / W). Every rank runs the same number of
+    full micro-batches (expert-parallel collectives need both), so the last ones are
+    padded with rows of weight 0; a loss weighted by `weight` and divided by n x S
+    is then the same mean for every world size and micro-batch.
     """
     if len(dataset) == 0:
         raise DataError("the validation set has no complete window: raise data.val_fraction or lower train.seq_len.")
+    n = min(n_sequences, len(dataset))
     per_rank = -(-n // world_size)
-    return rank_micro_batches(dataset, seed, 0, per_rank * world_size * micro_batch, micro_batch, rank, world_size)
+    n_batches = -(-per_rank // micro_batch)
+    lo, hi = min(n, rank * per_rank), min(n, (rank + 1) * per_rank)
+    n_pad = n_batches * micro_batch - (hi - lo)
+    positions = np.concatenate([np.arange(lo, hi), np.zeros(n_pad, dtype=np.int64)])  # padding repeats window 0
+    rows = _gather(dataset, global_indices(dataset, seed, positions))  # [n_batches * mb, S + 1]
+    weight = torch.cat([torch.ones(hi - lo), torch.zeros(n_pad)])  # [n_batches * mb]
+    return list(zip(rows.view(n_batches, micro_batch, -1).unbind(0), weight.view(n_batches, micro_batch).unbind(0)))

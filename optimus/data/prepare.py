@@ -19,8 +19,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from optimus.data.errors import DataError
-from optimus.data.shards import META, ShardWriter, remove_token_files
-from optimus.data.sources import dataset_docs, expand_paths, iter_docs, load_hf
+from optimus.data.shards import META, TOKENIZER, ShardWriter, foreign_files, owned_files, remove_token_files
+from optimus.data.sources import dataset_docs, expand_paths, iter_docs, load_hf, require_path_or_name
 from optimus.data.tokenizer import TokenizerInfo, encode_docs, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,13 +59,28 @@ def write_tokens(
     shard_tokens: int = 1 << 28,
     describe_inputs: str = "the input",
     total_bytes: int | None = None,
+    replaces: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Encode `docs` (each followed by EOS) into shards in `out_dir`; meta.json is written last."""
+    """Encode `docs` (each followed by EOS) into shards in `out_dir`; meta.json is written last.
+    `replaces`: the metadata of the output being overwritten. Only files an earlier prepare made are
+    removed or replaced; any other file where a shard or the tokenizer would go stops the job first."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--output {out_dir} is a file: choose a directory for the shards.")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*out_dir.glob(".shard_*"), *out_dir.glob("shard_*")]:  # leftovers of an unfinished run
-        stale.unlink()
-    info.tokenizer.save(str(out_dir / "tokenizer.json"))
-    writer = ShardWriter(out_dir, info.vocab_size, info.eos_id, shard_tokens)
+    owned = owned_files(out_dir, replaces)
+    tok_path = out_dir / TOKENIZER
+    foreign = [p for p in foreign_files(out_dir, owned) if not (p == tok_path and _same_tokenizer(p, info))]
+    if foreign:
+        raise DataError(
+            f"{out_dir} already holds {foreign[0].name}, which no earlier `optimus data prepare` there made: "
+            "move it away or choose another --output (prepare never replaces files it did not write)."
+        )
+    (out_dir / META).unlink(missing_ok=True)  # untrusted from here on, until the new metadata is written
+    remove_token_files(out_dir, owned)
+    created = () if tok_path.exists() else (TOKENIZER,)  # the user's identical tokenizer.json stays theirs
+    if created:
+        info.tokenizer.save(str(tok_path))
+    writer = ShardWriter(out_dir, info.vocab_size, info.eos_id, shard_tokens, created)
     bar, bar_docs = _progress_bar(progress, total_bytes), [0]  # documents written so far
     chunks = _chunks(docs)
     if num_proc > 1:
@@ -98,6 +113,13 @@ def write_tokens(
     return writer.finish({**extra_meta, "tokenizer": tok_meta})
 
 
+def _same_tokenizer(path: Path, info: TokenizerInfo) -> bool:
+    try:
+        return Tokenizer.from_file(str(path)).to_str() == info.tokenizer.to_str()
+    except Exception:  # not a tokenizer file at all
+        return False
+
+
 def _progress_bar(enabled: bool, total: int | None) -> Any:
     if not enabled:
         return None
@@ -119,12 +141,7 @@ def _plain_size(inputs: list[str]) -> int | None:
 
 def _is_dataset_name(spec: str) -> bool:
     """A `datasets` hub name: not an existing path, and not shaped like a file path."""
-    path = Path(spec).expanduser()
-    if path.exists():
-        return False
-    if path.is_absolute() or spec.startswith(".") or path.suffix or spec.count("/") > 1:
-        raise DataError(f"--input {spec} does not exist: check the path.")
-    return True
+    return not require_path_or_name(spec, "--input")
 
 
 def _input_fingerprint(inputs: list[str], text_field: str, split: str, info: TokenizerInfo) -> str:
@@ -166,8 +183,9 @@ def prepare(
     info = load_tokenizer(tokenizer, key="--tokenizer")
     fingerprint = _input_fingerprint(inputs, text_field, split, info)
     meta_path = out / META
-    if meta_path.is_file():
-        old = json.loads(meta_path.read_text())
+    old = None
+    if meta_path.exists():
+        old = _read_own_meta(meta_path)
         if old.get("fingerprint") == fingerprint:
             log.info("%s is up to date", out)
             return old
@@ -175,10 +193,22 @@ def prepare(
             raise DataError(
                 f"{out} already holds shards of other inputs or tokenizer: choose another --output or pass --overwrite."
             )
-        meta_path.unlink()  # untrusted from here on, until the new metadata is written
-        remove_token_files(out)  # only prepare's own files: the folder may hold the user's
     meta = {"fingerprint": fingerprint, "inputs": [str(i) for i in inputs], "text_field": text_field}
     docs = input_docs(inputs, text_field, split)
     what = "--input " + " ".join(map(str, inputs))
     total = _plain_size(inputs) if progress else None
-    return write_tokens(out, docs, info, meta, num_proc, progress, shard_tokens, what, total)
+    return write_tokens(out, docs, info, meta, num_proc, progress, shard_tokens, what, total, replaces=old)
+
+
+def _read_own_meta(path: Path) -> dict[str, Any]:
+    """An earlier prepare's meta.json; anything else of that name is the user's, and stops the job."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or "fingerprint" not in meta or "shards" not in meta:
+        raise DataError(
+            f"{path} was not written by `optimus data prepare`: move it away or choose another --output "
+            "(prepare never replaces files it did not write)."
+        )
+    return meta

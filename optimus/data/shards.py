@@ -3,14 +3,18 @@
 Layout of a prepared directory:
 
     meta.json                 written last; a directory without it is not trusted
+    .prepare-files.json       while writing: the files written so far (a rerun may remove those, nothing else)
     tokenizer.json            the tokenizer the shards were made with
     shard_00000.bin           raw tokens (each document followed by EOS), dtype from meta
     shard_00000.ends.npy      uint64 end offset (exclusive, after the EOS) of each document in the shard
 
 Shards and end files are written under temporary names and renamed when
-complete. On load every shard's length is checked, and its checksum and largest
-token id are verified once per file version (the result is remembered in the
-cache directory, so later starts only stat the files).
+complete. meta.json lists every file prepare created ("files"); only those are
+ever deleted or replaced, so a directory may hold the user's own files too. On
+load every shard's length is checked, and its checksum and largest token id are
+verified once per file version: the result is remembered in the cache directory
+under the file's identity (inode, size, mtime and ctime: a rewrite changes the
+ctime even when it keeps the mtime), so later starts only stat the files.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from optimus.data.errors import DataError
 
 FORMAT = "optimus-tokens-v1"
 META = "meta.json"
+JOURNAL = ".prepare-files.json"
+TOKENIZER = "tokenizer.json"
+_OUR_NAMES = ("shard_*.bin", "shard_*.ends.npy", TOKENIZER)  # names prepare writes (besides meta.json)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -38,15 +45,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class ShardWriter:
     """Appends documents (token ids + EOS) to shards of about `shard_tokens` tokens, each ending at a document end."""
 
-    def __init__(self, out_dir: Path, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 28):
+    def __init__(
+        self, out_dir: Path, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 28, created: tuple[str, ...] = ()
+    ):
         self.out_dir, self.eos_id, self.shard_tokens = out_dir, eos_id, shard_tokens
         self.dtype = token_dtype(vocab_size)
         self.shards: list[dict[str, Any]] = []
         self.n_docs = self.n_tokens = 0
         self._file = None
+        self.created = list(created)  # files this writer's job made, journalled as they appear
+        _write_journal(out_dir, self.created)
 
     def _open(self) -> None:
         name = f"shard_{len(self.shards):05d}"
+        self.created += [f"{name}.bin", f"{name}.ends.npy"]
+        _write_journal(self.out_dir, self.created)  # before the files exist, so a kill leaves them listed
         self._name, self._tmp = name, self.out_dir / f".{name}.bin.tmp"
         self._file, self._hash, self._ends, self._count = open(self._tmp, "wb"), hashlib.sha256(), [], 0
 
@@ -89,17 +102,46 @@ class ShardWriter:
         if not self.n_docs:
             raise DataError(f"no documents to write to {self.out_dir}: the input holds no non-empty text.")
         meta = {**meta, "format": FORMAT, "dtype": self.dtype.name, "n_docs": self.n_docs, "n_tokens": self.n_tokens,
-                "shards": self.shards}  # fmt: skip
+                "shards": self.shards, "files": self.created}  # fmt: skip
         with atomic_path(self.out_dir / META) as tmp:
             tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        (self.out_dir / JOURNAL).unlink(missing_ok=True)
         return meta
 
 
-def remove_token_files(directory: Path) -> None:
-    """Delete the files of the layout above (and unfinished temporaries of them), nothing else in `directory`."""
-    ours = ["shard_*.bin", "shard_*.ends.npy", ".shard_*.tmp", f".{META}.*.tmp", "tokenizer.json"]
-    for path in [p for pattern in ours for p in directory.glob(pattern)]:
-        path.unlink(missing_ok=True)
+def _write_journal(directory: Path, names: list[str]) -> None:
+    with atomic_path(directory / JOURNAL) as tmp:
+        tmp.write_text(json.dumps(names) + "\n")
+
+
+def owned_files(directory: Path, meta: dict[str, Any] | None = None) -> set[str]:
+    """Names of the files an earlier prepare made in `directory`: those its meta.json (or, for an
+    unfinished run, its journal) lists. Metadata older than the "files" list names its shards and tokenizer."""
+    names: set[str] = set()
+    if meta is not None:
+        listed = meta.get("files")
+        if listed is None:
+            listed = [n for e in meta.get("shards", []) for n in (e["file"], e["ends"])] + [TOKENIZER]
+        names.update(listed)
+    try:
+        names.update(json.loads((directory / JOURNAL).read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    return names
+
+
+def foreign_files(directory: Path, owned: set[str]) -> list[Path]:
+    """Entries of `directory` with a name prepare writes that no earlier prepare here made: never touched."""
+    return sorted(p for pattern in _OUR_NAMES for p in directory.glob(pattern) if p.name not in owned)
+
+
+def remove_token_files(directory: Path, owned: set[str]) -> None:
+    """Delete the files prepare made (`owned`), its unfinished temporaries and journal; nothing else."""
+    paths = [directory / name for name in owned]
+    paths += [*directory.glob(".shard_*.bin.tmp"), *directory.glob(f".{META}.*.tmp"), directory / JOURNAL]
+    for path in paths:
+        if path.is_file() or path.is_symlink():  # a folder of the same name is not ours
+            path.unlink()
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
@@ -121,9 +163,10 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 
 def _verify_contents(path: Path, entry: dict[str, Any], dtype: np.dtype, vocab_size: int) -> None:
-    """Checksum and token range of one shard; a success is remembered per (path, size, mtime, checksum)."""
+    """Checksum and token range of one shard; a success is remembered per file version and expected checksum."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{entry['sha256']}|{vocab_size}".encode())
+    version = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    key = hashlib.sha256(f"{version}|{entry['sha256']}|{vocab_size}".encode())
     marker = cache_root() / "verified" / key.hexdigest()
     if marker.exists():
         return
@@ -140,8 +183,11 @@ def _verify_contents(path: Path, entry: dict[str, Any], dtype: np.dtype, vocab_s
             f"{path} holds token id {top} >= the vocabulary size {vocab_size} in its {META}: "
             "the shard was made with another tokenizer; re-run prepare."
         )
-    with locked(marker):
-        marker.write_text("ok\n")
+    try:
+        with locked(marker):
+            marker.write_text("ok\n")
+    except (DataError, OSError):
+        pass  # a read-only cache only costs the check again next time
 
 
 def _load_ends(path: Path, entry: dict[str, Any]) -> np.ndarray:

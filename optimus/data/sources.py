@@ -43,6 +43,28 @@ def stdlib_docs(max_chars: int) -> list[str]:
     return docs
 
 
+# Suffixes of local files, never of a Hugging Face Hub name (those may hold dots: "gpt-neo-1.3B").
+_FILE_SUFFIXES = (*TEXT_SUFFIXES, ".json", ".gz", ".zst", ".arrow", ".csv", ".model", ".bin", ".safetensors")
+
+
+def looks_like_path(spec: str) -> bool:
+    """True when `spec` can only be meant as a local path, not a Hub name ("name" or "org/name"): it starts
+    with . ~ or /, ends in a file suffix, has more than one /, or its first folder exists here."""
+    if spec.startswith((".", "~", "/")) or spec.lower().endswith(_FILE_SUFFIXES) or spec.count("/") > 1:
+        return True
+    return "/" in spec and Path(spec.split("/", 1)[0]).is_dir()
+
+
+def require_path_or_name(spec: str, key: str) -> bool:
+    """True when `spec` exists locally; False for a Hub name; a path-looking spec that is missing is an error
+    now (a Hub lookup of it would retry for half a minute before failing)."""
+    if Path(spec).expanduser().exists():
+        return True
+    if looks_like_path(spec):
+        raise DataError(f"{key}: {spec} does not exist: check the path.")
+    return False
+
+
 def _suffix(path: Path) -> str:
     name = path.name.lower()
     return next((s for s in TEXT_SUFFIXES if name.endswith(s)), "")
@@ -154,6 +176,7 @@ def load_hf(spec: str, split: str, config: str | None) -> Any:
     import datasets
 
     path = Path(spec).expanduser()
+    require_path_or_name(spec, "data.path")
     try:
         if _is_saved_dataset(path):
             ds = datasets.load_from_disk(str(path))

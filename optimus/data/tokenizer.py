@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from optimus.data.errors import DataError
+from optimus.data.sources import require_path_or_name
 
 EOS_TOKEN = "<|endoftext|>"
 # Names other tokenizers use for their end-of-document token, tried in order.
@@ -67,8 +68,7 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> TokenizerInfo:
     """`spec` is a tokenizers JSON file, a directory holding tokenizer.json, or a Hugging Face name/path."""
     path = Path(spec).expanduser()
-    if not path.exists() and (path.is_absolute() or spec.startswith(".") or path.suffix == ".json"):
-        raise DataError(f"{key}: tokenizer file {path} does not exist: check the path.")
+    require_path_or_name(spec, key)  # a mistyped path is not looked up on the Hub
     if path.is_dir() and (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         path = path / "tokenizer.json"
     if path.is_file():

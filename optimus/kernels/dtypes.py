@@ -5,7 +5,10 @@ itself does not cover `torch._grouped_mm` or custom kernels); outside autocast i
 computes in the dtype of its input.
 """
 
+from __future__ import annotations
+
 import functools
+from pathlib import Path
 
 import torch
 
@@ -18,17 +21,31 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-@functools.cache
-def cpu_has_fast_half_gemm() -> bool:
-    """True when this CPU has native bf16 matmul units (AVX512-BF16 or AMX).
+# CPU flags of native bf16 matmul units. torch's capability string says "AVX512" for any AVX-512 CPU,
+# with or without them, so the flags themselves are read.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """True when this CPU (or the given /proc/cpuinfo text) has AVX512-BF16 or AMX units.
 
     Without them PyTorch's bf16/fp16 CPU matmul is a scalar fallback that runs at a few
-    GFLOP/s, far below the fp32 BLAS path.
+    GFLOP/s, far below the fp32 BLAS path; `train.dtype=auto` uses the same test.
     """
-    # torch's capability string says "AVX512" for any AVX-512 CPU, with or without BF16 units,
-    # so read the CPU flags themselves (the same test train.dtype=auto uses).
-    from optimus.train.precision import cpu_has_fast_bf16
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
 
+
+@functools.cache
+def cpu_has_fast_half_gemm() -> bool:
+    """This machine's answer of `cpu_has_fast_bf16`, read once."""
     return cpu_has_fast_bf16()
 
 

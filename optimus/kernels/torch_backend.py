@@ -40,9 +40,12 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 _CPU_GROUPED_MAX_EXPERTS = 16
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # no fp64: gradient checks take the loop
+
+
 def _use_grouped(n_experts: int, *tensors: torch.Tensor) -> bool:
     # CUDA's _grouped_mm only takes bf16; everywhere else fall back to the loop on doubt.
-    if not _HAS_GROUPED_MM or not _aligned(*tensors):
+    if not _HAS_GROUPED_MM or tensors[0].dtype not in _GROUPED_MM_DTYPES or not _aligned(*tensors):
         return False
     if tensors[0].device.type == "cpu":
         return n_experts <= _CPU_GROUPED_MAX_EXPERTS

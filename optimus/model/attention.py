@@ -1,10 +1,10 @@
-"""Causal self-attention with RoPE, QK-norm and grouped-query heads."""
+"""Causal self-attention with RoPE, QK-norm (per head, whole projection or none) and grouped-query heads."""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from optimus.config import ModelConfig
+from optimus.config import ModelConfig, qk_norm_mode
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,9 +33,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        # OLMoE-style QK-norm: RMSNorm over the whole q and k projections.
-        self.q_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(kv_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # QK-norm: "full" normalises the whole q and k projections (OLMoE), "head" each head on its own
+        # with weights shared by the heads (Qwen3), "none" leaves them alone (Mixtral).
+        self.qk_norm = qk_norm_mode(cfg.qk_norm)
+        q_norm_dim, k_norm_dim = (cfg.dim, kv_dim) if self.qk_norm == "full" else (self.head_dim, self.head_dim)
+        has_norm = self.qk_norm != "none"
+        self.q_norm = nn.RMSNorm(q_norm_dim, eps=cfg.norm_eps) if has_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(k_norm_dim, eps=cfg.norm_eps) if has_norm else nn.Identity()
         self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,11 +51,16 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
-        q_BSD = self.q_norm(self.wq(x_BSD))
-        k_BSK = self.k_norm(self.wk(x_BSD))  # K here = kv heads x head_dim
+        q_BSD, k_BSK = self.wq(x_BSD), self.wk(x_BSD)  # K here = kv heads x head_dim
         v_BSK = self.wv(x_BSD)
-        q = q_BSD.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, N, S, H]
-        k = k_BSK.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Nkv, S, H]
+        if self.qk_norm == "full":
+            q_BSD, k_BSK = self.q_norm(q_BSD), self.k_norm(k_BSK)
+        q_BSNH = q_BSD.view(B, S, self.n_heads, self.head_dim)
+        k_BSNH = k_BSK.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSNH, k_BSNH = self.q_norm(q_BSNH), self.k_norm(k_BSNH)
+        q = q_BSNH.transpose(1, 2)  # [B, N, S, H]
+        k = k_BSNH.transpose(1, 2)  # [B, Nkv, S, H]
         v = v_BSK.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(S, x_BSD.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

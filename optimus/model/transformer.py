@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
-from optimus.config import ModelConfig
+from optimus.config import ConfigError, ModelConfig
 from optimus.model.attention import Attention
+from optimus.model.init import init_parameters
 from optimus.model.mlp import SwiGLU
-from optimus.model.moe.layer import MoE, MoEStats
+from optimus.model.moe.layer import MoE
+from optimus.model.moe.stats import RouterStats
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """Global indices of the blocks whose FFN is an MoE layer (all but the first `first_k_dense`)."""
+    return list(range(cfg.first_k_dense, cfg.n_layers)) if cfg.moe.n_experts > 0 else []
 
 
 class Block(nn.Module):
@@ -24,71 +31,78 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.is_moe = cfg.moe.n_experts > 0 and layer_idx >= cfg.first_k_dense
-        self.ffn = MoE(cfg.dim, cfg.moe, kernels) if self.is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
-
-    def forward(self, h_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
-        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
+        moe_ids = moe_layer_ids(cfg)
+        self.is_moe = layer_idx in moe_ids
         if self.is_moe:
-            ffn_out, stats = self.ffn(self.ffn_norm(h_BSD))
+            self.ffn = MoE(cfg.dim, cfg.moe, kernels, layer_idx=layer_idx, n_moe_layers=len(moe_ids))
         else:
-            ffn_out, stats = self.ffn(self.ffn_norm(h_BSD)), None
-        return h_BSD + ffn_out, stats
+            self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
 
-
-@dataclass
-class ModelOutput:
-    logits_BSV: torch.Tensor
-    aux_loss: torch.Tensor  # mean over MoE layers of the load-balancing loss (0 for dense models)
-    z_loss: torch.Tensor  # mean over MoE layers of the router z-loss
-    tokens_per_expert_LE: torch.Tensor | None  # [MoE layers, E] assignment counts
+    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: str = "auto"):
+    """The model, or one pipeline stage of it: the blocks `layer_ids` (default all), with the embedding
+    (`embed`) and the final norm and LM head (`head`) when the stage holds them.
+
+    Blocks live in `layers`, a ModuleDict keyed by their global index ("0", "1", ...), so a parameter
+    has the same name (`layers.3.attn.wq.weight`) in every stage layout. The forward takes tokens [B, S]
+    when the stage holds the embedding, else hidden states [B, S, D], and returns logits [B, S, V] when
+    it holds the head, else hidden states: one tensor in, one out. Router losses travel on the
+    backward and routing statistics go to a `RouterStats` (see `attach_router_stats`).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kernels: str = "auto",
+        layer_ids: Sequence[int] | None = None,
+        embed: bool = True,
+        head: bool = True,
+    ):
         super().__init__()
+        if cfg.tie_embeddings and not (embed and head):
+            raise ConfigError(
+                "model.tie_embeddings=true needs the embedding and the LM head on the same pipeline stage: "
+                "set model.tie_embeddings=false to cut this model into stages."
+            )
         self.cfg = cfg
         self.vocab_size = padded_vocab_size(cfg.vocab_size)
-        self.embed = nn.Embedding(self.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, kernels) for i in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, self.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.embed = nn.Embedding(self.vocab_size, cfg.dim) if embed else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.dim, self.vocab_size, bias=False) if head else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (tie_embeddings); again after to_empty, which unties them."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed.weight
 
     @property
     def moe_layers(self) -> list[MoE]:
-        return [block.ffn for block in self.layers if block.is_moe]
+        """This model's (or stage's) MoE layers, in layer order."""
+        return [module for module in self.modules() if isinstance(module, MoE)]
 
-    def forward(self, tokens_BS: torch.Tensor) -> ModelOutput:
-        h_BSD = self.embed(tokens_BS)
-        layer_stats = []
-        for block in self.layers:
-            h_BSD, stats = block(h_BSD)
-            if stats is not None:
-                layer_stats.append(stats)
-        logits_BSV = self.lm_head(self.norm(h_BSD))
-        if not layer_stats:
-            zero = logits_BSV.new_zeros((), dtype=torch.float32)
-            return ModelOutput(logits_BSV, zero, zero, None)
-        return ModelOutput(
-            logits_BSV,
-            aux_loss=torch.stack([s.aux_loss for s in layer_stats]).mean(),
-            z_loss=torch.stack([s.z_loss for s in layer_stats]).mean(),
-            tokens_per_expert_LE=torch.stack([s.tokens_per_expert_E for s in layer_stats]).detach(),
-        )
-
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) everywhere; residual projections scaled by 1/sqrt(2 * n_layers)."""
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if param.dim() == 1:  # norm weights
-                param.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
-                param.normal_(0.0, residual_std, generator=generator)
-            else:
-                param.normal_(0.0, std, generator=generator)
+    def attach_router_stats(self, stats: RouterStats | None) -> None:
+        """Hand every MoE layer the collector of its routing statistics and router-loss gradient scale."""
         for moe in self.moe_layers:
-            moe.router.expert_bias.zero_()
+            moe.stats = stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (or hidden states [B, S, D] without the embedding) -> logits [B, S, V] (or hidden)."""
+        h_BSD = self.embed(x) if self.embed is not None else x
+        for block in self.layers.values():
+            h_BSD = block(h_BSD)
+        if self.lm_head is None:
+            return h_BSD
+        return self.lm_head(self.norm(h_BSD))  # [B, S, V]
+
+    def init_weights(self, seed: int | torch.Generator = 0) -> None:
+        """Initialise every parameter from `seed` (a Generator stands for its initial seed): see optimus.model.init."""
+        if isinstance(seed, torch.Generator):
+            seed = seed.initial_seed()
+        init_parameters(self, self.cfg, seed)

@@ -1,9 +1,9 @@
-"""Optimizers (replicated and EP-aware sharded AdamW), gradient clipping and LR schedules."""
+"""The EP-aware AdamW (replicated or sharded state), gradient clipping and LR schedules."""
 
 from optimus.config import ConfigError, OptimusConfig
-from optimus.optim.replicated import ReplicatedAdamW
+from optimus.optim.protocol import Optimizer
 from optimus.optim.schedule import lr_at
-from optimus.optim.sharded import ShardedAdamW
+from optimus.optim.sharded import GRAD_DTYPES, SCHEMES, ShardedAdamW, StateBytes, rank_state_bytes
 from optimus.parallel import ParallelState
 
 
@@ -14,14 +14,15 @@ def resolve_sharding(sharding: str, world_size: int) -> str:
     return sharding
 
 
-def build_optimizer(model, cfg: OptimusConfig, ps: ParallelState):
-    """The optimizer for `optim.sharding`; each one averages, clips and applies gradients in `step(lr)`."""
+def build_optimizer(model, cfg: OptimusConfig, ps: ParallelState, timers=None) -> Optimizer:
+    """The optimizer for `optim.sharding`: it averages, clips and applies gradients in `step(lr)`."""
     sharding = resolve_sharding(cfg.optim.sharding, ps.world_size)
-    if sharding == "none":
-        return ReplicatedAdamW(model, cfg.optim, ps, cfg.train.grad_clip)
-    if sharding in ("ep_aware", "standard"):
-        return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding)
-    raise ConfigError(f"optim.sharding={sharding!r} is not supported: set it to auto, ep_aware, standard or none.")
+    if sharding not in SCHEMES:
+        raise ConfigError(f"optim.sharding={sharding!r} is not supported: set it to auto, ep_aware, standard or none.")
+    return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers)
 
 
-__all__ = ["ReplicatedAdamW", "ShardedAdamW", "build_optimizer", "lr_at", "resolve_sharding"]
+__all__ = [
+    "GRAD_DTYPES", "SCHEMES", "Optimizer", "ShardedAdamW", "StateBytes", "build_optimizer", "lr_at", "rank_state_bytes",
+    "resolve_sharding",
+]  # fmt: skip

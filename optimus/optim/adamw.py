@@ -8,6 +8,8 @@ import torch
 
 from optimus.optim.flat_buffer import Segment
 
+UPDATE_CHUNK = 2**20  # elements updated at a time (4 MiB fp32 temporaries)
+
 
 @dataclass
 class AdamWHyper:
@@ -36,9 +38,14 @@ def adamw_update(
     bias_correction1 = 1 - h.beta1**step
     bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
     step_size = lr / bias_correction1
-    for seg in segments:
-        p, g = param_N[seg.lo : seg.hi], grad_N[seg.lo : seg.hi].float().mul_(grad_scale)
-        m, v = exp_avg_N[seg.lo : seg.hi], exp_avg_sq_N[seg.lo : seg.hi]
+    # In chunks: the update's temporaries (sqrt, denominator) would otherwise be as large as a segment,
+    # which can hold all of a rank's expert weights (two extra fp32 copies at the step's peak).
+    chunks = (
+        (lo, min(lo + UPDATE_CHUNK, seg.hi), seg) for seg in segments for lo in range(seg.lo, seg.hi, UPDATE_CHUNK)
+    )
+    for lo, hi, seg in chunks:
+        p, g = param_N[lo:hi], grad_N[lo:hi].float().mul_(grad_scale)
+        m, v = exp_avg_N[lo:hi], exp_avg_sq_N[lo:hi]
         p.mul_(1 - lr * (h.weight_decay if seg.weight_decay else 0.0))
         m.lerp_(g, 1 - h.beta1)
         v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)

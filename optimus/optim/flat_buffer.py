@@ -66,8 +66,21 @@ class OwnedRange:
     global_shape: tuple[int, ...]
 
 
+ALIGN_BYTES = 128  # every rank's slice of a bucket starts on a 128-byte boundary
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def shard_unit(world: int, element_size: int) -> int:
+    """Elements in the smallest bucket: `world` slices of ALIGN_BYTES each."""
+    return world * max(1, ALIGN_BYTES // element_size)
+
+
+def padded_numel(numel: int, world: int, element_size: int) -> int:
+    """Length of a group's flat buffer: `numel` rounded up so that `world` aligned slices tile it (0 if empty)."""
+    return round_up(numel, shard_unit(world, element_size)) if numel else 0
 
 
 class FlatParams:
@@ -77,7 +90,6 @@ class FlatParams:
         world: int,
         rank: int,
         bucket_numel: int,
-        align: int,
         global_offsets: dict[str, tuple[int, tuple[int, ...]]] | None = None,
     ):
         """`global_offsets[name]` = (first element in the full parameter, full shape); default: the local tensor."""
@@ -95,8 +107,9 @@ class FlatParams:
             self.slots.append(ParamSlot(name, p, offset, offset + p.numel(), p.dim() >= 2, g_off, g_shape))
             offset += p.numel()
         self.numel = offset  # real elements
-        unit = world * align
-        self.padded_numel = round_up(max(offset, 1), unit) if params else 0
+        es = params[0].element_size() if params else 4
+        unit = shard_unit(world, es)
+        self.padded_numel = padded_numel(offset, world, es)
         self.shard_numel = self.padded_numel // world
         step = max(unit, bucket_numel // unit * unit)
         self.buckets = [

@@ -1,22 +1,45 @@
-"""Global gradient norm over sharded gradients, and the clip factor shared by every parameter group."""
+"""Global gradient norm over sharded gradients, and the clip factor shared by every parameter group.
+
+Accuracy: the squared norm of a long vector is summed in pieces of at most `CHUNK`
+elements (fp32, pairwise/tree reductions inside each piece) and the pieces are
+added in fp64. A single fp32 `vector_norm` over millions of elements is not
+enough: PyTorch's CPU norm kernel keeps one fp32 accumulator per vector lane, so
+over ~10M gradients it comes out 1e-4 short, which changes the clip factor.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+CHUNK = 1 << 22  # elements summed in fp32 before the running total moves to fp64
 
-def global_grad_norm(owned_sq_sums: list[torch.Tensor], world_group, distributed: bool) -> float:
-    """sqrt of the sum of squares of every rank's owned gradient shards.
+
+def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sum(t^2) over every element of every tensor, as an fp64 scalar on `device`."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        for piece in t.reshape(-1).split(CHUNK):
+            total += piece.float().square().sum().double()
+    return total
+
+
+def global_grad_norm(owned_sq_sums: list[torch.Tensor], group, distributed: bool, stages_group=None) -> float:
+    """sqrt of the sum over ranks of each rank's fp64 squared norms.
 
     Each element of the model must be counted by exactly one rank: callers pass a
-    zero for shards that other ranks also hold (the `standard` scheme's dense shards).
+    zero for shards that other ranks also hold (replicated parameters). With pipeline
+    stages, `group` holds one stage's ranks and `stages_group` (ParallelState.pp_group)
+    then sums the stages' totals.
     """
-    total = torch.stack([s.float() for s in owned_sq_sums]).sum() if owned_sq_sums else torch.zeros(())
+    total = torch.stack(owned_sq_sums).sum() if owned_sq_sums else torch.zeros((), dtype=torch.float64)
     if distributed:
-        dist.all_reduce(total, group=world_group)
+        dist.all_reduce(total, group=group)
+    if stages_group is not None:
+        dist.all_reduce(total, group=stages_group)
     return math.sqrt(total.item())
 
 

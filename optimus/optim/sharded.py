@@ -1,28 +1,35 @@
-"""Sharded AdamW (ZeRO-1 / ZeRO-2) that knows about expert parallelism.
+"""AdamW over flat parameter buffers, replicated or sharded (ZeRO-1 / ZeRO-2), aware of expert parallelism.
 
-Two parameter groups, each in flat buffers (optimus.optim.flat_buffer):
+Two parameter groups, each in flat buffers (optimus.optim.flat_buffer), one scheme for all of them:
 
     scheme     dense grads                                    dense state   expert grads / state
-    ep_aware   reduce-scatter over the world (DP x EP)        1/world       reduce-scatter over EDP, 1/DP
+    none       all-reduce over the world                      whole         all-reduce over EDP, whole
     standard   all-reduce over EP, reduce-scatter over DP     1/DP          reduce-scatter over EDP, 1/DP
+    ep_aware   reduce-scatter over the world (DP x EP)        1/world       reduce-scatter over EDP, 1/DP
 
-Reductions SUM and then divide by the world size, so the update is the one for
-the mean loss over the global batch (an expert's local grad already holds every
-EP peer's tokens through the dispatcher's backward). After the update each
-rank's owned slices are all-gathered back into the parameters over the group
-that sharded them.
+Reductions SUM and the update divides by the world size, so it is the one for the
+mean loss over the global batch (an expert's local grad already holds every EP
+peer's tokens through the dispatcher's backward). After the update each rank's
+owned slices are all-gathered back into the parameters over the group that
+sharded them.
 
-ZeRO-1 keeps full gradient buffers (parameters' .grad are views into them) and
-reduces in step(). ZeRO-2 reduces each bucket from post-accumulate-grad hooks
-during the backward of the last micro-batch (async, waited on in step()) and
-keeps only the owned gradient shard between steps.
+Precision: parameters live in their own dtype (bf16 for `train.dtype=bf16`);
+gradients are accumulated over micro-batches and reduced in `optim.grad_dtype`;
+the owned shard keeps an fp32 master copy when the parameters are not fp32, and
+the two Adam moments are always fp32.
+
+ZeRO-1 keeps a full gradient buffer (with grad_dtype = parameter dtype, the
+parameters' .grad are views into it; otherwise hooks add every micro-batch's grad
+into it) and reduces in step(). ZeRO-2 reduces each bucket from
+post-accumulate-grad hooks during the backward of the last micro-batch (async,
+waited on in step()) and keeps only the owned gradient shard between steps.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -31,15 +38,70 @@ import torch.distributed as dist
 from optimus.config import OptimConfig
 from optimus.model.counts import is_expert_param
 from optimus.optim.adamw import AdamWHyper, adamw_update
-from optimus.optim.flat_buffer import FlatParams
-from optimus.optim.grad_norm import clip_coefficient, global_grad_norm
+from optimus.optim.flat_buffer import FlatParams, padded_numel
+from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
 from optimus.parallel import ParallelState
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-ALIGN_BYTES = 128  # every rank's slice of a bucket starts on a 128-byte boundary
-SCHEMES = ("ep_aware", "standard")
+SCHEMES = ("none", "standard", "ep_aware")
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MASTER_BYTES, MOMENT_BYTES = 4, 8  # per owned element: fp32 master copy; two fp32 Adam moments
+
+
+def shard_worlds(scheme: str, world: int, dp: int) -> dict[str, int]:
+    """How many ranks split each group's optimizer state (see the table above)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SCHEMES}")
+    return {"dense": {"none": 1, "standard": dp, "ep_aware": world}[scheme], "expert": 1 if scheme == "none" else dp}
+
+
+@dataclass
+class StateBytes:
+    """Persistent bytes of one rank's optimizer-managed tensors; padding is the part held for alignment."""
+
+    param_bytes: float = 0
+    grad_bytes: float = 0
+    master_bytes: float = 0
+    optim_state_bytes: float = 0  # the two Adam moments
+    padding_bytes: float = 0
+
+    @property
+    def total(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optim_state_bytes
+
+    def __add__(self, other: StateBytes) -> StateBytes:
+        return StateBytes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def rounded(self) -> dict[str, int]:
+        return {f.name: math.ceil(getattr(self, f.name)) for f in fields(self)}
+
+
+def group_state_bytes(
+    numel: int, shard_world: int, param_size: int, grad_size: int, zero: int, padded: bool = True
+) -> StateBytes:
+    """Bytes one parameter group of `numel` local elements holds on a rank (the layout ShardGroup allocates)."""
+    n = padded_numel(numel, shard_world, param_size) if padded else numel
+    shard = n / shard_world
+    full_grad = n * grad_size if zero == 1 else 0
+    grad_shard = 0 if (zero == 1 and shard_world == 1) else shard * grad_size  # ZeRO-1, one owner: the same buffer
+    master = shard * MASTER_BYTES if param_size != 4 else 0
+    out = StateBytes(n * param_size, full_grad + grad_shard, master, shard * MOMENT_BYTES)
+    if padded:
+        out.padding_bytes = out.total - group_state_bytes(numel, shard_world, param_size, grad_size, zero, False).total
+    return out
+
+
+def rank_state_bytes(
+    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int, zero: int
+) -> StateBytes:
+    """Bytes of a rank with `dense` and `expert_local` parameter elements: what `optimus plan` and run_info report."""
+    worlds = shard_worlds(scheme, world, dp)
+    total = StateBytes()
+    for numel, shard_world in ((dense, worlds["dense"]), (expert_local, worlds["expert"])):
+        total = total + group_state_bytes(numel, shard_world, param_size, grad_size, zero)
+    return total
 
 
 @dataclass
@@ -49,17 +111,23 @@ class GroupComm:
     shard_group: Any
     shard_world: int
     shard_rank: int
-    pre_group: Any = None  # all-reduced over before the reduce-scatter (standard: dense grads over EP)
+    pre_group: Any = None  # all-reduced over before the reduce-scatter (replicated grads: none, standard's dense)
     pre_world: int = 1
-    counts_in_norm: bool = True  # False where a peer owns the same shard (standard, dense, ep_rank > 0)
+    counts_in_norm: bool = True  # False where a peer owns the same elements (count each element once)
 
 
 def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
-    expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
-    if scheme == "ep_aware":
-        dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
-    else:
+    worlds = shard_worlds(scheme, ps.world_size, ps.dp)
+    if scheme == "none":
+        dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
+        expert = GroupComm(None, 1, 0, ps.edp_group, ps.dp, ps.dp_rank == 0)
+    elif scheme == "standard":
         dense = GroupComm(ps.edp_group, ps.dp, ps.dp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
+        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
+    else:
+        dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
+        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
+    assert (dense.shard_world, expert.shard_world) == (worlds["dense"], worlds["expert"])
     return {"dense": dense, "expert": expert}
 
 
@@ -76,29 +144,35 @@ def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> 
 
 
 class ShardGroup:
-    """One parameter group: flat params, gradient buffers, fp32 shards and AdamW moments."""
+    """One parameter group: flat params, gradient buffers, fp32 master shard and AdamW moments."""
 
-    def __init__(self, named, comm: GroupComm, bucket_bytes: int, max_numel: int, zero: int, global_offsets):
+    def __init__(self, named, comm: GroupComm, bucket_bytes: int, max_numel: int, zero: int, grad_dtype, offsets):
         self.comm, self.zero = comm, zero
         es = named[0][1].element_size()
-        bucket_numel = min(max_numel, bucket_bytes // es)
-        self.flat = FlatParams(
-            named, comm.shard_world, comm.shard_rank, bucket_numel, max(1, ALIGN_BYTES // es), global_offsets
-        )
+        self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, min(max_numel, bucket_bytes // es), offsets)
         flat, dev = self.flat, self.flat.device
-        self.dtype = flat.dtype
-        self.grad_shard = torch.zeros(flat.shard_numel, dtype=self.dtype, device=dev)  # reduced, owned
+        self.grad_dtype = grad_dtype
+        # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype,
+        # hooks move every micro-batch's gradient into our buffers instead.
+        self.grads_by_hook = grad_dtype != flat.dtype
+        self.full_grad = None
+        if zero == 1:
+            self.full_grad = torch.zeros(flat.padded_numel, dtype=grad_dtype, device=dev)  # [N_pad]
+        if zero == 1 and comm.shard_world == 1:
+            self.grad_shard = self.full_grad  # one owner: the reduced gradient is the buffer itself
+        else:
+            self.grad_shard = torch.zeros(flat.shard_numel, dtype=grad_dtype, device=dev)  # reduced, owned
         self.master = None  # fp32 copy of the owned slices when params are lower precision
-        if self.dtype != torch.float32:
+        if flat.dtype != torch.float32:
             self.master = torch.empty(flat.shard_numel, dtype=torch.float32, device=dev)
             self.refresh_master()
         self.exp_avg = torch.zeros(flat.shard_numel, dtype=torch.float32, device=dev)
         self.exp_avg_sq = torch.zeros(flat.shard_numel, dtype=torch.float32, device=dev)
-        self.full_grad = None
-        if zero == 1:
-            self.full_grad = torch.zeros(flat.padded_numel, dtype=self.dtype, device=dev)  # [N_pad]
+        # ZeRO-2 with grads_by_hook: slot -> sum of its grads from earlier micro-batches of the step.
+        self.partial: dict[int, torch.Tensor] = {}
+        if zero == 1 and not self.grads_by_hook:
             self.point_grads_at_buffer()
-        self.works: list[tuple[Any, torch.Tensor]] = []  # in-flight reductions and the tensors they read
+        self.works: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []  # in flight: (work, src, copy to)
         self.reset_buckets()
 
     # ---- bookkeeping --------------------------------------------------------
@@ -119,12 +193,27 @@ class ShardGroup:
         self.staging: dict[int, torch.Tensor] = {}
         self.next_launch = 0
 
+    # ---- accumulation -------------------------------------------------------
+
+    def accumulate(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-1, grads_by_hook: add one micro-batch's grad of a parameter into the full buffer."""
+        s = self.flat.slots[slot_idx]
+        self.full_grad[s.start : s.end].add_(grad.reshape(-1))
+
+    def accumulate_partial(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-2, grads_by_hook, a micro-batch before the last: keep its grad in grad_dtype until the last."""
+        if slot_idx in self.partial:
+            self.partial[slot_idx].add_(grad.reshape(-1))
+        else:
+            self.partial[slot_idx] = grad.reshape(-1).to(self.grad_dtype, copy=True)
+
     # ---- reduction ----------------------------------------------------------
 
     def pack(self, slot_idx: int, grad: torch.Tensor | None) -> None:
         """ZeRO-2: copy one parameter's final local grad into the staging copy of each bucket it overlaps."""
         s = self.flat.slots[slot_idx]
         self.packed[slot_idx] = True
+        earlier = self.partial.pop(slot_idx, None)
         for bi, b in enumerate(self.flat.buckets):
             if s.end <= b.start or s.start >= b.end:
                 continue
@@ -134,10 +223,13 @@ class ShardGroup:
                     "optimizer.set_last_micro_batch(False) before the backward of every micro-batch but the last."
                 )
             if bi not in self.staging:
-                self.staging[bi] = torch.zeros(b.end - b.start, dtype=self.dtype, device=self.flat.device)
+                self.staging[bi] = torch.zeros(b.end - b.start, dtype=self.grad_dtype, device=self.flat.device)
             lo, hi = max(s.start, b.start), min(s.end, b.end)
+            dst = self.staging[bi][lo - b.start : hi - b.start]
             if grad is not None:
-                self.staging[bi][lo - b.start : hi - b.start].copy_(grad.reshape(-1)[lo - s.start : hi - s.start])
+                dst.copy_(grad.reshape(-1)[lo - s.start : hi - s.start])
+            if earlier is not None:
+                dst.add_(earlier[lo - s.start : hi - s.start])
             self.left[bi] -= 1
 
     def launch_ready(self, force: bool = False) -> None:
@@ -151,20 +243,28 @@ class ShardGroup:
 
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
         c = self.comm
+        if c.shard_world == 1:  # one owner: an all-reduce over the replicas, if any, into src; then src -> out
+            copy_to = None if out.data_ptr() == src.data_ptr() else out
+            if c.pre_world > 1:
+                self.works.append((dist.all_reduce(src, group=c.pre_group, async_op=True), src, copy_to))
+            elif copy_to is not None:
+                copy_to.copy_(src)
+            return
         if c.pre_world > 1:  # the standard scheme's all-reduce over EP, before the DP reduce-scatter
             dist.all_reduce(src, group=c.pre_group)
-        if c.shard_world == 1:
-            out.copy_(src)
-            return
-        self.works.append((_reduce_scatter(out, src, group=c.shard_group, async_op=True), src))
+        self.works.append((_reduce_scatter(out, src, group=c.shard_group, async_op=True), src, None))
 
     def finish_reduction(self) -> None:
         if self.zero == 2:
-            for i, s in enumerate(
-                self.flat.slots
-            ):  # grads the hooks did not see (e.g. params unused in the last micro-batch)
+            # Grads the hooks did not see (parameters unused in the last micro-batch).
+            for i, s in enumerate(self.flat.slots):
                 if not self.packed[i]:
                     self.pack(i, s.param.grad)
+                    s.param.grad = None
+        elif self.grads_by_hook:
+            for i, s in enumerate(self.flat.slots):  # a .grad set by hand rather than by backward
+                if s.param.grad is not None:
+                    self.accumulate(i, s.param.grad)
                     s.param.grad = None
         else:
             for s in self.flat.slots:  # someone replaced or dropped a .grad view: bring it back into the buffer
@@ -174,26 +274,30 @@ class ShardGroup:
                 elif s.param.grad.data_ptr() != view.data_ptr():
                     view.copy_(s.param.grad)
         self.launch_ready(force=True)
-        for work, _ in self.works:
+        for work, src, copy_to in self.works:
             work.wait()
+            if copy_to is not None:
+                copy_to.copy_(src)
         self.works.clear()
 
     def zero_grad(self) -> None:
         if self.zero == 1:
             self.full_grad.zero_()
-            self.point_grads_at_buffer()
-        else:
+            if not self.grads_by_hook:
+                self.point_grads_at_buffer()
+        if self.zero == 2 or self.grads_by_hook:
             for s in self.flat.slots:
                 s.param.grad = None
+        self.partial.clear()
         self.reset_buckets()
 
     # ---- update -------------------------------------------------------------
 
-    def sq_norm(self, world_size: int) -> torch.Tensor:
-        """Squared norm of the owned shard of the averaged gradient (fp32 accumulation, no fp32 copy)."""
+    def sq_norm(self) -> torch.Tensor:
+        """fp64 squared norm of the owned shard of the summed gradient (zero where a peer counts it)."""
         if not self.comm.counts_in_norm:
-            return torch.zeros((), device=self.flat.device)
-        return (torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32) / world_size).square()
+            return torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        return sum_of_squares([self.grad_shard], self.flat.device)
 
     def update(self, lr: float, step: int, grad_scale: float, h: AdamWHyper) -> None:
         flat, sv = self.flat, self.flat.shard_view
@@ -208,7 +312,7 @@ class ShardGroup:
         works = []
         for b in flat.buckets:
             if self.master is not None:
-                mine = flat.shard_view(self.master, b).to(self.dtype)
+                mine = flat.shard_view(self.master, b).to(flat.dtype)
                 if c.shard_world == 1:
                     flat.buffer[b.start : b.end].copy_(mine)
                     continue
@@ -220,18 +324,30 @@ class ShardGroup:
         for work, _ in works:
             work.wait()
 
+    def state_bytes(self) -> StateBytes:
+        es, gs = self.flat.buffer.element_size(), self.grad_shard.element_size()
+        return group_state_bytes(self.flat.numel, self.comm.shard_world, es, gs, self.zero)
+
 
 class ShardedAdamW:
-    """`optim.sharding=ep_aware | standard`: sharded AdamW with the interface of ReplicatedAdamW."""
+    """AdamW for `optim.sharding=none | standard | ep_aware` (see the module docstring).
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, grad_clip: float, scheme: str):
+    The interface the trainer uses: `set_last_micro_batch(bool)` before each backward,
+    `step(lr) -> pre-clip global grad norm`, `zero_grad()`, `state_dict()` /
+    `load_state_dict()`, `memory_bytes()`.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, grad_clip: float, scheme: str, timers=None
+    ):
+        """`timers`: profile.timers' `name -> context manager` (optimus.train.timers.Timers), or None."""
         if scheme not in SCHEMES:
             raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SCHEMES}")
         self.ps, self.scheme, self.grad_clip, self.zero = ps, scheme, grad_clip, cfg.zero
         self.hyper = AdamWHyper(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay)
         self.step_count = 0
         self.last_micro_batch = True
-        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
+        self.timed = timers or (lambda name: nullcontext())
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         by_kind = {
             "dense": [(n, p) for n, p in named if not is_expert_param(n)],
@@ -239,26 +355,34 @@ class ShardedAdamW:
         }
         comms = group_comms(ps, scheme)
         bucket_bytes = int(cfg.bucket_mb * 2**20) if cfg.zero == 2 else 2**62  # ZeRO-1: only the size limit cuts
+        grad_dtype = GRAD_DTYPES[cfg.grad_dtype]
         self.groups: dict[str, ShardGroup] = {}
         for kind, params in by_kind.items():
             if not params:
                 continue
             offsets = expert_global_offsets(model, [n for n, _ in params], ps.ep) if kind == "expert" else None
             self.groups[kind] = ShardGroup(
-                params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, offsets
+                params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, grad_dtype, offsets
             )
-        if cfg.zero == 2:
-            for group in self.groups.values():
+        for group in self.groups.values():
+            if group.zero == 2 or group.grads_by_hook:
                 for i, s in enumerate(group.flat.slots):
                     s.param.register_post_accumulate_grad_hook(self._hook(group, i))
 
     def _hook(self, group: ShardGroup, slot_idx: int):
         def hook(param: torch.Tensor) -> None:
-            if not self.last_micro_batch:
-                return  # keep accumulating locally; only the last micro-batch reduces
-            group.pack(slot_idx, param.grad)
-            param.grad = None  # ZeRO-2 keeps only the owned shard
-            group.launch_ready()
+            if group.zero == 1:  # grads_by_hook: every micro-batch adds into the full buffer
+                group.accumulate(slot_idx, param.grad)
+                param.grad = None
+            elif not self.last_micro_batch:
+                if group.grads_by_hook:
+                    group.accumulate_partial(slot_idx, param.grad)
+                    param.grad = None
+                # else autograd keeps accumulating in .grad; only the last micro-batch reduces
+            else:
+                group.pack(slot_idx, param.grad)
+                param.grad = None  # ZeRO-2 keeps only the owned shard
+                group.launch_ready()
 
         return hook
 
@@ -273,11 +397,13 @@ class ShardedAdamW:
     def step(self, lr: float) -> float:
         """Reduce, clip and apply the gradients; returns the pre-clip global norm (no update if it is not finite)."""
         groups, world = list(self.groups.values()), self.ps.world_size
-        timed = self.timers if self.timers else (lambda name: nullcontext())  # profile.timers
+        timed = self.timed
         with timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
             for group in groups:
                 group.finish_reduction()  # grad shards now hold SUMS over the ranks; the mean is sum / world
-        norm = global_grad_norm([g.sq_norm(world) for g in groups], self.ps.world_group, self.ps.is_distributed)
+        sq_sums = [g.sq_norm() for g in groups]
+        norm_of_sums = global_grad_norm(sq_sums, self.ps.world_group, self.ps.is_distributed, self.ps.pp_group)
+        norm = norm_of_sums / world
         self.last_micro_batch = True
         if not math.isfinite(norm):
             return norm
@@ -293,31 +419,27 @@ class ShardedAdamW:
     # ---- reporting and checkpoints -------------------------------------------
 
     def memory_bytes(self) -> dict[str, int]:
-        """Persistent bytes on this rank; padding = bytes held beyond an even split of the real elements."""
-        out = {"param_bytes": 0, "grad_bytes": 0, "optim_state_bytes": 0, "padding_bytes": 0.0}
+        """Persistent bytes on this rank (parameters, gradients, fp32 master, moments, and the padding in them)."""
+        total = StateBytes()
         for g in self.groups.values():
-            flat, es = g.flat, g.flat.buffer.element_size()
-            state_per_elem = 8 + (4 if g.master is not None else 0)
-            out["param_bytes"] += flat.padded_numel * es
-            out["grad_bytes"] += flat.shard_numel * es + (flat.padded_numel * es if g.full_grad is not None else 0)
-            out["optim_state_bytes"] += flat.shard_numel * state_per_elem
-            full_buffers = 2 if g.full_grad is not None else 1
-            out["padding_bytes"] += flat.padding * (full_buffers * es + (es + state_per_elem) / flat.world)
-        out["padding_bytes"] = math.ceil(out["padding_bytes"])
-        return out
+            total = total + g.state_bytes()
+        return total.rounded()
 
     def state_dict(self) -> dict:
-        """Moments (and fp32 master) of every owned range, keyed "name[lo:hi]" in the full parameter's flat index."""
+        """Moments (and fp32 master) of every owned range, keyed "name[lo:hi]" in the full parameter's flat index.
+
+        The tensors are views of the live state (a checkpoint writer copies or writes them before the next step).
+        """
         shards = {}
         for g in self.groups.values():
             for r in g.flat.owned_ranges:
                 entry = {
                     "name": r.name, "lo": r.global_lo, "hi": r.global_hi, "shape": list(r.global_shape),
-                    "exp_avg": g.exp_avg[r.shard_lo : r.shard_hi].clone(),
-                    "exp_avg_sq": g.exp_avg_sq[r.shard_lo : r.shard_hi].clone(),
+                    "exp_avg": g.exp_avg[r.shard_lo : r.shard_hi],
+                    "exp_avg_sq": g.exp_avg_sq[r.shard_lo : r.shard_hi],
                 }  # fmt: skip
                 if g.master is not None:
-                    entry["master"] = g.master[r.shard_lo : r.shard_hi].clone()
+                    entry["master"] = g.master[r.shard_lo : r.shard_hi]
                 shards[f"{r.name}[{r.global_lo}:{r.global_hi}]"] = entry
         return {"step": self.step_count, "scheme": self.scheme, "shards": shards}
 

@@ -100,13 +100,15 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ranks, accumulated in at least fp32 (a bf16 sum of P partials loses bits at every add)."""
     size = group_size(group)
     if x.shape[0] % size:
         raise ValueError(f"reduce_scatter needs a row count divisible by the group size {size}, got {x.shape[0]}.")
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    wire = torch.promote_types(x.dtype, torch.float32)
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]), dtype=wire)
     with _explained("reduce_scatter", group):
-        _reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    return out
+        _reduce_scatter_tensor(out, x.to(wire).contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out.to(x.dtype)
 
 
 class _AllGather(torch.autograd.Function):
@@ -138,5 +140,5 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """[world * N, ...] on each rank -> [N, ...]: this rank's block of the sum over ranks."""
+    """[world * N, ...] on each rank -> [N, ...]: this rank's block of the sum over ranks (summed in >= fp32)."""
     return _ReduceScatter.apply(x, group)

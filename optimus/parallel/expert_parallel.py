@@ -1,8 +1,10 @@
 """Expert parallelism applied from outside the model: keep this rank's experts, install an EP dispatcher.
 
 Experts are block-partitioned: EP rank j keeps global experts [j * E_local, (j + 1) * E_local)
-with E_local = E / ep. The full model is built and initialised identically on every
-rank first, so slicing gives each rank exactly the experts a single process would have.
+with E_local = E / ep. The trainer builds each rank's block directly (optimus.train.build);
+a model that holds all experts (tests, benchmarks) is sliced here. Either way a rank holds
+exactly the values a single process would have, since initial values depend on the global
+expert index only (optimus.model.init).
 """
 
 from __future__ import annotations
@@ -10,36 +12,31 @@ from __future__ import annotations
 import torch.nn as nn
 
 from optimus.config import ConfigError, ParallelConfig
-from optimus.model.moe.allgather import AllGatherDispatcher
-from optimus.model.moe.alltoall import AllToAllDispatcher
+from optimus.model.moe.experts import expert_range
 from optimus.model.moe.layer import MoE
+from optimus.parallel.allgather_dispatch import AllGatherDispatcher
+from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
 from optimus.parallel.state import ParallelState
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 
-def _keep_local_block(param: nn.Parameter, start: int, end: int) -> nn.Parameter:
-    """A new parameter holding rows [start, end) of the expert dimension (a contiguous copy, not a view)."""
-    return nn.Parameter(param.detach()[start:end].clone(), requires_grad=param.requires_grad)
-
-
 def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
-    """Keep only EP rank `ep_rank`'s block of experts in `moe.experts`; returns the local expert count."""
+    """Keep only EP rank `ep_rank`'s block of experts in `moe.experts`; returns the local expert count.
+
+    A model built for this rank (optimus.train.build) already holds exactly that block and is left as is.
+    """
     experts = moe.experts
+    start, end = expert_range(moe.router.n_experts, ep, ep_rank)
+    if (experts.expert_offset, experts.n_experts) == (start, end - start):
+        return end - start
     if experts.expert_offset != 0 or experts.n_experts != moe.router.n_experts:
-        raise RuntimeError("apply_expert_parallel was called on a model whose experts are already sharded.")
-    n_experts = experts.n_experts
-    if n_experts % ep:
-        raise ConfigError(
-            f"model.moe.n_experts={n_experts} is not divisible by parallel.ep={ep}: choose an ep that divides it."
+        raise RuntimeError(
+            f"This model holds experts [{experts.expert_offset}, {experts.expert_offset + experts.n_experts}), "
+            f"neither all of them nor EP rank {ep_rank}'s block [{start}, {end})."
         )
-    n_local = n_experts // ep
-    start = ep_rank * n_local
-    experts.w13 = _keep_local_block(experts.w13, start, start + n_local)
-    experts.w2 = _keep_local_block(experts.w2, start, start + n_local)
-    experts.n_experts = n_local
-    experts.expert_offset = start
-    return n_local
+    experts.keep_experts(start, end)
+    return end - start
 
 
 def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConfig) -> nn.Module:

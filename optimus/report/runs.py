@@ -61,13 +61,41 @@ class Run:
         return f"{device.get('name', '?')} ({device.get('type', '?')})"
 
 
+# What the report reads from each file; a run directory that lacks one is named with the key.
+INFO_NEEDS = ("layout.world", "layout.dp", "layout.ep", "tokens_per_step", "flops_per_token")
+CONFIG_NEEDS = ("train.global_batch",)
+
+
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ReportError(
             f"{path} is not valid JSON ({err.msg} at line {err.lineno}): rerun or repair that run."
         ) from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} holds a {type(data).__name__}, not a JSON object: rerun or repair that run.")
+    return data
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ReportError(f"{path} is not valid YAML ({first}): rerun or repair that run.") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} does not hold a config mapping: rerun or repair that run.")
+    return data
+
+
+def _require(data: dict, keys: tuple[str, ...], path: Path) -> None:
+    for key in keys:
+        node = data
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, (int, float)) or isinstance(node, bool):
+            raise ReportError(f"{path} has no number at {key}: pass run directories written by `optimus train`.")
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -76,11 +104,16 @@ def _read_metrics(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
+            record = None
+        timed = isinstance(record, dict) and (record.get("step_time_s") is not None or "tokens_per_s" in record)
+        if not (timed and isinstance(record.get("step"), int)):
             raise ReportError(
-                f"{path} line {lineno} is not a JSON object: remove that line or rerun the run."
-            ) from None
+                f"{path} line {lineno} is not a step record (a JSON object with step and step_time_s): "
+                "remove that line or rerun the run."
+            )
+        records.append(record)
     return records
 
 
@@ -92,8 +125,10 @@ def load_run(path: str | Path) -> Run:
     for name in ("config.yaml", "run_info.json", "metrics.jsonl"):
         if not (path / name).is_file():
             raise ReportError(f"{path} has no {name}: pass run directories written by `optimus train`.")
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    return Run(path, config, _read_json(path / "run_info.json"), _read_metrics(path / "metrics.jsonl"))
+    config, info = _read_yaml(path / "config.yaml"), _read_json(path / "run_info.json")
+    _require(config, CONFIG_NEEDS, path / "config.yaml")
+    _require(info, INFO_NEEDS, path / "run_info.json")
+    return Run(path, config, info, _read_metrics(path / "metrics.jsonl"))
 
 
 def measured_records(run: Run, warmup_steps: int) -> list[dict]:

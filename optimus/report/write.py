@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from optimus.report.plots import plot_breakdown, plot_efficiency, plot_throughput
+from optimus.report.runs import ReportError
 from optimus.report.summary import phase_order
 
 COLUMNS = (
@@ -117,7 +118,10 @@ def print_table(rows: list[dict], mode: str) -> None:
 
 def write_report(rows: list[dict], mode: str, warmup: int, notes: list[str], out: Path) -> list[Path]:
     """Write every output of the report into `out`; returns the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"--out {out} cannot be made a directory ({err.strerror}): choose another --out.") from None
     plots = ["efficiency.png", "throughput.png"]
     plot_efficiency(rows, mode, out / plots[0])
     plot_throughput(rows, out / plots[1])

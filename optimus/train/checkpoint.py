@@ -13,8 +13,11 @@ the previous checkpoint as the latest, and a directory without the .tmp suffix i
 always complete. What the keys mean is in optimus.train.checkpoint_state.
 
 Loading tries `latest` first and then older checkpoints: one whose files are
-missing, short or unreadable is reported with a warning and skipped. One saved
-from a different model is a configuration error, not a reason to fall back.
+missing, short, unreadable or differ from the checksums in its meta.json is
+reported with a warning and skipped; when none loads the run stops (and keeps
+them all) rather than start again from step 0. One saved from a different model
+or with other data settings is a configuration error, not a reason to fall back
+(see optimus.train.checkpoint_checks).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.config import ConfigError, OptimusConfig
 from optimus.parallel import ParallelState
+from optimus.train.checkpoint_checks import changed_setting, hash_files, read_meta, run_identity, verify_files
 from optimus.train.checkpoint_state import (
     apply_model_state,
     load_optimizer_state,
@@ -173,7 +178,9 @@ class Restored:
 class Checkpointer:
     """One per rank; every method is called by every rank (they hold collectives) unless it says otherwise."""
 
-    def __init__(self, cfg: OptimusConfig, run_dir: Path, ps: ParallelState, device_type: str):
+    def __init__(
+        self, cfg: OptimusConfig, run_dir: Path, ps: ParallelState, device_type: str, tokenizer_id: str | None = None
+    ):
         c = cfg.checkpoint
         if c.interval < 0:
             raise ConfigError(f"checkpoint.interval={c.interval} must be 0 (off) or a number of steps.")
@@ -182,7 +189,10 @@ class Checkpointer:
         if c.load_weights_only and not c.load:
             raise ConfigError("checkpoint.load_weights_only=true needs checkpoint.load=PATH: name the checkpoint.")
         self.cfg, self.ps, self.device_type = cfg, ps, device_type
+        self.tokenizer_id = tokenizer_id  # recorded at save, compared on resume (with the data settings)
         self.root = checkpoint_root(cfg, run_dir)
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"checkpoint.dir={self.root} is a file, not a directory: choose another checkpoint.dir.")
         # A gloo group of its own: DCP's collectives (from a background thread for async saves, and on
         # CPU tensors) never interleave with the training collectives.
         self.group = None
@@ -275,8 +285,17 @@ class Checkpointer:
             self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
             return
         dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        digests = self._gather_digests(hash_files(tmp, self.ps.rank, self.ps.world_size))
         elapsed = time.perf_counter() - started
-        self._publish(step, tmp, elapsed, elapsed)
+        self._publish(step, tmp, elapsed, elapsed, digests)
+
+    def _gather_digests(self, mine: dict[str, str]) -> dict[str, str]:
+        """Every rank hashed a share of the files; rank 0 gets them all."""
+        if self.group is None:
+            return mine
+        shares: list[dict[str, str] | None] = [None] * self.ps.world_size
+        dist.all_gather_object(shares, mine, group=self.group)
+        return {name: digest for share in shares for name, digest in share.items()}
 
     def poll(self, block: bool = False) -> None:
         """Publish a finished background save (wait for it with `block`). Holds no collectives."""
@@ -286,7 +305,7 @@ class Checkpointer:
         self.pending = None
         try:
             p.future.result()
-        except Exception as err:  # the file system failed; training goes on with the previous checkpoint
+        except (Exception, CheckpointException) as err:  # the file system failed; the previous one stays latest
             if self.ps.is_main:
                 log.warning(f"checkpoint of step {p.step} failed ({err}); the previous one stays the latest.")
             return
@@ -295,14 +314,17 @@ class Checkpointer:
     def wait(self) -> None:
         self.poll(block=True)
 
-    def _publish(self, step: int, tmp: Path, total_s: float, blocking_s: float) -> None:
-        """Rank 0: rename the finished directory, move `latest`, drop checkpoints beyond `keep`."""
+    def _publish(self, step: int, tmp: Path, total_s: float, blocking_s: float, digests=None) -> None:
+        """Rank 0: record checksums, rename the finished directory, move `latest`, drop checkpoints beyond `keep`.
+        `digests`: the files' checksums, hashed by the ranks in parallel (a background save has rank 0 hash)."""
         if not self.ps.is_main:
             return
         ps = self.ps
         meta = {
             "step": step, "world": ps.world_size, "dp": ps.dp, "ep": ps.ep, "sharding": self.cfg.optim.sharding,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
+            "run": run_identity(self.cfg, self.tokenizer_id),
+            "files": digests if digests is not None else hash_files(tmp),
         }  # fmt: skip
         _write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
         _write_atomic(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
@@ -335,8 +357,37 @@ class Checkpointer:
 
     # ---- load ------------------------------------------------------------------------------
 
-    def _inspect(self, path: Path) -> tuple[str | None, Any]:
-        return self._from_main(lambda: inspect(path))
+    def _inspect(self, path: Path, weights_only: bool = False) -> tuple[str | None, Any]:
+        """(why `path` cannot be loaded, or None; its DCP metadata), the same on every rank. A checkpoint of
+        other settings is a ConfigError; the files' checksums are verified by the ranks in parallel."""
+
+        def on_main():
+            problem, metadata = inspect(path)
+            meta = read_meta(path) if problem is None else {}
+            if problem is None:
+                self._check_settings(path, meta, weights_only)
+            return problem, metadata, meta
+
+        problem, metadata, meta = self._from_main(on_main)
+        if problem is None:
+            problem = self._first_problem(verify_files(path, meta, self.ps.rank, self.ps.world_size))
+        return problem, metadata
+
+    def _check_settings(self, path: Path, meta: dict, weights_only: bool) -> None:
+        changed = changed_setting(meta, self.cfg, self.tokenizer_id, weights_only)
+        if changed is None:
+            return
+        key, saved, now = changed
+        if weights_only:
+            raise ConfigError(
+                f"{key} is {now} but checkpoint {path} was saved with {saved}: its weights need the same model "
+                f"shape; set {key}={saved}."
+            )
+        raise ConfigError(
+            f"{key} changed from {saved} to {now} since the checkpoint {path}: set it back to resume that run, or "
+            "start a new one (another run.dir, or run.overwrite=true; checkpoint.load=PATH "
+            "checkpoint.load_weights_only=true starts from its weights)."
+        )
 
     def _read(self, path: Path, targets: dict[str, torch.Tensor]) -> str | None:
         """Load `targets` in place; returns why it failed on any rank (the same on all), or None."""
@@ -348,8 +399,9 @@ class Checkpointer:
                 process_group=self.group,
                 no_dist=self.group is None,
             )
-        except Exception as err:  # DCP raises CheckpointException on every rank if one failed
-            problem = f"reading it failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:300]})"
+        except (Exception, CheckpointException) as err:  # CheckpointException (a BaseException) on every rank
+            first_line = (str(err).strip() or "no message").splitlines()[0][:300]
+            problem = f"reading it failed ({type(err).__name__}: {first_line})"
         return self._first_problem(problem)
 
     def _model_targets(self, model, metadata, path: Path) -> dict[str, torch.Tensor]:
@@ -374,7 +426,7 @@ class Checkpointer:
 
     def load_weights(self, path: Path, model) -> None:
         """checkpoint.load_weights_only: the model's weights (router biases included) and nothing else."""
-        problem, metadata = self._inspect(path)
+        problem, metadata = self._inspect(path, weights_only=True)
         if problem is None:
             targets = self._model_targets(model, metadata, path)
             problem = self._read(path, targets)
@@ -399,6 +451,11 @@ class Checkpointer:
                     problem = self._read(path, targets)
             if problem is None:
                 restored = self._apply(path, targets, shards, model, optimizer, loader)
+                if restored.step > self.cfg.train.steps:  # the loop would not run: nothing would be said
+                    raise ConfigError(
+                        f"checkpoint {path} is at step {restored.step}, past train.steps={self.cfg.train.steps}: "
+                        f"nothing is left to train; raise train.steps above {restored.step} to continue it."
+                    )
                 if self.ps.is_main:
                     log.warning(
                         f"Resuming from {path} (step {restored.step}; read in {time.perf_counter() - started:.2f} s)."
@@ -408,8 +465,11 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint.load={path} cannot be loaded: {problem}; give another checkpoint.")
             if self.ps.is_main:
                 log.warning(f"Checkpoint {path} cannot be loaded ({problem}); trying the previous one.")
-        if paths and self.ps.is_main:
-            log.warning(f"No checkpoint in {self.root} could be loaded; starting from step 0.")
+        if paths:  # starting afresh would later delete them (retention): keep them and stop
+            raise ConfigError(
+                f"none of the {len(paths)} checkpoint(s) in {self.root} can be loaded (see the warnings above); "
+                "they are kept: repair or move them away, or start a new run with another run.dir."
+            )
         return None
 
     def _optimizer_targets(self, optimizer, model, metadata):

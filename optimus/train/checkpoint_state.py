@@ -11,9 +11,8 @@ an expert-data-parallel group, the standard scheme's dense optimizer shards) wri
 identical keys and DCP keeps one copy. On load every rank asks for exactly the keys
 it needs: its own experts, and the saved optimizer ranges that overlap the ranges
 it owns in the new layout, which is what makes a checkpoint load under any layout.
-Both optimizers (`ShardedAdamW`, and torch's AdamW inside `ReplicatedAdamW`, whose
-state is mapped to full-parameter ranges here) use the same keys, so a checkpoint
-also moves between `optim.sharding` schemes.
+Every `optim.sharding` scheme (none, standard, ep_aware) writes the same keys, so a
+checkpoint also moves between schemes.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optimus.optim import ShardedAdamW
+from optimus.optim import Optimizer
 
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "master")
 OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)\[(?P<lo>\d+):(?P<hi>\d+)\]/(?P<kind>exp_avg|exp_avg_sq|master)$")
@@ -85,49 +84,22 @@ def apply_model_state(model: torch.nn.Module, loaded: dict[str, torch.Tensor]) -
 # ---- optimizer ----------------------------------------------------------------------------
 
 
-def _global_range(name: str, param: torch.Tensor, offsets: dict[str, int]) -> tuple[int, int]:
-    """This rank's elements of `name` in the full flattened parameter (experts: all E experts)."""
-    lo = offsets.get(name, 0) * (param[0].numel() if param.dim() else 1)
-    return lo, lo + param.numel()
-
-
-def _replicated_named_params(optimizer, model: torch.nn.Module):
-    """(name, param) of the parameters torch's AdamW updates (tied weights appear once)."""
-    owned = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
-    return [(n, p) for n, p in model.named_parameters() if id(p) in owned]
-
-
-def optimizer_state(optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def optimizer_state(optimizer: Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The optimizer's checkpoint entries: its owned ranges, keyed by full-parameter element range."""
     out: dict[str, torch.Tensor] = {}
-    if isinstance(optimizer, ShardedAdamW):
-        state = optimizer.state_dict()
-        step = int(state["step"])
-        for e in state["shards"].values():
-            key = SavedRange(e["name"], e["lo"], e["hi"]).key
-            for kind in OPTIM_KINDS:
-                if kind in e:
-                    out[f"{key}/{kind}"] = e[kind]
-    else:  # ReplicatedAdamW: torch's AdamW state, full local tensors
-        offsets, step = expert_offsets(model), 0
-        for name, p in _replicated_named_params(optimizer, model):
-            st = optimizer.optimizer.state.get(p)
-            if not st:
-                continue  # no update applied yet
-            step = int(st["step"])
-            key = SavedRange(name, *_global_range(name, p, offsets)).key
-            out[f"{key}/exp_avg"] = st["exp_avg"].reshape(-1)
-            out[f"{key}/exp_avg_sq"] = st["exp_avg_sq"].reshape(-1)
-    out["optim/step"] = torch.tensor(step, dtype=torch.int64)
+    state = optimizer.state_dict()
+    for e in state["shards"].values():
+        key = SavedRange(e["name"], e["lo"], e["hi"]).key
+        for kind in OPTIM_KINDS:
+            if kind in e:
+                out[f"{key}/{kind}"] = e[kind]
+    out["optim/step"] = torch.tensor(int(state["step"]), dtype=torch.int64)
     return out
 
 
-def needed_ranges(optimizer, model: torch.nn.Module) -> list[tuple[str, int, int]]:
+def needed_ranges(optimizer: Optimizer, model: torch.nn.Module) -> list[tuple[str, int, int]]:
     """(name, lo, hi) of every range whose state this rank keeps in the current layout."""
-    if isinstance(optimizer, ShardedAdamW):
-        return [(e["name"], e["lo"], e["hi"]) for e in optimizer.state_dict()["shards"].values()]
-    offsets = expert_offsets(model)
-    return [(n, *_global_range(n, p, offsets)) for n, p in _replicated_named_params(optimizer, model)]
+    return [(e["name"], e["lo"], e["hi"]) for e in optimizer.state_dict()["shards"].values()]
 
 
 def saved_ranges(keys) -> dict[str, list[tuple[SavedRange, set[str]]]]:
@@ -166,21 +138,5 @@ def load_optimizer_state(
     optimizer, model: torch.nn.Module, step: int, shards: dict[SavedRange, dict[str, torch.Tensor]]
 ) -> None:
     """Fill this rank's optimizer state from the loaded shards (each {kind: flat tensor of r.hi - r.lo})."""
-    if not shards:
-        return  # saved before the first update by torch's AdamW: the fresh state is the saved one
-    if isinstance(optimizer, ShardedAdamW):
-        entries = {r.key: {"name": r.name, "lo": r.lo, "hi": r.hi, **tensors} for r, tensors in shards.items()}
-        optimizer.load_state_dict({"step": step, "scheme": optimizer.scheme, "shards": entries})
-        return
-    offsets = expert_offsets(model)
-    for name, p in _replicated_named_params(optimizer, model):
-        lo, hi = _global_range(name, p, offsets)
-        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
-        for kind in ("exp_avg", "exp_avg_sq"):
-            flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-            for r, tensors in shards.items():
-                a, b = max(lo, r.lo), min(hi, r.hi)
-                if r.name == name and a < b:
-                    flat[a - lo : b - lo].copy_(tensors[kind][a - r.lo : b - r.lo])
-            state[kind] = flat.view_as(p)
-        optimizer.optimizer.state[p] = state
+    entries = {r.key: {"name": r.name, "lo": r.lo, "hi": r.hi, **tensors} for r, tensors in shards.items()}
+    optimizer.load_state_dict({"step": step, "scheme": optimizer.scheme, "shards": entries})

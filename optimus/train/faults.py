@@ -9,18 +9,21 @@ and stop at the same step boundary, without an extra collective.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from dataclasses import dataclass
 
 import torch
 
-# What PBS (qdel, walltime) and SLURM (--signal, preemption) send before they kill a job.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What PBS (qdel, walltime) and SLURM (--signal, preemption) send before they kill a job, and Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignal:
-    """Turns SIGTERM / SIGUSR1 into a flag the trainer reads at step boundaries (instead of dying mid-step)."""
+    """Turns SIGTERM / SIGUSR1 / SIGINT into a flag the trainer reads at step boundaries (instead of dying
+    mid-step). A second Ctrl-C interrupts a process that runs alone; a rank of several gets every Ctrl-C
+    twice (from the terminal and from its launcher), so there the launcher decides (see launch.spawn_local)."""
 
     def __init__(self):
         self.received: str | None = None  # name of the first stop signal
@@ -33,8 +36,11 @@ class StopSignal:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received = name
+        elif name == "SIGINT" == self.received and os.environ.get("WORLD_SIZE", "1") == "1":
+            raise KeyboardInterrupt  # pressed again: stop now, without the checkpoint
 
     @property
     def requested(self) -> bool:

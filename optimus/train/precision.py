@@ -1,33 +1,20 @@
-"""Choosing the compute dtype: `train.dtype=auto` picks bf16 only where bf16 matmuls are fast.
+"""Parameter dtypes of a run: bf16 runs store bf16 parameters; the optimizer keeps their fp32 master copy.
 
-Accelerators (CUDA, ROCm, XPU) all have bf16 matrix units. CPUs differ: with
-AVX512-BF16 or AMX a bf16 matmul is several times faster than fp32, without
-them PyTorch emulates it and it is tens of times slower, so auto means fp32 there.
+`train.dtype=auto` is resolved per device by optimus.platform.resolve_dtype.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+import torch
 
 
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
+def param_dtype(dtype: str) -> torch.dtype:
+    """Parameter dtype of a resolved `train.dtype`: bf16 runs keep bf16 parameters (fp32 master in the optimizer)."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
-def resolve_dtype(requested: str, device_type: str, cpuinfo: str | None = None) -> str:
-    """`bf16` or `fp32` for `train.dtype=requested` on a device of `device_type`."""
-    if requested != "auto":
-        return requested
-    if device_type != "cpu":
-        return "bf16"
-    return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating-point parameter in `dtype`; buffers (RoPE tables, router bias) keep their precision."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)

@@ -8,7 +8,9 @@ each followed by one optimizer step, periodic evaluation and logging.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -20,12 +22,23 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from optimus.config import ConfigError, OptimusConfig, grad_accum_steps, validate
+from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps, validate
 from optimus.data import BatchLoader, build_data, eval_batches
-from optimus.model import Transformer, count_params, flops_per_token
+from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token, moe_layer_ids
+from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
-from optimus.platform import Platform, detect_platform, peak_flops_per_device, synchronize
+from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids
+from optimus.platform import (
+    Platform,
+    detect_platform,
+    peak_flops_per_device,
+    peak_memory_bytes,
+    resolve_dtype,
+    synchronize,
+)
+from optimus.train.activation_checkpointing import apply_activation_checkpointing
+from optimus.train.build import build_model
 from optimus.train.checkpoint import Checkpointer
 from optimus.train.faults import (
     StopSignal,
@@ -36,7 +49,7 @@ from optimus.train.faults import (
     unpack_step_flags,
 )
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
-from optimus.train.precision import resolve_dtype
+from optimus.train.precision import param_dtype
 from optimus.train.run_dir import resolve_run_dir, resume_hint, truncate_metrics
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
@@ -57,15 +70,39 @@ def autocast_context(cfg: OptimusConfig, platform: Platform):
     return nullcontext()
 
 
-def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusConfig, platform: Platform):
-    """Loss of one micro-batch of `seq_len + 1` windows: next-token CE + weighted router losses."""
+def eval_loss_sum(model, batch_BS1: torch.Tensor, weight_B: torch.Tensor, cfg, platform) -> torch.Tensor:
+    """fp64 sum over tokens of next-token cross-entropy, each sequence weighted by `weight_B` (0 = padding).
+    `model` maps tokens to logits: the model, or a pipeline's forward (None on ranks without the last stage)."""
     inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with autocast_context(cfg, platform):
-        out = model(inputs_BS)
-    lm_loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1))
-    moe = cfg.model.moe
-    loss = lm_loss + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss
-    return loss, lm_loss, out
+        logits_BSV = model(inputs_BS)
+    if logits_BSV is None:  # a pipeline rank without the last stage
+        return torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
+    loss_BS = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1), reduction="none")
+    return (loss_BS.view_as(targets_BS).sum(1).double() * weight_B).sum()
+
+
+def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusConfig, platform: Platform):
+    """Next-token cross-entropy of one micro-batch of `seq_len + 1` windows. Its backward also trains the
+    routers: their losses ride on the graph (optimus.model.moe.stats), their values go to the RouterStats."""
+    inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+    with autocast_context(cfg, platform):
+        return next_token_loss(model(inputs_BS), targets_BS)
+
+
+def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy, in fp32, of the logits against the next tokens."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1))
+
+
+def step_loss_sums(lm_losses_M: torch.Tensor, router_losses_M3: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """[4]: sums over micro-batches of (loss, lm_loss, aux_loss, z_loss), where a micro-batch's loss is its
+    LM loss plus its weighted router losses (`router_losses_M3`: its aux, z, seq losses, means over layers)."""
+    sums_4 = torch.zeros(4, device=lm_losses_M.device)
+    for lm_loss, (aux_loss, z_loss, seq_aux_loss) in zip(lm_losses_M, router_losses_M3):
+        loss = lm_loss + router_loss(moe, aux_loss, z_loss, seq_aux_loss)
+        sums_4 += torch.stack([loss, lm_loss, aux_loss, z_loss])
+    return sums_4
 
 
 class Trainer:
@@ -74,10 +111,10 @@ class Trainer:
         self.platform = detect_platform(cfg.machine, local_rank)
         if self.platform.device_type != "cpu":
             torch.get_device_module(self.platform.device_type).set_device(self.platform.device)
-        self.ps: ParallelState = build_parallel_state(cfg.parallel.ep, cfg.parallel.timeout_s)
+        self.ps: ParallelState = build_parallel_state(cfg.parallel.ep, cfg.parallel.timeout_s, cfg.parallel.pp)
         validate(cfg, self.ps.world_size)
         cfg.train.dtype = resolve_dtype(cfg.train.dtype, self.platform.device_type)  # recorded in config.yaml
-        self.accum = grad_accum_steps(cfg, self.ps.world_size)
+        self.accum = grad_accum_steps(cfg, self.ps.stage_size)  # micro-batches per rank and step
         self.run_dir = resolve_run_dir(cfg, self.ps)
         self.device = self.platform.device
 
@@ -87,40 +124,53 @@ class Trainer:
                 f"The tokenizer has {self.data.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}: "
                 f"set model.vocab_size >= {self.data.vocab_size}."
             )
-        self.model = self._build_model()
+        self.memory_before_model = peak_memory_bytes(self.platform)  # CPU: the interpreter, libraries, data
+        self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
+        self.model = self._build_model() if cfg.parallel.pp == 1 else self._build_pipeline()
+        # The routers' losses, tokens per expert and bias updates, per step; their gradients follow the
+        # LM loss's 1 / accum.
+        self.router_stats = RouterStats(moe_layer_ids(cfg.model), cfg.model.moe.n_experts, self.device)
+        self.router_stats.grad_scale = 1.0 / self.accum
+        self.model.attach_router_stats(self.router_stats)
         # Where the run starts: its own latest checkpoint, else checkpoint.load. Weights-only loads come
         # before the optimizer is built, since it takes its own copy of the parameters.
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.ps, self.platform.device_type)
+        self.checkpointer = Checkpointer(
+            cfg, self.run_dir, self.ps, self.platform.device_type, tokenizer_id=self.data.tokenizer_id
+        )
         start_mode, start_paths = self.checkpointer.start_point()
         if start_mode == "weights":
             self.checkpointer.load_weights(start_paths[0], self.model)
-        self.param_counts = count_params(self.model, cfg.model)
+        # A pipeline rank holds some layers only: count the whole model from the config.
+        self.param_counts = (
+            count_params(self.model, cfg.model) if self.pipeline is None else count_params_of_config(cfg.model)
+        )
         self.flops_per_token = flops_per_token(self.param_counts, cfg.model, cfg.train.seq_len)
         # On a CPU the peak is a matmul probe in the dtype the run computes in.
         compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops_per_device(self.platform, cfg.machine, compute_dtype)
-        self.optimizer = build_optimizer(self.model, cfg, self.ps)
         # profile.timers: the dispatchers and the optimizer time their collectives through this object.
         self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
-        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers] + [self.optimizer])
+        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
+        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
         p = cfg.profile
         self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
 
-        t = cfg.train
+        t, ps = cfg.train, self.ps.stage()  # every pipeline stage reads the same data
         self.loader = BatchLoader(
             self.data.train,
             t.global_batch,
             t.micro_batch,
-            self.ps.rank,
-            self.ps.world_size,
+            ps.rank,
+            ps.world_size,
             t.seed,
             prefetch=cfg.data.prefetch,
         )
-        # A fixed held-out set, the same in every layout whose world size divides eval_batches.
+        # A fixed held-out set of sequences, the same in every layout (see eval_batches).
         self.eval_batches = [
-            b.to(self.device)
-            for b in eval_batches(self.data.val, t.eval_batches, t.micro_batch, self.ps.rank, self.ps.world_size)
+            (batch.to(self.device), weight.to(self.device, torch.float64))
+            for batch, weight in eval_batches(self.data.val, t.eval_sequences, t.micro_batch, ps.rank, ps.world_size)
         ]
+        self.eval_tokens = min(t.eval_sequences, len(self.data.val)) * t.seq_len
         self.step = 0
         self.skipped_in_row = 0
         self.stop_signal = StopSignal()
@@ -135,14 +185,56 @@ class Trainer:
         if self.ps.is_main:
             truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
-    def _build_model(self) -> Transformer:
-        cfg = self.cfg
-        model = Transformer(cfg.model, kernels=cfg.kernels)
-        # Same init on every rank and in every layout: seeded CPU generator, full model, then sliced.
-        model.init_weights(torch.Generator().manual_seed(cfg.train.seed))
-        model = model.to(self.device)
-        parallelize_model(model, self.ps, cfg.parallel)
-        return model
+    def _build_model(self, **stage) -> Transformer:
+        """The model, or with `stage` (layer_ids, embed, head) one pipeline stage of it."""
+        cfg, ps = self.cfg, self.ps.stage()
+        # Built on meta, then only this rank's experts are allocated, on the device, with layout-independent values.
+        model = build_model(
+            cfg.model,
+            cfg.kernels,
+            ep=ps.ep,
+            ep_rank=ps.ep_rank,
+            device=self.device,
+            param_dtype=param_dtype(cfg.train.dtype),
+            seed=cfg.train.seed,
+            **stage,
+        )
+        parallelize_model(model, ps, cfg.parallel)
+        return apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+
+    def _build_pipeline(self) -> Transformer:
+        """pp > 1: this rank's stages, run by `self.pipeline`; returns them merged into one module."""
+        cfg, ps = self.cfg, self.ps
+        n_stages = ps.pp * cfg.parallel.pp_virtual
+        layer_ids = stage_layer_ids(cfg.model.n_layers, n_stages)
+        indices = rank_stage_indices(ps.pp_rank, ps.pp, cfg.parallel.pp_virtual)
+        stages = [self._build_model(layer_ids=layer_ids[i], embed=i == 0, head=i == n_stages - 1) for i in indices]
+        t = cfg.train
+        self.pipeline_lm_losses: list[torch.Tensor] = []  # the last stage's, per micro-batch of a step
+        self.pipeline = Pipeline(
+            stages, indices, n_stages, cfg.parallel.pp_schedule, self.accum, t.micro_batch, t.seq_len,
+            self._pipeline_loss, ps, self.device,
+        )  # fmt: skip
+        return merge_stages(stages)
+
+    def _pipeline_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch, as the schedule back-propagates it; keeps the LM loss."""
+        lm_loss = next_token_loss(logits_BSV, targets_BS)
+        self.pipeline_lm_losses.append(lm_loss.detach())
+        return lm_loss / self.accum
+
+    def _run_pipeline(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """pp > 1: forward and backward of every micro-batch through the stages; [M] LM losses on every rank."""
+        batch_BS1 = torch.cat(micro_batches).to(self.device, non_blocking=True)
+        self.optimizer.set_last_micro_batch(True)  # ZeRO-1 reduces in step(); ZeRO-2 is refused with pp > 1
+        self.pipeline_lm_losses = []
+        with autocast_context(self.cfg, self.platform):
+            self.pipeline.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        lm_losses_M = torch.zeros(len(micro_batches), device=self.device)  # [M]
+        if self.pipeline.is_last:
+            lm_losses_M = torch.stack(self.pipeline_lm_losses)
+        dist.all_reduce(lm_losses_M, group=self.ps.pp_group)  # the last stage's values, zeros from the others
+        return lm_losses_M
 
     # ---- one optimizer step -------------------------------------------------
 
@@ -152,27 +244,34 @@ class Trainer:
         timers = self.timers
         with timers("data_wait"):
             micro_batches = self.loader.next_step()
-        sums_4 = torch.zeros(4, device=self.device)  # loss, lm_loss, aux_loss, z_loss
-        counts_LE = None
-        for i, batch in enumerate(micro_batches):
-            # ZeRO-2 reduces gradients during the backward of the last micro-batch only.
-            self.optimizer.set_last_micro_batch(i == len(micro_batches) - 1)
-            with timers("forward"):
-                loss, lm_loss, out = micro_batch_loss(
-                    self.model, batch.to(self.device, non_blocking=True), cfg, self.platform
-                )
-            with timers("backward"):
-                (loss / self.accum).backward()
-            sums_4 += torch.stack([loss.detach(), lm_loss.detach(), out.aux_loss.detach(), out.z_loss.detach()])
-            if out.tokens_per_expert_LE is not None:
-                counts_LE = out.tokens_per_expert_LE if counts_LE is None else counts_LE + out.tokens_per_expert_LE
+        self.router_stats.reset()
+        if self.pipeline is not None:
+            with timers("forward"):  # the whole schedule: forward and backward interleaved
+                lm_losses_M = self._run_pipeline(micro_batches)
+        else:
+            lm_losses = []
+            for i, batch in enumerate(micro_batches):
+                # ZeRO-2 reduces gradients during the backward of the last micro-batch only.
+                self.optimizer.set_last_micro_batch(i == len(micro_batches) - 1)
+                with timers("forward"):
+                    lm_loss = micro_batch_loss(self.model, batch.to(self.device, non_blocking=True), cfg, self.platform)
+                with timers("backward"):
+                    (lm_loss / self.accum).backward()
+                lm_losses.append(lm_loss.detach())
+            lm_losses_M = torch.stack(lm_losses)
+        # Every MoE layer's losses per micro-batch; with pp > 1 the stages' layers are summed in.
+        router_losses_M3 = self.router_stats.micro_batch_means(len(micro_batches), ps.pp_group)
+        sums_4 = step_loss_sums(lm_losses_M, router_losses_M3, cfg.model.moe)
+        counts_LE = self.router_stats.tokens_per_expert()  # [L, E] or None
         # One reduction agrees on the losses, on which ranks saw a non-finite loss, and on a stop signal.
         flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested)
+        if ps.pp_rank > 0:
+            flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
         if ps.is_distributed:
             dist.all_reduce(flags)
             if counts_LE is not None:
                 dist.all_reduce(counts_LE)
-        agreed = unpack_step_flags(flags, self.accum * ps.world_size)
+        agreed = unpack_step_flags(flags, self.accum * ps.stage_size)
         self.stop_agreed = agreed.stop
         means = agreed.means
 
@@ -186,8 +285,8 @@ class Trainer:
                 self.optimizer.zero_grad()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
-            for router_counts_E, moe in zip(counts_LE, self.model.moe_layers):
-                moe.router.update_bias(router_counts_E, cfg.model.moe.bias_update_rate)
+            for moe in self.model.moe_layers:
+                moe.update_bias(counts_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
         record = {
             "loss": means[0], "lm_loss": means[1], "aux_loss": means[2], "z_loss": means[3],
             "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
@@ -199,13 +298,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean next-token loss over the held-out set's tokens (layout-independent)."""
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for batch in self.eval_batches:
-            total += micro_batch_loss(self.model, batch, self.cfg, self.platform)[1]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        forward = self.model if self.pipeline is None else self.pipeline.forward
+        for batch, weight in self.eval_batches:
+            total += eval_loss_sum(forward, batch, weight, self.cfg, self.platform)
         if self.ps.is_distributed:
             dist.all_reduce(total)
-        return (total / (len(self.eval_batches) * self.ps.world_size)).item()
+        return total.item() / self.eval_tokens
 
     # ---- the run ------------------------------------------------------------
 
@@ -224,7 +325,10 @@ class Trainer:
             "params_dense": counts.dense,
             "params_expert": counts.expert,
             "flops_per_token": self.flops_per_token,
-            "layout": {"world": self.ps.world_size, "dp": self.ps.dp, "ep": self.ps.ep, "accum": self.accum},
+            "layout": {
+                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "ep": self.ps.ep, "accum": self.accum,
+            },
+            "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},
             "device": {
                 "type": self.platform.device_type, "name": self.platform.device_name, "backend": self.platform.backend,
                 "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
@@ -235,6 +339,55 @@ class Trainer:
         }  # fmt: skip
         write_json_atomic(self.run_dir / "run_info.json", info)
 
+    def _max_peak_memory(self) -> int:
+        """The largest peak_memory_bytes over the ranks."""
+        peak = torch.tensor(peak_memory_bytes(self.platform), dtype=torch.int64, device=self.device)
+        if self.ps.is_distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
+
+    def _planned_memory(self) -> tuple[int, int] | None:
+        """optimus plan's (per-rank total, activations) for this run; None where it does not model the layout."""
+        from optimus.plan import STATE_KEYS, make_plan
+
+        if self.cfg.parallel.pp > 1:  # the planner counts the whole model on every rank
+            return None
+        plan = make_plan(self.cfg, self.ps.world_size)
+        activations = plan.activations["configured"]
+        return sum(plan.state[plan.sharding][k] for k in STATE_KEYS) + activations, activations
+
+    def _record_peak_memory(self, bar: tqdm) -> None:
+        """Add each rank's measured peak to run_info.json and print it beside optimus plan's prediction."""
+        peaks = [None] * self.ps.world_size
+        mine = {"peak_memory_bytes": peak_memory_bytes(self.platform), "before_model_bytes": self.memory_before_model}
+        if self.ps.is_distributed:
+            dist.all_gather_object(peaks, mine)
+        else:
+            peaks = [mine]
+        if not self.ps.is_main:
+            return
+        planned = self._planned_memory()
+        path = self.run_dir / "run_info.json"
+        info = json.loads(path.read_text())
+        for rank_info, peak in zip(info["per_rank"], peaks):
+            rank_info.update(peak)
+        busiest = max(range(len(peaks)), key=lambda r: peaks[r]["peak_memory_bytes"])
+        info["peak_memory_bytes"] = peaks[busiest]["peak_memory_bytes"]
+        info["planned_memory_bytes"] = planned[0] if planned else None
+        write_json_atomic(path, info)
+        mib = 2**20
+        line = (
+            f"memory after step {self.step}: peak {peaks[busiest]['peak_memory_bytes'] / mib:.1f} MiB "
+            f"({'device allocator' if self.platform.device_type != 'cpu' else 'resident set'}, rank {busiest}; "
+            f"{peaks[busiest]['before_model_bytes'] / mib:.1f} MiB before the model was built)"
+        )
+        if planned:
+            line += (
+                f"; optimus plan predicts {planned[0] / mib:.1f} MiB (activations {planned[1] / mib:.1f} MiB with "
+                f"train.activation_checkpointing={self.cfg.train.activation_checkpointing})"
+            )
+        self._print(line, bar)
+
     def fit(self) -> dict:
         cfg, ps = self.cfg, self.ps
         if ps.is_main:
@@ -243,11 +396,14 @@ class Trainer:
         wandb_run = self._start_wandb() if ps.is_main and cfg.logging.wandb else None
         metrics = MetricsLog(self.run_dir, enabled=ps.is_main, wandb_run=wandb_run)
         tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        show_bar = ps.is_main and cfg.logging.progress
+        # A batch job's log (stdout redirected to a file) gets the periodic step lines only, not the bar's
+        # carriage-return updates.
+        show_bar = ps.is_main and cfg.logging.progress and sys.stdout.isatty() and sys.stderr.isatty()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True)
         summary = {"first_val_loss": self.evaluate()}
         self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
         trace = self.trace
+        record_memory = True
         self.stop_signal.install()
         try:
             while self.step < cfg.train.steps:
@@ -257,6 +413,9 @@ class Trainer:
                 record = self.train_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
+                if record_memory:  # the first step of this process has run every kind of allocation once
+                    self._record_peak_memory(bar)
+                    record_memory = False
                 elapsed = time.perf_counter() - start
                 trace.after_step(self.step)
                 record = {"step": self.step, **record, "tokens": self.tokens_seen, "step_time_s": elapsed}
@@ -277,6 +436,7 @@ class Trainer:
                     )
                 if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                     record["val_loss"] = summary["last_val_loss"] = self.evaluate()
+                    record["peak_memory_bytes"] = self._max_peak_memory()
                 metrics.log(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -307,6 +467,8 @@ class Trainer:
     def _checkpoint_boundary(self, bar: tqdm) -> bool:
         """Publish finished background saves, save when due; True when the ranks agreed to stop."""
         self.checkpointer.poll()
+        if self.pipeline is not None:  # no checkpoints with pp > 1 yet (config.validate_pipeline)
+            return self.stop_agreed
         if self.stop_agreed or self.checkpointer.due(self.step, self.cfg.train.steps):
             self.save_checkpoint(block=self.stop_agreed)  # a stopping job must not exit mid-write
         self._report_checkpoint(bar)

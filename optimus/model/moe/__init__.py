@@ -2,7 +2,19 @@
 
 from optimus.model.moe.dispatch import Assignments, LocalDispatcher, sort_by_expert
 from optimus.model.moe.experts import GroupedExperts
-from optimus.model.moe.layer import MoE, MoEStats
+from optimus.model.moe.layer import MoE
 from optimus.model.moe.router import Router, Routing
+from optimus.model.moe.stats import RouterStats, attach_router_loss, router_loss
 
-__all__ = ["Assignments", "GroupedExperts", "LocalDispatcher", "MoE", "MoEStats", "Router", "Routing", "sort_by_expert"]
+__all__ = [
+    "Assignments",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "Router",
+    "RouterStats",
+    "Routing",
+    "attach_router_loss",
+    "router_loss",
+    "sort_by_expert",
+]

@@ -21,7 +21,6 @@ class Assignments:
     """Kept (token, expert) assignments in expert-sorted order."""
 
     token_idx_A: torch.Tensor  # int64, the token each row comes from
-    expert_idx_A: torch.Tensor  # int64, non-decreasing
     weight_A: torch.Tensor  # fp32 combine weight
     counts_E: torch.Tensor  # int64, rows per expert (sums to A)
 
@@ -37,7 +36,6 @@ def sort_by_expert(routing: Routing, n_experts: int) -> Assignments:
     flat_pos_A = flat_pos_A[order_A]
     return Assignments(
         token_idx_A=flat_pos_A // top_k,
-        expert_idx_A=flat_expert_A[order_A],
         weight_A=routing.weight_TK.reshape(-1)[flat_pos_A],
         counts_E=torch.bincount(flat_expert_A, minlength=n_experts),
     )

@@ -5,7 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from optimus.config import ConfigError
 from optimus.kernels import get_backend
+
+
+def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """Global indices [start, end) of the experts EP rank `ep_rank` holds: contiguous blocks of E / ep."""
+    if n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts={n_experts} is not divisible by parallel.ep={ep}: choose an ep that divides it."
+        )
+    n_local = n_experts // ep
+    return ep_rank * n_local, (ep_rank + 1) * n_local
 
 
 class GroupedExperts(nn.Module):
@@ -24,6 +35,20 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.kernels = get_backend(kernels)
+
+    def keep_experts(self, start: int, end: int) -> None:
+        """Keep only global experts [start, end) of the ones held now (copies, not views; free on meta)."""
+        first, last = start - self.expert_offset, end - self.expert_offset
+        if not 0 <= first < last <= self.n_experts:
+            raise RuntimeError(
+                f"experts [{start}, {end}) are not all held here: this module holds "
+                f"[{self.expert_offset}, {self.expert_offset + self.n_experts})."
+            )
+        for name in ("w13", "w2"):
+            param = getattr(self, name)
+            setattr(self, name, nn.Parameter(param.detach()[first:last].clone(), requires_grad=param.requires_grad))
+        self.n_experts = last - first
+        self.expert_offset = start
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)

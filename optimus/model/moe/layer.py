@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
@@ -12,29 +10,43 @@ from optimus.model.mlp import SwiGLU
 from optimus.model.moe.dispatch import LocalDispatcher
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Router
-
-
-@dataclass
-class MoEStats:
-    aux_loss: torch.Tensor  # scalar, differentiable
-    z_loss: torch.Tensor  # scalar, differentiable
-    tokens_per_expert_E: torch.Tensor  # fp32 counts, for balancing and logging
+from optimus.model.moe.stats import RouterStats, attach_router_loss, router_loss_coefs
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig, kernels: str = "auto"):
+    """Tensor in, tensor out: the router losses ride on the backward (`attach_router_loss`) and the routing
+    statistics go to `stats`, a `RouterStats` the trainer hands over (None: not recorded).
+
+    `layer_idx` is the block's global index (the key of its statistics) and `n_moe_layers` the number of MoE
+    layers in the whole model, over which the router losses are averaged.
+    """
+
+    def __init__(self, dim: int, cfg: MoEConfig, kernels: str = "auto", layer_idx: int = 0, n_moe_layers: int = 1):
         super().__init__()
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(cfg.n_experts, dim, cfg.expert_dim, kernels)
         self.shared = SwiGLU(dim, cfg.expert_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
         # Replaced from outside by an expert-parallel dispatcher (optimus.parallel).
         self.dispatcher = LocalDispatcher()
+        self.layer_idx = layer_idx
+        self.n_moe_layers = n_moe_layers
+        self.router_loss_coefs = router_loss_coefs(cfg)
+        self.stats: RouterStats | None = None
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, seq_len=x_BSD.shape[1])
         y_TD = self.dispatcher(x_TD, routing, self.experts).to(x_BSD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E)
-        return y_TD.view_as(x_BSD), stats
+        losses = (routing.aux_loss, routing.z_loss, routing.seq_aux_loss)
+        if self.stats is not None and self.training:
+            self.stats.record(self.layer_idx, *losses, routing.tokens_per_expert_E)
+        grad_scale = self.stats.grad_scale if self.stats is not None else 1.0
+        y_TD = attach_router_loss(y_TD, losses, self.router_loss_coefs, grad_scale, self.n_moe_layers)
+        return y_TD.view_as(x_BSD)
+
+    def update_bias(self, tokens_per_expert_E: torch.Tensor, rate: float) -> None:
+        """After an optimizer step: move the sigmoid router's selection bias toward balance, given the
+        step's tokens per expert summed over every data-parallel rank."""
+        self.router.update_bias(tokens_per_expert_E, rate)

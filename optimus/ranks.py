@@ -3,16 +3,21 @@
 `discover()` reads the environment a launcher leaves behind (torchrun, SLURM's srun, PBS/PALS
 mpiexec on Aurora, MPICH hydra or Open MPI) and returns one `RankInfo`; `init_process_group()`
 turns it into a torch.distributed process group. `spawn_local()` is what `parallel.nproc=N`
-uses outside any launcher: it starts N processes through PyTorch's elastic launcher, the
-same machinery as torchrun.
+uses outside any launcher: it starts N processes with PyTorch's elastic process starter,
+the same machinery as torchrun, and passes stop signals on to them.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -20,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from optimus.config import ConfigError
 
 DEFAULT_PORT = 29500
 
@@ -295,16 +302,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _failure_message(err: Exception) -> str:
-    """The first failed child's own exception text, from the error file `record` wrote."""
-    failures = getattr(err, "failures", {}) or {}
+def _child_errors(log_dir: Path) -> list[str]:
+    """The failed ranks' own exception text and traceback, from the error files `record` wrote."""
     lines = []
-    for rank, failure in sorted(failures.items()):
-        msg = failure.message
-        if isinstance(msg, dict):
-            msg = msg.get("message", str(msg))
-        lines.append(f"rank {rank} (exit code {failure.exitcode}): {msg}")
-    return "\n".join(lines) or str(err)
+    for path in sorted(log_dir.rglob("error.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0):
+        try:
+            entry = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        text = entry.get("message", "") if isinstance(entry, dict) else str(entry)
+        stack = entry.get("extraInfo", {}).get("py_callstack", "") if isinstance(entry, dict) else ""
+        lines.append(f"rank {path.parent.name}: {text}" + (f"\n{stack.rstrip()}" if stack else ""))
+    return lines
 
 
 class SpawnError(RuntimeError):
@@ -312,38 +321,135 @@ class SpawnError(RuntimeError):
 
 
 class SpawnStopped(RuntimeError):
-    """The launcher got SIGTERM and passed it on to the ranks, which stop at a step boundary."""
+    """A stop signal reached the ranks (passed on by `spawn_local`); they saved at a step boundary and ended."""
+
+
+class RankRefused(ConfigError):
+    """A spawned rank met a user error (bad config, data, layout); the message is its one sentence."""
+
+
+_SPAWN_DIR = "OPTIMUS_SPAWN_DIR"  # where a rank of spawn_local leaves the sentence of a user error
+
+
+def report_user_error(message: str) -> bool:
+    """In a rank that spawn_local started: hand a user error's sentence to the parent, which says it once
+    (instead of every rank printing a traceback). False outside spawn_local."""
+    directory = os.environ.get(_SPAWN_DIR)
+    if not directory:
+        return False
+    Path(directory, f"user-error-{os.environ.get('RANK', '0')}.txt").write_text(message)
+    return True
+
+
+# Signals the parent passes on to the ranks, which stop at a step boundary and save (optimus.train.faults):
+# SIGTERM/SIGUSR1 from PBS/SLURM before a kill, SIGINT from Ctrl-C (a terminal also sends it to the ranks).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+FAILURE_GRACE_S = 2.0  # after one rank failed, how long the others get to end by themselves
+
+
+class _Forwarder:
+    """While installed, each forwarded signal is passed on to the ranks; a second Ctrl-C ends them at once."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.received, self._previous = pids, [], {}
+
+    def install(self) -> None:
+        for sig in FORWARDED_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        sig = signal.Signals(signum)
+        again = sig == signal.SIGINT and sig.name in self.received
+        self.received.append(sig.name)
+        self.send(signal.SIGKILL if again else sig)
+
+    def send(self, sig: signal.Signals) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass  # that rank has already ended
+
+
+def _wait(ranks: Any, log_dir: Path, forwarder: _Forwarder) -> Any:
+    """Poll until every rank ended. Once one has failed (it left an error file), the others are stuck in
+    a collective: after a short grace they are killed, rather than waited for until a timeout."""
+    failed_at = None
+    while (result := ranks.wait(timeout=0)) is None:
+        if failed_at is None and (any(log_dir.glob("user-error-*")) or any(log_dir.rglob("error.json"))):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+            forwarder.send(signal.SIGKILL)
+        time.sleep(0.05)
+    return result
 
 
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:
-    """Run `entrypoint(*args)` in `nproc` fresh processes (torchrun's launcher); returns {rank: value}.
+    """Run `entrypoint(*args)` in `nproc` fresh processes; returns {rank: value}.
 
     `entrypoint` must be importable by name (a module-level function): children are spawned,
-    not forked. Each child sees the torchrun environment, so `discover()` works inside it.
+    not forked. Each child sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
+    `discover()` works inside it. Unlike torchrun's agent, which kills the ranks 30 s after a
+    SIGTERM, this parent passes SIGTERM, SIGINT and SIGUSR1 on and waits for the ranks to save
+    and return; a stop signal then ends in SpawnStopped. A rank's user error (report_user_error)
+    ends in RankRefused, any other failure in SpawnError. Nothing is left behind in /tmp.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be at least 1.")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id or f"optimus-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"is_host": True},
-        max_restarts=0,  # a failed rank fails the run; restarting would hide the error
-        monitor_interval=0.1,
-        start_method="spawn",
-        local_addr="127.0.0.1",
-    )
+    log_dir = Path(tempfile.mkdtemp(prefix="optimus-spawn-"))  # error files; removed at the end
+    port = str(_free_port())
+    envs = {
+        rank: {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _SPAWN_DIR: str(log_dir),
+            "TORCHELASTIC_RUN_ID": run_id or f"optimus-{os.getpid()}",
+        }
+        for rank in range(nproc)
+    }  # fmt: skip
+    # The starter logs every failed rank with the parent's own traceback; the ranks' errors are reported below.
+    starter_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = starter_log.level
+    starter_log.setLevel(logging.CRITICAL)
+    saved_tempdir = tempfile.tempdir
     try:
-        return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as e:
-        raise SpawnError(f"a local rank failed:\n{_failure_message(e)}") from None
-    except SignalException as e:
-        # The elastic agent has already forwarded the signal to the ranks and waited for them.
-        raise SpawnStopped(f"stopped by {signal.Signals(e.sigval).name}") from None
+        tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
+        try:
+            ranks = start_processes(
+                name="optimus",
+                entrypoint=entrypoint,
+                args={rank: args for rank in range(nproc)},
+                envs=envs,
+                logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+                start_method="spawn",
+            )
+        finally:
+            tempfile.tempdir = saved_tempdir
+        forwarder = _Forwarder(list(ranks.pids().values()))
+        forwarder.install()  # replaces the handlers start_processes installed (they would kill the ranks)
+        try:
+            result = _wait(ranks, log_dir, forwarder)
+        except SignalException as err:  # SIGHUP or SIGQUIT: the session is going away
+            ranks.close(err.sigval, timeout=10)
+            raise SpawnStopped(f"stopped by {err.sigval.name}") from None
+        finally:
+            forwarder.restore()
+            ranks.close(signal.SIGKILL)
+        refusals = sorted(log_dir.glob("user-error-*.txt"))
+        if refusals:
+            raise RankRefused(refusals[0].read_text())
+        if result.is_failed():
+            details = "\n".join(_child_errors(log_dir)) or str(result.failures)
+            raise SpawnError(f"a local rank failed:\n{details}")
+        if forwarder.received:
+            raise SpawnStopped(f"stopped by {forwarder.received[0]}")
+        return result.return_values
+    finally:
+        starter_log.setLevel(level)
+        shutil.rmtree(log_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from optimus import jobs
+from optimus import job_scripts
 from optimus.config import ConfigError, OptimusConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,13 +87,13 @@ def test_pbs_aurora_script_launches_12_ranks_per_node(nodes, tmp_path, fakes):
     cfg = make_cfg("aurora", ep=12)
     overrides = ["machine=aurora", "parallel.ep=12", "model.moe.n_experts=24", "train.global_batch=6144"]
     run_dir = tmp_path / "run"
-    script = jobs.render("pbs", nodes, cfg, overrides, "MyProj", "prod", "02:00:00", run_dir, python=str(python))
+    script = job_scripts.render("pbs", nodes, cfg, overrides, "MyProj", "prod", "02:00:00", run_dir, python=str(python))
     bash_syntax_ok(script, tmp_path)
 
     header = script.split("set -eo pipefail")[0]  # PBS reads directives only before the first command
     for directive in (f"-l select={nodes}", "-l walltime=02:00:00", "-A MyProj", "-q prod", f"-o {run_dir}/job.log"):
         assert f"#PBS {directive}\n" in header
-    options = [jobs._directive_key(ln) for ln in header.splitlines() if ln.startswith("#PBS ")]
+    options = [job_scripts._directive_key(ln) for ln in header.splitlines() if ln.startswith("#PBS ")]
     assert sorted(options) == sorted(set(options)) and "-l filesystems" in options
 
     nodefile = tmp_path / "nodefile"
@@ -102,12 +102,12 @@ def test_pbs_aurora_script_launches_12_ranks_per_node(nodes, tmp_path, fakes):
     run_script(script, tmp_path, bin_dir, pbs_env)
 
     launched = lines(tmp_path / "launcher.txt")
-    bind, _ = jobs.aurora_cpu_bind(12)
+    bind, _ = job_scripts.aurora_cpu_bind(12)
     command = [str(python), "-m", "optimus", "train", *overrides, f"run.dir={run_dir}"]
     assert launched == ["-n", str(nodes * 12), "--ppn", "12", "--cpu-bind", bind, *command]
     assert lines(tmp_path / "python.txt") == ["MASK=", *command[1:]]  # every rank sees all tiles
     env = dict(line.split("=", 1) for line in lines(tmp_path / "env.txt"))
-    _, workers = jobs.aurora_cpu_bind(12)
+    _, workers = job_scripts.aurora_cpu_bind(12)
     assert env["CCL_WORKER_COUNT"] == "1" and env["CCL_WORKER_AFFINITY"] == workers
     assert env["CCL_ATL_TRANSPORT"] == "mpi" and env["CCL_KVS_USE_MPI_RANKS"] == "1"
     assert env["CCL_KVS_GET_TIMEOUT"] == "600" and env["ZE_FLAT_DEVICE_HIERARCHY"] == "FLAT"
@@ -128,7 +128,9 @@ def test_slurm_frontier_script_launches_8_ranks_per_node(nodes, tmp_path, fakes)
     cfg = make_cfg("frontier", ep=8)
     overrides = ["machine=frontier", "parallel.ep=8", "train.global_batch=6144", "data.path='my file.txt'"]
     run_dir = tmp_path / "run"
-    script = jobs.render("slurm", nodes, cfg, overrides, "ABC123", "batch", "00:30:00", run_dir, python=str(python))
+    script = job_scripts.render(
+        "slurm", nodes, cfg, overrides, "ABC123", "batch", "00:30:00", run_dir, python=str(python)
+    )
     bash_syntax_ok(script, tmp_path)
 
     header = script.split("set -eo pipefail")[0]
@@ -152,12 +154,12 @@ def test_slurm_frontier_script_launches_8_ranks_per_node(nodes, tmp_path, fakes)
 def test_nvidia_slurm_script_renders_and_runs(tmp_path, fakes):
     bin_dir, python = fakes
     cfg = make_cfg("nvidia", ep=8, global_batch=16)
-    script = jobs.render("slurm", 2, cfg, ["machine=nvidia"], run_dir=tmp_path / "run", python=str(python))
+    script = job_scripts.render("slurm", 2, cfg, ["machine=nvidia"], run_dir=tmp_path / "run", python=str(python))
     bash_syntax_ok(script, tmp_path)
     header = script.split("set -eo pipefail")[0]
     # The template's own requests survive rendering, and no option is given twice.
     assert "#SBATCH --exclusive\n" in header and "#SBATCH --gpus-per-node=8\n" in header
-    options = [jobs._directive_key(ln) for ln in header.splitlines() if ln.startswith("#SBATCH ")]
+    options = [job_scripts._directive_key(ln) for ln in header.splitlines() if ln.startswith("#SBATCH ")]
     assert sorted(options) == sorted(set(options)) and "-N" in options
     run_script(script, tmp_path, bin_dir, {"SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "96"})
     launched = lines(tmp_path / "launcher.txt")
@@ -187,11 +189,11 @@ def test_unrendered_templates_run_standalone(tmp_path, fakes):
 
 def test_aurora_binding_matches_the_template_and_is_disjoint():
     template = (ROOT / "pbs" / "aurora.pbs").read_text()
-    bind, workers = jobs.aurora_cpu_bind(12)
+    bind, workers = job_scripts.aurora_cpu_bind(12)
     assert f'CPU_BIND="{bind}"' in template
     assert f'CCL_WORKER_AFFINITY="{workers}"' in template
     for rpn in (2, 4, 6, 8, 12, 24):
-        bind, workers = jobs.aurora_cpu_bind(rpn)
+        bind, workers = job_scripts.aurora_cpu_bind(rpn)
         ranges = bind.removeprefix("list:").split(":")
         assert len(ranges) == rpn and len(workers.split(",")) == rpn
         used = [int(w) for w in workers.split(",")]
@@ -205,35 +207,35 @@ def test_aurora_binding_matches_the_template_and_is_disjoint():
         assert all(f < 52 for f in firsts[: rpn // 2]) and all(f > 52 for f in firsts[rpn // 2 :])
         # The rank's threads fill its block, less the oneCCL worker's core.
         lo, hi = map(int, ranges[0].split("-"))
-        assert jobs.aurora_cores_per_rank(rpn) - 1 == hi - lo + 1
+        assert job_scripts.aurora_cores_per_rank(rpn) - 1 == hi - lo + 1
 
 
 def test_aurora_threads_follow_the_ranks_per_node(tmp_path):
     cfg = make_cfg("aurora", ep=12)
     cfg.machine.ranks_per_node = 24  # two ranks per tile: 25 usable cores per socket over 12 ranks
-    script = jobs.render("pbs", 1, cfg, ["machine=aurora"], run_dir=tmp_path / "run")
+    script = job_scripts.render("pbs", 1, cfg, ["machine=aurora"], run_dir=tmp_path / "run")
     assert "export OMP_NUM_THREADS=3 " in script  # blocks of 4 cores, one for the oneCCL worker
 
 
 def test_layout_errors_are_one_clear_sentence():
     with pytest.raises(ConfigError, match=r"parallel.ep=8 does not divide the 12 ranks per node"):
-        jobs.render("pbs", 2, make_cfg("aurora", ep=8), [])
+        job_scripts.render("pbs", 2, make_cfg("aurora", ep=8), [])
     with pytest.raises(ConfigError, match=r"machine=local does not say how many ranks"):
-        jobs.render("slurm", 2, make_cfg("local"), [])
+        job_scripts.render("slurm", 2, make_cfg("local"), [])
     with pytest.raises(ConfigError, match=r"train.global_batch=16 is not divisible"):
-        jobs.render("pbs", 256, make_cfg("aurora", ep=12, global_batch=16), [])
+        job_scripts.render("pbs", 256, make_cfg("aurora", ep=12, global_batch=16), [])
     with pytest.raises(ConfigError, match=r"there is no pbs job script for machine=frontier"):
-        jobs.render("pbs", 1, make_cfg("frontier", ep=8), [])
+        job_scripts.render("pbs", 1, make_cfg("frontier", ep=8), [])
     with pytest.raises(ConfigError, match=r"--walltime=2h"):
-        jobs.render("pbs", 1, make_cfg("aurora", ep=12), [], walltime="2h")
+        job_scripts.render("pbs", 1, make_cfg("aurora", ep=12), [], walltime="2h")
     with pytest.raises(ConfigError, match=r"--nodes=0"):
-        jobs.render("pbs", 0, make_cfg("aurora", ep=12), [])
+        job_scripts.render("pbs", 0, make_cfg("aurora", ep=12), [])
 
 
 def test_main_prints_the_script_and_where_results_go(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(jobs, "_load_config", lambda overrides: make_cfg("aurora", ep=12))
+    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     run_dir = tmp_path / "r"
-    code = jobs.main(["--nodes", "2", "--run-dir", str(run_dir), "machine=aurora", "parallel.ep=12"])
+    code = job_scripts.main(["--nodes", "2", "--run-dir", str(run_dir), "machine=aurora", "parallel.ep=12"])
     out, err = capsys.readouterr()
     assert code == 0
     assert out.startswith("#!/bin/bash") and "#PBS -l select=2" in out  # scheduler picked from the machine
@@ -243,13 +245,15 @@ def test_main_prints_the_script_and_where_results_go(monkeypatch, capsys, tmp_pa
 
 
 def test_main_submit_writes_into_run_dir_and_calls_sbatch(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(jobs, "_load_config", lambda overrides: make_cfg("frontier", ep=8))
+    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("frontier", ep=8))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_exe(bin_dir / "sbatch", f'echo "$@" > {tmp_path}/sbatch_args.txt\necho "Submitted batch job 4242"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run_dir = tmp_path / "run"
-    code = jobs.main(["--nodes", "2", "--submit", "--run-dir", str(run_dir), "machine=frontier", "parallel.ep=8"])
+    code = job_scripts.main(
+        ["--nodes", "2", "--submit", "--run-dir", str(run_dir), "machine=frontier", "parallel.ep=8"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     script_path = run_dir / "job.sbatch"
@@ -259,7 +263,39 @@ def test_main_submit_writes_into_run_dir_and_calls_sbatch(monkeypatch, capsys, t
 
 
 def test_submit_without_the_scheduler_command_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(jobs, "_load_config", lambda overrides: make_cfg("aurora", ep=12))
+    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     monkeypatch.setenv("PATH", str(tmp_path))  # no qsub anywhere
     with pytest.raises(ConfigError, match=r"qsub was not found on PATH"):
-        jobs.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")])
+        job_scripts.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")])
+
+
+def test_values_a_directive_cannot_carry_are_refused(tmp_path):
+    cfg = make_cfg("aurora", ep=12)
+    spaced = tmp_path / "my runs" / "a"
+    for scheduler in ("pbs", "slurm"):
+        with pytest.raises(ConfigError, match=r"--run-dir .* contains a space, which a #(PBS|SBATCH) line"):
+            job_scripts.render(
+                scheduler, 1, make_cfg("frontier", ep=8) if scheduler == "slurm" else cfg, [], run_dir=spaced
+            )
+    with pytest.raises(ConfigError, match=r"--job-name 'my job' contains a space"):
+        job_scripts.render("pbs", 1, cfg, [], run_dir=tmp_path, job_name="my job")
+    with pytest.raises(ConfigError, match=r"--setup .* is not a file"):
+        job_scripts.render("pbs", 1, cfg, [], run_dir=tmp_path, setup=str(tmp_path / "missing.sh"))
+    for walltime in ("60", "1:99:00", "01:00:60", "1:00"):  # a bare number is seconds to PBS, minutes to SLURM
+        with pytest.raises(ConfigError, match=r"--walltime=.* HH:MM:SS"):
+            job_scripts.render("pbs", 1, cfg, [], run_dir=tmp_path, walltime=walltime)
+    setup = tmp_path / "env.sh"
+    setup.write_text("true\n")
+    script = job_scripts.render("pbs", 1, cfg, [], run_dir=tmp_path, walltime="100:30:00", setup=str(setup))
+    assert "#PBS -l walltime=100:30:00" in script and f"SETUP=${{OPTIMUS_SETUP:-{setup}}}" in script
+
+
+def test_plan_and_launch_agree_on_the_expert_group_of_a_node(capsys):
+    from optimus.cli import main
+
+    args = ["machine=aurora", "model.moe.n_experts=8", "parallel.ep=8", "train.micro_batch=1", "train.global_batch=96"]
+    assert main(["plan", "--nodes", "4", *args]) == 2
+    plan_error = capsys.readouterr().err
+    assert main(["launch", "--nodes", "4", *args]) == 2
+    assert capsys.readouterr().err == plan_error and "does not divide the 12 ranks per node" in plan_error
+    assert main(["plan", "--nodes", "4", *args[:2], "parallel.ep=4", *args[3:]]) == 0

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig, validate
+from optimus.recipes import load_config
 
 SCHEDULERS = {
     # scheduler: (directory, file suffix, directive prefix, submit command)
@@ -24,12 +25,6 @@ SCHEDULERS = {
     "slurm": ("slurm", ".sbatch", "#SBATCH", "sbatch"),
 }
 DEFAULT_SCHEDULER = {"aurora": "pbs", "frontier": "slurm", "nvidia": "slurm"}
-
-
-def _load_config(overrides: list[str]) -> OptimusConfig:
-    from optimus.cli import load_config
-
-    return load_config(overrides)
 
 
 def scripts_root() -> Path:
@@ -60,14 +55,20 @@ def check_layout(cfg: OptimusConfig, nodes: int) -> int:
             f"machine={cfg.machine.name} does not say how many ranks run per node: "
             "choose machine=aurora, frontier or nvidia, or set machine.ranks_per_node."
         )
-    if rpn % cfg.parallel.ep:
+    check_ep_in_node(cfg)
+    world = nodes * rpn
+    validate(cfg, world)
+    return world
+
+
+def check_ep_in_node(cfg: OptimusConfig) -> None:
+    """An expert-parallel group stays inside one node (`optimus plan --nodes` applies the same rule)."""
+    rpn = cfg.machine.ranks_per_node
+    if rpn and rpn % cfg.parallel.ep:
         raise ConfigError(
             f"parallel.ep={cfg.parallel.ep} does not divide the {rpn} ranks per node of machine={cfg.machine.name}: "
             f"choose an ep that divides {rpn}, so each expert-parallel group stays inside one node."
         )
-    world = nodes * rpn
-    validate(cfg, world)
-    return world
 
 
 def default_run_dir(cfg: OptimusConfig) -> Path:
@@ -100,6 +101,17 @@ def _directives(scheduler: str, nodes: int, job_name: str, account, queue, wallt
     lines += [f"#SBATCH -A {account}"] if account else []
     lines += [f"#SBATCH -p {queue}"] if queue else []
     return lines
+
+
+def _check_directive_value(option: str, value: str | None, prefix: str) -> None:
+    """A value written into a scheduler directive line, where quoting is not understood."""
+    bad = next((ch for ch in value or "" if ch.isspace() or ch in "\"'#"), None)
+    if bad is not None:
+        what = "a space" if bad.isspace() else f"the character {bad!r}"
+        raise ConfigError(
+            f"{option} {value!r} contains {what}, which a {prefix} line cannot carry: choose a value without it "
+            "(for a directory, a path or symbolic link without spaces)."
+        )
 
 
 def _directive_key(line: str) -> str:
@@ -140,14 +152,20 @@ def render(
     """The job script that trains `cfg` (composed from `overrides`) on `nodes` nodes."""
     if scheduler not in SCHEDULERS:
         raise ConfigError(f"--scheduler={scheduler} is not supported: choose pbs or slurm.")
-    if not re.fullmatch(r"\d+(:\d{1,2}){0,2}", walltime):
-        raise ConfigError(f"--walltime={walltime} is not a time: write it as HH:MM:SS.")
+    # PBS reads a bare number as seconds and SLURM as minutes: only the full form means the same to both.
+    if not re.fullmatch(r"\d+:[0-5]\d:[0-5]\d", walltime):
+        raise ConfigError(f"--walltime={walltime} is not a time: write it as HH:MM:SS (minutes and seconds below 60).")
     check_layout(cfg, nodes)
     template = template_path(scheduler, cfg.machine.name).read_text()
     run_dir = Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(cfg)
+    prefix = SCHEDULERS[scheduler][2]
+    for option, value in (("--run-dir", str(run_dir)), ("--job-name", job_name), ("--account", account),
+                          ("--queue", queue)):  # fmt: skip
+        _check_directive_value(option, value, prefix)
+    if setup and not Path(setup).is_file():
+        raise ConfigError(f"--setup {setup} is not a file: give the shell file to source at job start.")
     args = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
 
-    prefix = SCHEDULERS[scheduler][2]
     directives = _directives(scheduler, nodes, job_name, account, queue, walltime, run_dir)
     rendered_keys = {_directive_key(d) for d in directives}
     # The template's other directives (--exclusive, a GPU request) are the machine's own: keep them.
@@ -237,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     opts = _parser().parse_intermixed_args(argv)
-    cfg = _load_config(opts.overrides)
+    cfg = load_config(opts.overrides)
     scheduler = opts.scheduler or DEFAULT_SCHEDULER.get(cfg.machine.name)
     if scheduler is None:
         raise ConfigError(f"machine={cfg.machine.name} has no default scheduler: pass --scheduler pbs or slurm.")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.launch import (
+from optimus.ranks import (
     LaunchError,
     RankInfo,
     SpawnError,
@@ -221,3 +221,77 @@ def test_spawn_local_runs_gloo_all_reduce():
 def test_spawn_local_surfaces_the_child_exception():
     with pytest.raises(SpawnError, match="rank 0.*ValueError: rank zero refuses"):
         spawn_local(1, _fail_on_rank_zero)  # one process keeps it cheap; the path is the same for N
+
+
+def _refuse_on_rank_one() -> int:
+    """Rank 1 meets a user error; rank 0 waits in a collective it will never complete."""
+    from optimus.ranks import report_user_error
+
+    info = discover()
+    init_process_group(info, "gloo", torch.device("cpu"), timeout_s=300)
+    if info.rank == 1:
+        report_user_error("data.path: x does not exist: check the path.")
+        raise SystemExit(2)
+    dist.barrier()
+    return 0
+
+
+def test_a_rank_user_error_is_one_sentence_and_ends_the_stuck_ranks(tmp_path, monkeypatch):
+    """The waiting rank is ended after a short grace, not after its 300 s collective timeout."""
+    import tempfile
+
+    from optimus.config import ConfigError
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    with pytest.raises(ConfigError, match=r"^data.path: x does not exist: check the path.$"):
+        spawn_local(2, _refuse_on_rank_one)
+    with pytest.raises(SpawnError, match="rank 0.*ValueError: rank zero refuses"):
+        spawn_local(1, _fail_on_rank_zero)
+    assert not list(tmp_path.iterdir())  # no torchelastic_* or other trees left after failed runs
+
+
+def _wait_for_a_stop_signal() -> str:
+    """A rank that only waits for a stop signal (as the trainer does between steps) and returns its name."""
+    import time
+    from pathlib import Path
+
+    from optimus.train.faults import StopSignal
+
+    stop = StopSignal()
+    stop.install()
+    Path(os.environ["OPTIMUS_TEST_READY"]).write_text("ready")
+    deadline = time.monotonic() + 60
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+    Path(os.environ["OPTIMUS_TEST_READY"] + ".received").write_text(str(stop.received))
+    return stop.received
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGINT"])
+def test_spawn_local_passes_stop_signals_on_to_the_ranks(tmp_path, monkeypatch, sig):
+    """What a batch system (SIGUSR1 before the walltime) or Ctrl-C sends to the launching process reaches
+    the ranks, which end normally; the launcher then reports the stop."""
+    import signal
+    import threading
+    import time
+
+    from optimus.ranks import SpawnStopped
+
+    ready = tmp_path / "ready"
+    monkeypatch.setenv("OPTIMUS_TEST_READY", str(ready))
+
+    def signal_once_ready():
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    sender = threading.Thread(target=signal_once_ready)
+    sender.start()
+    try:
+        with pytest.raises(SpawnStopped, match=f"stopped by {sig}"):
+            spawn_local(1, _wait_for_a_stop_signal)
+    finally:
+        sender.join()
+    assert (tmp_path / "ready.received").read_text() == sig  # the rank itself got it

@@ -1,0 +1,60 @@
+"""Initial parameter values as a function of (seed, parameter name, global expert index) alone.
+
+Every parameter (and every expert's slice of a stacked expert weight) draws from its
+own CPU generator, seeded from a stable hash of those three, in fp32; the draw is then
+copied into the parameter in its own dtype and on its own device. So a rank that holds
+only some experts, a model built on the meta device and materialised later, or a model
+on a GPU all start from exactly the values one CPU process would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+
+from optimus.config import ModelConfig
+from optimus.model.moe.experts import GroupedExperts
+from optimus.model.moe.router import Router
+
+RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
+
+
+def init_seed(seed: int, name: str, expert: int | None = None) -> int:
+    """A 63-bit generator seed from (seed, name, expert); sha256 is the same in every process (hash() is not)."""
+    key = f"{seed}/{name}" if expert is None else f"{seed}/{name}/{expert}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def _normal(shape: torch.Size, std: float, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Normal(0, init_std) matrices, residual projections scaled by 1/sqrt(2 * n_layers), norms 1, router bias 0."""
+    std = cfg.init_std
+    residual_std = std / math.sqrt(2 * cfg.n_layers)
+    expert_offsets = {
+        id(param): module.expert_offset
+        for module in model.modules()
+        if isinstance(module, GroupedExperts)
+        for param in module.parameters(recurse=False)
+    }
+    for name, param in model.named_parameters():
+        if param.dim() == 1:  # norm weights
+            param.fill_(1.0)
+            continue
+        param_std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
+        offset = expert_offsets.get(id(param))
+        if offset is None:
+            param.copy_(_normal(param.shape, param_std, init_seed(seed, name)))
+            continue
+        for local, expert_param in enumerate(param):  # [E_local, ...]: one draw per global expert
+            expert_param.copy_(_normal(expert_param.shape, param_std, init_seed(seed, name, offset + local)))
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.expert_bias.zero_()

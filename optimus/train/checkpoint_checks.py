@@ -1,0 +1,99 @@
+"""What a checkpoint promises about itself, checked before it is trusted.
+
+Two records go into a checkpoint's meta.json when it is published:
+
+    files     {name: sha256} of every file DCP wrote (.metadata and one .distcp per rank);
+              the ranks hash in parallel, each a share of the files, and verify the same way on load
+    run       the settings a resumed run must share with the run that saved it (data, tokenizer,
+              sequence length, global batch, seed); the model's shape is in `model`, as before
+
+Learning rate, step count and everything else may change between a save and a resume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from optimus.config import OptimusConfig
+from optimus.data.cache import sha256_file
+
+# Settings that define the sample stream: changing one mid-run silently trains on other data.
+RUN_KEYS = (
+    "train.seq_len", "train.global_batch", "train.seed", "data.name", "data.path", "data.mix",
+    "data.text_field", "data.hf_split", "data.hf_config", "data.val_fraction", "data.max_chars",
+)  # fmt: skip
+# Keys that change the tensors' shapes: a checkpoint's weights cannot go into a model that differs in one.
+SHAPE_KEYS = (
+    "n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "first_k_dense", "tie_embeddings",
+    "moe.n_experts", "moe.expert_dim", "moe.n_shared_experts",
+)  # fmt: skip
+# ... and those that change what the same tensors compute: a resumed run keeps them too.
+ARCH_KEYS = (
+    *SHAPE_KEYS, "qk_norm", "rope_theta", "norm_eps", "moe.top_k", "moe.router", "moe.norm_topk", "moe.n_groups",
+    "moe.topk_groups", "moe.routed_scaling_factor",
+)  # fmt: skip
+SKIP_FILES = ("meta.json", "config.yaml")  # written after the hashes are taken
+
+
+def _get(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else getattr(tree, part, None)
+    return tree
+
+
+def _plain(value: Any) -> Any:
+    """The value as it reads back from JSON (tuples become lists, ListConfig a list)."""
+    return json.loads(json.dumps(value, default=lambda v: list(v) if hasattr(v, "__iter__") else str(v)))
+
+
+def run_identity(cfg: OptimusConfig, tokenizer_id: str | None) -> dict[str, Any]:
+    """The `run` record of meta.json."""
+    record = {key: _plain(_get(cfg, key)) for key in RUN_KEYS}
+    record["tokenizer"] = tokenizer_id
+    return record
+
+
+def changed_setting(
+    meta: dict, cfg: OptimusConfig, tokenizer_id: str | None, weights_only: bool
+) -> tuple[str, Any, Any] | None:
+    """(key, saved value, value now) of the first setting that differs from checkpoint `meta`, or None.
+    Checkpoints that did not record a setting are not held to it."""
+    model_keys = SHAPE_KEYS if weights_only else ARCH_KEYS
+    pairs = [(f"model.{k}", _get(meta.get("model") or {}, k), _get(cfg.model, k)) for k in model_keys]
+    if not weights_only:
+        saved_run = meta.get("run") or {}
+        now = run_identity(cfg, tokenizer_id)
+        pairs += [(k, saved_run.get(k, now[k]), now[k]) for k in (*RUN_KEYS, "tokenizer")]
+    for key, saved, current in pairs:
+        if saved is not None and current is not None and _plain(saved) != _plain(current):
+            return key, saved, current
+    return None
+
+
+def hash_files(directory: Path, rank: int = 0, world: int = 1) -> dict[str, str]:
+    """sha256 of this rank's share (every world-th file, by name) of the files DCP wrote into `directory`."""
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in SKIP_FILES)
+    return {name: sha256_file(directory / name) for name in files[rank::world]}
+
+
+def verify_files(directory: Path, meta: dict, rank: int = 0, world: int = 1) -> str | None:
+    """Why this rank's share of the files listed in `meta["files"]` does not match, or None."""
+    listed = sorted((meta.get("files") or {}).items())
+    for name, digest in listed[rank::world]:
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if sha256_file(path) != digest:
+            return f"{path} does not match the checksum in its meta.json (the file is corrupt)"
+    return None
+
+
+def read_meta(directory: Path) -> dict:
+    """meta.json of a checkpoint ({} when unreadable: inspect() reports that)."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}

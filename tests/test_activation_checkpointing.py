@@ -1,0 +1,147 @@
+"""Activation checkpointing changes memory only: the same fp32 trajectory, fewer bytes kept for the backward.
+
+The kept bytes are measured by the profiler (net CPU allocations of a forward and its
+loss, i.e. what is alive when the backward starts) and compared with the planner's
+count of them (optimus.plan.activation_bytes), mode by mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from optimus.cli import load_config
+from optimus.config import ConfigError, ModelConfig, MoEConfig, validate
+from optimus.plan import activation_bytes
+from optimus.train.activation_checkpointing import apply_activation_checkpointing
+from optimus.train.build import build_model
+from tests.conftest import TINY_MODEL
+from tests.distributed import run_distributed
+
+MODES = ("none", "selective", "full")
+
+
+def _measured_bytes(cfg: ModelConfig, mode: str, batch: int, seq_len: int) -> tuple[int, int]:
+    """(bytes alive when the backward starts, peak bytes alive during forward and backward) of one
+    micro-batch, net of the parameters and of gradients that already exist, from the profiler."""
+    model = apply_activation_checkpointing(build_model(cfg, "torch", seed=0), mode)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def forward_backward() -> None:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].reshape(-1))
+        with record_function("backward"):
+            loss.backward()
+
+    forward_backward()  # allocates the parameters' gradients
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        forward_backward()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)  # allocations and frees, in order
+    backward_start = next(e.time_range.start for e in events if e.name == "backward")
+    alive = peak = kept = 0
+    for event in events:
+        if event.time_range.start < backward_start:
+            kept += event.self_cpu_memory_usage
+        alive += event.self_cpu_memory_usage
+        peak = max(peak, alive)
+    return kept, peak
+
+
+def test_planner_counts_the_activations_each_mode_keeps():
+    cfg = ModelConfig(
+        n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256, first_k_dense=1,
+        moe=MoEConfig(n_experts=8, top_k=2, expert_dim=96, n_shared_experts=1),
+    )  # fmt: skip
+    batch, seq_len = 4, 64
+    measured = {mode: _measured_bytes(cfg, mode, batch, seq_len) for mode in MODES}
+    kept = {mode: measured[mode][0] for mode in MODES}
+    assert kept["none"] > kept["selective"] > kept["full"], kept
+    for mode in MODES:
+        planned_kept = activation_bytes(cfg, batch, seq_len, 4, mode, recompute=False)
+        assert planned_kept == pytest.approx(kept[mode], rel=0.05), mode
+        assert activation_bytes(cfg, batch, seq_len, 4, mode) == pytest.approx(measured[mode][1], rel=0.05), mode
+
+
+def test_unknown_mode_is_a_config_error():
+    cfg = load_config([*TINY_MODEL, "train.activation_checkpointing=some"])
+    with pytest.raises(ConfigError, match="train.activation_checkpointing='some' is not supported"):
+        validate(cfg)
+
+
+RUN = [
+    *TINY_MODEL,
+    "model.dim=32",
+    "model.moe.expert_dim=32",
+    "model.moe.n_shared_experts=1",
+    "model.first_k_dense=1",  # one dense block (recomputed whole under full) and one MoE block
+    "train.dtype=fp32",
+    "kernels=torch",
+    "logging.progress=false",
+    "train.steps=3",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.eval_sequences=4",
+    "train.eval_interval=3",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+    "parallel.timeout_s=60",
+]
+
+
+def train_modes(overrides: list[str], root: str, cache: str) -> dict[str, list[dict]] | None:
+    """Train once per mode on this rank (all ranks in the same order); rank 0 returns each run's metrics."""
+    os.environ["OPTIMUS_CACHE"] = cache
+    torch.set_num_threads(1)
+    from optimus.train.trainer import Trainer
+
+    runs = {}
+    for mode in MODES:
+        run_dir = os.path.join(root, mode)
+        trainer = Trainer(load_config([*overrides, f"run.dir={run_dir}", f"train.activation_checkpointing={mode}"]))
+        trainer.fit()
+        if trainer.ps.rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                runs[mode] = [json.loads(line) for line in f]
+            with open(os.path.join(run_dir, "run_info.json")) as f:
+                runs[mode].append(json.load(f))
+    return runs or None
+
+
+def assert_same_trajectory(runs: dict[str, list[dict]]) -> None:
+    *reference, info = runs["none"]
+    assert [m["step"] for m in reference] == [1, 2, 3]
+    for mode in ("selective", "full"):
+        *metrics, _ = runs[mode]
+        for m, ref in zip(metrics, reference, strict=True):
+            for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "expert_load_imbalance"):
+                assert m[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-12), f"{mode}: step {m['step']} {key}"
+        assert metrics[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-6), mode
+    # Each run records its measured peak per rank (run_info.json) and at evaluations (metrics.jsonl).
+    assert all(rank["peak_memory_bytes"] > 0 for rank in info["per_rank"])
+    assert info["peak_memory_bytes"] == max(rank["peak_memory_bytes"] for rank in info["per_rank"])
+    assert reference[-1]["peak_memory_bytes"] >= info["peak_memory_bytes"] > 0
+
+
+def test_single_process_trajectory_is_unchanged(tmp_path, corpus_file):
+    cache = os.environ["OPTIMUS_CACHE"]
+    threads = torch.get_num_threads()
+    try:
+        runs = train_modes([*RUN, "data=text", f"data.path={corpus_file}"], str(tmp_path), cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_trajectory(runs)
+
+
+def test_expert_parallel_trajectory_is_unchanged(tmp_path, corpus_file):
+    """EP 2 on 2 processes: the exchange stays outside every recomputed region, so ranks stay in step."""
+    cache = os.environ["OPTIMUS_CACHE"]
+    overrides = [*RUN, "data=text", f"data.path={corpus_file}", "parallel.ep=2"]
+    results = run_distributed(train_modes, 2, overrides, str(tmp_path), cache, timeout_s=300)
+    assert results[1] is None
+    assert_same_trajectory(results[0])

@@ -1,0 +1,124 @@
+"""Meta-device build: a rank allocates only its own experts, with the values a single process would have."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.model import Transformer
+from optimus.train.build import build_model
+
+SEED = 7
+
+
+def small_config(n_experts: int = 8, **overrides) -> ModelConfig:
+    base = dict(n_layers=3, dim=32, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_dim=48, first_k_dense=1)
+    base.update(overrides)
+    return ModelConfig(moe=MoEConfig(n_experts=n_experts, top_k=2, expert_dim=24, n_shared_experts=1), **base)
+
+
+@pytest.fixture(scope="module")
+def single_process_model() -> Transformer:
+    """The reference: the whole model on the CPU, initialised in one process."""
+    model = Transformer(small_config(), kernels="torch")
+    model.init_weights(SEED)
+    return model
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_rank_holds_its_slice_of_the_single_process_model(single_process_model, ep):
+    reference = dict(single_process_model.named_parameters())
+    for ep_rank in range(ep):
+        model = build_model(small_config(), "torch", ep=ep, ep_rank=ep_rank, seed=SEED)
+        n_local = 8 // ep
+        for name, param in model.named_parameters():
+            assert param.device.type == "cpu", name
+            expected = reference[name]
+            if ".experts." in name:
+                expected = expected[ep_rank * n_local : (ep_rank + 1) * n_local]
+            assert torch.equal(param, expected), f"ep={ep} rank {ep_rank}: {name}"
+        for moe in model.moe_layers:
+            assert moe.experts.n_experts == n_local and moe.experts.expert_offset == ep_rank * n_local
+            assert torch.equal(moe.router.expert_bias, torch.zeros(8))
+
+
+def test_bf16_parameters_are_the_fp32_values_rounded(single_process_model):
+    model = build_model(small_config(), "torch", param_dtype=torch.bfloat16, seed=SEED)
+    reference = dict(single_process_model.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16, name
+        assert torch.equal(param, reference[name].to(torch.bfloat16)), name
+    assert all(buffer.dtype == torch.float32 for buffer in model.buffers())  # router bias stays fp32
+
+
+def test_initial_values_depend_on_name_and_seed_only():
+    """A parameter's values do not depend on which other parameters exist, nor on the process."""
+    three = build_model(small_config(), "torch", seed=SEED)
+    five = build_model(small_config(n_layers=5), "torch", seed=SEED)  # more layers, and shifted draw order
+    assert torch.equal(three.layers["1"].attn.wq.weight, five.layers["1"].attn.wq.weight)
+    assert torch.equal(three.embed.weight, five.embed.weight)
+    assert not torch.equal(three.layers["1"].attn.wq.weight, three.layers["2"].attn.wq.weight)
+    other_seed = build_model(small_config(), "torch", seed=SEED + 1)
+    assert not torch.equal(three.embed.weight, other_seed.embed.weight)
+    # The same values in a fresh interpreter, whose string hashing is salted differently.
+    code = (
+        "import torch; from tests.test_model_build import small_config, SEED; "
+        "from optimus.train.build import build_model; "
+        "m = build_model(small_config(), 'torch', seed=SEED); "
+        "print(m.layers['2'].ffn.experts.w2[3, :2, :2].tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == three.layers["2"].ffn.experts.w2[3, :2, :2].tolist()
+
+
+def test_tied_embeddings_stay_tied():
+    model = build_model(small_config(tie_embeddings=True), "torch", seed=SEED)
+    assert model.lm_head.weight is model.embed.weight
+
+
+def test_indivisible_expert_count_is_a_config_error():
+    with pytest.raises(ConfigError, match="not divisible by parallel.ep=3"):
+        build_model(small_config(), "torch", ep=3, ep_rank=0)
+
+
+# Peak resident memory of a child process that builds EP rank 0 of 2's model, read by the child itself
+# after the build. VmHWM (optimus.platform.peak_resident_bytes) counts the child's own process image only:
+# getrusage's ru_maxrss would start from this test runner's peak, which fork and exec carry over.
+_PEAK_CHILD = """
+import sys
+from optimus.config import ModelConfig, MoEConfig
+from optimus.platform import peak_resident_bytes
+from optimus.train.build import build_model
+cfg = ModelConfig(n_layers=1, dim=256, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=256,
+                  moe=MoEConfig(n_experts=int(sys.argv[1]), top_k=2, expert_dim=256))
+model = build_model(cfg, "torch", ep=2, ep_rank=0)
+print(peak_resident_bytes())
+"""
+
+
+def _peak_rss_of_build(n_experts: int) -> int:
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(n_experts)], capture_output=True, text=True, check=True
+    )
+    return int(result.stdout.split()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="VmHWM (/proc/self/status) is Linux-only")
+def test_more_experts_grow_a_rank_by_its_own_share_only():
+    small, large = 8, 136
+    expert_bytes = 3 * 256 * 256 * 4  # w13 (D x 2F) and w2 (F x D), fp32
+    own_share = (large - small) // 2 * expert_bytes  # 64 more experts on this rank: 48 MiB
+    peaks = {n: _peak_rss_of_build(n) for n in (small, large)}
+    growth = peaks[large] - peaks[small]
+    if not 0.8 * own_share < growth < 1.25 * own_share:
+        # Memory pressure from other processes can evict a child's library pages (lowering its RSS,
+        # never raising it): measure once more and keep each size's larger peak.
+        peaks = {n: max(peak, _peak_rss_of_build(n)) for n, peak in peaks.items()}
+        growth = peaks[large] - peaks[small]
+    # Building the whole model and slicing it would grow the peak by twice the share.
+    assert 0.8 * own_share < growth < 1.25 * own_share, (growth / 2**20, own_share / 2**20)
