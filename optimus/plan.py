@@ -21,7 +21,7 @@ Each flat group is padded to a multiple of (owner ranks x 128 bytes), counted ex
 Activations saved for the backward of one micro-batch (t = micro_batch x seq_len tokens
 on this rank, a = bytes per activation element: 2 for bf16, 4 for fp32), per token, counted
 from what autograd actually saves with the torch kernels (fused SDPA: no S x S scores;
-tests/test_activation_checkpointing.py measures them, and the peak, within 5%):
+tests/train/test_activation_checkpointing.py measures them, and the peak, within 5%):
 
     norms         6 D a          both pre-norms: input, normalised input, output
     attention     (5 D + 4 D_kv) a + 4 n_heads   q/k before and after QK-norm, q/k/v and output of

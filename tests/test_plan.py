@@ -18,7 +18,7 @@ from optimus.plan import activation_bytes, make_plan
 from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
-from tests.test_optimizer_memory import held_bytes
+from tests.optim.test_optimizer_memory import held_bytes
 
 RUN = [
     *TINY_MODEL, "data=text", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
@@ -124,7 +124,7 @@ def test_state_bytes_scale_as_documented():
 
 def test_activation_bytes_by_hand():
     """bf16, QK-norm on: the per-token counts of the module docstring, mode by mode (measured in
-    tests/test_activation_checkpointing.py)."""
+    tests/train/test_activation_checkpointing.py)."""
     t, a = 2 * 16, 2  # micro_batch 2, seq_len 16, bf16
     d, d_kv, n, k, f, fs, e, ffn, v = 64, 32, 4, 2, 48, 48, 8, 96, 512  # vocab 500 pads to 512
     norms, attn = 6 * d * a, (5 * d + 4 * d_kv) * a + 4 * n

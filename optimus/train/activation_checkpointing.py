@@ -18,7 +18,7 @@ modes, from least to most recomputation:
   its statistics and losses are recorded once per forward.
 
 optimus.plan.activation_bytes counts what each mode keeps and its peak (the profiler
-agrees within 5%: tests/test_activation_checkpointing.py). Measured on the tiny recipe
+agrees within 5%: tests/train/test_activation_checkpointing.py). Measured on the tiny recipe
 (fp32, 8 x 512 tokens, one CPU process), the live activation peak of a forward and
 backward is 799 MiB with none, 686 MiB with selective and 558 MiB with full.
 

@@ -67,7 +67,7 @@ def test_initial_values_depend_on_name_and_seed_only():
     assert not torch.equal(three.embed.weight, other_seed.embed.weight)
     # The same values in a fresh interpreter, whose string hashing is salted differently.
     code = (
-        "import torch; from tests.test_model_build import small_config, SEED; "
+        "import torch; from tests.model.test_model_build import small_config, SEED; "
         "from optimus.train.build import build_model; "
         "m = build_model(small_config(), 'torch', seed=SEED); "
         "print(m.layers['2'].ffn.experts.w2[3, :2, :2].tolist())"

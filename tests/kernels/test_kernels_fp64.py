@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from optimus.kernels import reference, torch_backend
-from tests.test_kernels_torch import expert_path, make_problem
+from tests.kernels.test_kernels_torch import expert_path, make_problem
 
 
 def test_fp64_expert_path_passes_gradcheck():

@@ -11,7 +11,7 @@ import torch
 from optimus.cli import load_config, main
 from optimus.hf import from_pretrained
 from optimus.train.trainer import Trainer
-from tests.test_hf import CASES, random_hf_model, relative_error
+from tests.hf.test_hf import CASES, random_hf_model, relative_error
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the triton backend is optional")
 
 from optimus.kernels import get_backend, reference  # noqa: E402
-from tests.test_kernels_torch import NAMES, assert_close_rel, make_problem, value_and_grads  # noqa: E402
+from tests.kernels.test_kernels_torch import NAMES, assert_close_rel, make_problem, value_and_grads  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 BF16 = pytest.param(
