@@ -1,28 +1,36 @@
-"""Expert-path throughput: forward+backward of permute -> SwiGLU experts -> combine.
+"""MoE expert path forward+backward (permute -> SwiGLU experts -> combine) against a plain loop and the roofline.
 
-    python benchmarks/moe_layer.py                     # S1 and S2, bf16 and fp32, on this machine
-    python benchmarks/moe_layer.py --scenarios S1 --dtypes bf16 --iters 7
+    python benchmarks/moe_layer.py                  # every shape, bf16 and fp32 (a few minutes on 2 idle cores)
+    python benchmarks/moe_layer.py --quick          # S1 and S2 only, 3 iterations (about a minute)
+    python benchmarks/moe_layer.py --shapes S2 --dtypes bf16 --iters 9
 
 FLOPs counted (expert FLOPs): only the expert GEMMs, 2*M*N*K per GEMM. Forward is
 x@W13 (2*A*D*2F) + h@W2 (2*A*F*D) = 2*A*D*3F with A = T*K assignments; backward is twice
 that (input and weight grads), so fwd+bwd = 6*A*D*3F. Permute, combine, SwiGLU elementwise
-math and the router are timed but not counted.
+math and the router are timed but not counted. Each method's figure is printed as a fraction
+of the roofline's GFLOP/s.
 
-Rows (methods):
-  torch         the torch kernel backend (torch._grouped_mm where available)
-  torch_loop    the torch backend's Function with its per-expert torch.mm loop forced
+Methods (rows):
+  optimus       the torch kernel backend's permute -> expert_swiglu_mlp -> combine: what the MoE
+                layer runs (the expert-parallel dispatchers run the same with the token exchange
+                in between)
+  loop          the plain per-expert loop as one would write it: one gather, per expert
+                x_e @ W13_e -> silu * up -> @ W2_e with each expert's weights its own tensors
+                (as an nn.ModuleList holds them), torch.cat, weighted index_add; autograd does
+                the backward
+  reference     (--reference) autograd through optimus.kernels.reference, stacked weights sliced
+                per expert: slow, its backward zero-fills whole weight stacks once per expert
+  moe_layer     the whole optimus.model.moe.MoE layer, router included (its own routing)
   triton        the triton backend (GPU only)
-  reference     autograd through optimus.kernels.reference (per-expert loop, as one would write it)
-  moe_layer     the whole optimus.model.moe.MoE layer with kernels=torch, router included (its own routing)
   dense         the roofline: one dense [A, D] x [D, 3F] linear fwd+bwd (dx and dW), same FLOPs.
                 For 16-bit dtypes on a CPU without 16-bit matmul units it is measured two ways and
-                the faster one is the roofline: `dense` (16-bit-rounded operands, fp32 GEMM: what the
-                torch backend does) and `dense_native` (torch's own 16-bit matmul, on A/8 rows).
+                the faster is the roofline: `dense` (16-bit-rounded operands, fp32 GEMM: what the
+                torch backend does there) and `dense_native` (torch's own 16-bit matmul, A/8 rows).
 
 bf16 means training's mixed precision: fp32 weights and activations under torch.autocast(bf16).
-Routing is balanced random top-k (each token picks K distinct experts uniformly). Methods are
-timed round-robin (one iteration of each in turn) so that load from other processes hits all of
-them alike; the reported time is the median.
+Routing is random top-k (each token picks K distinct experts uniformly). Methods are timed
+round-robin (one iteration of each in turn, order rotated) so that load from other processes
+hits all of them alike; the figure is the median.
 """
 
 from __future__ import annotations
@@ -32,20 +40,28 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from optimus.kernels import get_backend, gpu_present, reference, torch_backend
+from optimus.kernels import get_backend, gpu_present, reference
 from optimus.kernels.dtypes import math_dtype
 from optimus.platform import keep_cpu_allocations
 
-SCENARIOS = {
+SHAPES = {
     "S1": dict(T=4096, D=512, F=1024, E=8, K=2),
     "S2": dict(T=4096, D=512, F=256, E=64, K=8),
+    # Not tuned for: other widths, expert counts and top-k, smaller batches.
+    "U1": dict(T=2048, D=768, F=384, E=16, K=4),
+    "U2": dict(T=1024, D=1024, F=2048, E=4, K=1),
+    "U3": dict(T=8192, D=256, F=128, E=128, K=6),
 }
+QUICK_SHAPES = ("S1", "S2")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -59,28 +75,50 @@ def autocast(device: str, dtype: torch.dtype):
     return torch.autocast(device, dtype=dtype)
 
 
-def make_expert_step(ops, s, dtype, device, gen, force_loop=False):
-    """A closure running the expert path forward+backward once."""
+def make_problem(s, device, gen):
+    """Routing, fp32 leaves and an output gradient for one shape."""
     T, D, F, E, K = s["T"], s["D"], s["F"], s["E"], s["K"]
     token_idx_A, weight_A, offsets_E = reference.random_routing(T, E, K, gen)
     x_TD = torch.randn(T, D, generator=gen).to(device).requires_grad_()
-    w13 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(device).requires_grad_()
-    w2 = (torch.randn(E, F, D, generator=gen) / F**0.5).to(device).requires_grad_()
+    w13_EDF2 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(device).requires_grad_()
+    w2_EFD = (torch.randn(E, F, D, generator=gen) / F**0.5).to(device).requires_grad_()
     weight_A = weight_A.to(device).requires_grad_()
-    token_idx_A, offsets_E = token_idx_A.to(device), offsets_E.to(device)
     dout_TD = torch.randn(T, D, generator=gen).to(device)
+    return x_TD, token_idx_A.to(device), weight_A, w13_EDF2, w2_EFD, offsets_E.to(device), dout_TD
+
+
+def make_ops_step(ops, s, dtype, device, gen):
+    """permute -> expert_swiglu_mlp -> combine, forward+backward."""
+    x_TD, token_idx_A, weight_A, w13, w2, offsets_E, dout_TD = make_problem(s, device, gen)
 
     def step():
-        saved = torch_backend._HAS_GROUPED_MM
-        torch_backend._HAS_GROUPED_MM = saved and not force_loop
-        try:
-            with autocast(device, dtype):
-                x_AD = ops.permute(x_TD, token_idx_A)
-                y_AD = ops.expert_swiglu_mlp(x_AD, w13, w2, offsets_E)
-                out_TD = ops.combine(y_AD, token_idx_A, weight_A, T)
-            torch.autograd.grad(out_TD, (x_TD, w13, w2, weight_A), dout_TD.to(out_TD.dtype))
-        finally:
-            torch_backend._HAS_GROUPED_MM = saved
+        with autocast(device, dtype):
+            x_AD = ops.permute(x_TD, token_idx_A)
+            y_AD = ops.expert_swiglu_mlp(x_AD, w13, w2, offsets_E)
+            out_TD = ops.combine(y_AD, token_idx_A, weight_A, s["T"])
+        torch.autograd.grad(out_TD, (x_TD, w13, w2, weight_A), dout_TD.to(out_TD.dtype))
+
+    return step
+
+
+def make_loop_step(s, dtype, device, gen):
+    """The plain per-expert loop, each expert's weights separate leaves (an nn.ModuleList of experts)."""
+    x_TD, token_idx_A, weight_A, w13, w2, offsets_E, dout_TD = make_problem(s, device, gen)
+    counts = torch.diff(offsets_E.cpu(), prepend=torch.zeros(1, dtype=offsets_E.dtype)).tolist()
+    w13_list = [w.detach().clone().requires_grad_() for w in w13]
+    w2_list = [w.detach().clone().requires_grad_() for w in w2]
+    leaves = (x_TD, weight_A, *w13_list, *w2_list)
+    n_ffn = s["F"]
+
+    def step():
+        with autocast(device, dtype):
+            ys = []
+            for x_RD, w13_e, w2_e in zip(x_TD[token_idx_A].split(counts), w13_list, w2_list):
+                h_RF2 = x_RD @ w13_e
+                ys.append((F.silu(h_RF2[:, :n_ffn]) * h_RF2[:, n_ffn:]) @ w2_e)
+            y_AD = torch.cat(ys) * weight_A.unsqueeze(1)
+            out_TD = y_AD.new_zeros(s["T"], s["D"]).index_add(0, token_idx_A, y_AD)
+        torch.autograd.grad(out_TD, leaves, dout_TD.to(out_TD.dtype))
 
     return step
 
@@ -111,7 +149,7 @@ def make_moe_step(s, dtype, device, gen):
 
     T, D, F, E, K = s["T"], s["D"], s["F"], s["E"], s["K"]
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    # Router losses weighted 1, as before: their gradients ride on the backward of y.
+    # Router losses weighted 1: their gradients ride on the backward of y.
     moe_cfg = MoEConfig(n_experts=E, top_k=K, expert_dim=F, aux_loss_coef=1.0, z_loss_coef=1.0)
     moe = layer.MoE(D, moe_cfg, kernels="torch").to(device)
     for p in moe.parameters():  # the layer leaves initialisation to the model
@@ -130,7 +168,7 @@ def make_moe_step(s, dtype, device, gen):
     return step
 
 
-def time_round_robin(steps: dict, iters: int, warmup: int) -> dict:
+def time_round_robin(steps: dict, iters: int, warmup: int, clock=time.perf_counter) -> dict:
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -139,98 +177,125 @@ def time_round_robin(steps: dict, iters: int, warmup: int) -> dict:
     for i in range(iters):
         # Rotate the order so no method is always the one that runs after the largest frees.
         for name in names[i % len(names) :] + names[: i % len(names)]:
-            step = steps[name]
-            t0 = time.perf_counter()
-            step()
+            t0 = clock()
+            steps[name]()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def run_case(name, s, dtype_name, device, iters, warmup, with_reference):
-    dtype = DTYPES[dtype_name]
+def case_steps(s, dtype, device, with_reference):
+    """The methods to time for one shape and dtype, and the row fraction each one computes."""
     gen = torch.Generator().manual_seed(0)
-    flops = expert_flops(**s)
-    steps, scale = {}, {}
-    steps["torch"] = make_expert_step(get_backend("torch"), s, dtype, device, gen)
-    steps["torch_loop"] = make_expert_step(get_backend("torch"), s, dtype, device, gen, force_loop=True)
+    torch_ops = get_backend("torch")
+    steps = {
+        "optimus": make_ops_step(torch_ops, s, dtype, device, gen),
+        "loop": make_loop_step(s, dtype, device, gen),
+        "moe_layer": make_moe_step(s, dtype, device, gen),
+        "dense": make_dense_step(s, dtype, device, gen, native=False),
+    }
+    scale = {}
     if device != "cpu":
-        steps["triton"] = make_expert_step(get_backend("triton"), s, dtype, device, gen)
+        steps["triton"] = make_ops_step(get_backend("triton"), s, dtype, device, gen)
     if with_reference:
-        steps["reference"] = make_expert_step(reference, s, dtype, device, gen)
-    try:
-        steps["moe_layer"] = make_moe_step(s, dtype, device, gen)
-    except ImportError:
-        pass  # optimus.model.moe not there yet
-    steps["dense"] = make_dense_step(s, dtype, device, gen, native=False)
+        steps["reference"] = make_ops_step(reference, s, dtype, device, gen)
     if math_dtype(dtype, torch.device(device)) != dtype:
         steps["dense_native"] = make_dense_step(s, dtype, device, gen, native=True, row_fraction=8)
         scale["dense_native"] = 8
-    medians = time_round_robin(steps, iters, warmup)
+    return steps, scale
+
+
+def run_case(name, s, dtype_name, args):
+    flops = expert_flops(**s)
+    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    medians = time_round_robin(steps, args.iters, args.warmup, clock)
     rows = {}
     for method, t in medians.items():
-        f = flops / scale.get(method, 1)
-        rows[method] = {"seconds": t, "gflops_per_s": f / t / 1e9}
+        rows[method] = {"seconds": t, "gflops_per_s": flops / scale.get(method, 1) / t / 1e9}
     roofline = max(rows[m]["gflops_per_s"] for m in rows if m.startswith("dense"))
     for r in rows.values():
-        r["fraction_of_dense"] = r["gflops_per_s"] / roofline
+        r["of_roofline"] = r["gflops_per_s"] / roofline
+    case = {"shape": name, "dtype": dtype_name, **s, "expert_gflop": flops / 1e9, "roofline_gflops_per_s": roofline}
+    return case, rows
+
+
+def machine() -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*)\b", cpuinfo)))
+    model = re.search(r"model name\s*:\s*(.*)", cpuinfo)
     return {
-        "scenario": name,
-        "dtype": dtype_name,
-        **s,
-        "expert_gflop": flops / 1e9,
-        "roofline_gflops_per_s": roofline,
-        "methods": rows,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": model.group(1) if model else platform.processor() or platform.machine(),
+        "cpu_flags": flags,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
 
 
-def print_table(results):
-    print(f"{'case':<10} {'method':<13} {'ms':>9} {'GFLOP/s':>9} {'of dense':>9}")
-    for r in results:
-        for method, m in r["methods"].items():
-            case = f"{r['scenario']} {r['dtype']}"
-            ms, gf, frac = m["seconds"] * 1e3, m["gflops_per_s"], m["fraction_of_dense"]
-            print(f"{case:<10} {method:<13} {ms:9.1f} {gf:9.1f} {frac:9.1%}")
+METHOD_ORDER = ("optimus", "loop", "reference", "triton", "moe_layer", "dense", "dense_native")
 
 
-def main():
+def markdown_table(results) -> str:
+    methods = [m for m in METHOD_ORDER if any(m in rows for _, rows in results)]
+    lines = [
+        "| shape (T D F E K) | dtype | roofline GFLOP/s | " + " | ".join(methods) + " |",
+        "|---|---|---:|" + "---:|" * len(methods),
+    ]
+    for case, rows in results:
+        dims = " ".join(str(case[k]) for k in "TDFEK")
+        cells = [f"{rows[m]['of_roofline']:.2f}" if m in rows else "" for m in methods]
+        head = f"| {case['shape']} ({dims}) | {case['dtype']} | {case['roofline_gflops_per_s']:.0f} | "
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default="S1,S2")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help=f"{','.join(QUICK_SHAPES)} only, 3 iterations")
+    parser.add_argument("--reference", action="store_true", help="also time the stacked-weight reference (slow)")
     parser.add_argument("--device", default="cuda" if gpu_present() and torch.cuda.is_available() else "cpu")
-    ref_help = "time the reference loop (auto: only where its native 16-bit CPU matmuls are not minutes long)"
-    parser.add_argument("--reference", choices=("auto", "on", "off"), default="auto", help=ref_help)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_layer_<device>.json)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    clock_help = "wall: elapsed time; cpu: this process's CPU time, steadier on a loaded machine with --threads 1"
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=clock_help)
     parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
     args = parser.parse_args()
+    if args.quick:
+        args.shapes, args.iters = ",".join(QUICK_SHAPES), 3
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(unknown)}: choose from {', '.join(SHAPES)}.")
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kept = args.device == "cpu" and not args.default_malloc and keep_cpu_allocations()
+    meta = {**machine(), "command": " ".join(["python", *sys.argv]), "iters": args.iters, "clock": args.clock}
+    meta["malloc_kept"] = kept
+    meta["load_average_before"] = os.getloadavg()
+    print(json.dumps(meta))
+    print("figures: fraction of the roofline (a dense GEMM fwd+bwd of the same FLOPs)\n")
     results = []
-    for name in args.scenarios.split(","):
+    for name in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):
-            with_ref = args.reference == "on" or (
-                args.reference == "auto"
-                and math_dtype(DTYPES[dtype_name], torch.device(args.device)) == DTYPES[dtype_name]
-            )
-            results.append(run_case(name, SCENARIOS[name], dtype_name, args.device, args.iters, args.warmup, with_ref))
-            print_table(results[-1:])
+            results.append(run_case(name, SHAPES[name], dtype_name, args))
+            print(markdown_table(results[-1:]).splitlines()[-1], flush=True)
+    meta["load_average_after"] = os.getloadavg()
+    print("\n" + markdown_table(results))
+    print(f"\nload average before {meta['load_average_before']}, after {meta['load_average_after']}")
     out = Path(args.out or Path(__file__).parent / "results" / f"moe_layer_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "iters": args.iters,
-        "load_average": os.getloadavg(),
-        "malloc_kept": kept,
-        "flops_counted": "expert GEMMs only: 6 * (T*K) * D * 3F per fwd+bwd",
-    }
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    print("\nall cases:")
-    print_table(results)
+    payload = {"meta": meta, "results": [{**case, "methods": rows} for case, rows in results]}
+    out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")
 
 

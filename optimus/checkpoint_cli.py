@@ -27,6 +27,7 @@ from optimus.config import ConfigError
 from optimus.data.cache import atomic_path, default_file_mode
 from optimus.train.checkpoint import inspect, resolve_checkpoint
 from optimus.train.checkpoint_checks import read_meta, verify_files
+from optimus.train.dcp_warning import no_single_process_warning
 
 EXPERT_KEY = re.compile(r"^model/(?P<name>.+)/expert_(?P<g>\d+)$")
 
@@ -52,7 +53,8 @@ def consolidated_state(path: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model/")
     }
     try:
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        with no_single_process_warning():
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         raise ConfigError(f"checkpoint {path} cannot be read ({first}): export another checkpoint.") from None

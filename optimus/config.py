@@ -13,6 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from optimus.kernels import BACKENDS as KERNEL_BACKENDS
+
+# The dtypes a run may store parameters (train.dtype) and accumulate gradients (optim.grad_dtype) in.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 class ConfigError(ValueError):
     """A configuration a user wrote that cannot run; the message says what to change."""
@@ -86,8 +93,10 @@ class ParallelConfig:
     nproc: int = 1
     ep: int = 1
     pp: int = 1  # pipeline stages (PP is the outermost rank dimension: world = pp x dp x ep)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    pp_virtual: int = 1  # stages per rank (interleaved_1f1b: 2 or more)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb (zero bubble)
+    pp_virtual: int = 1  # stages per rank (interleaved schedules: 2 or more)
+    # layers per stage, in stage order (pp x pp_virtual counts); null = split by parameters, embedding and head included
+    pp_layers: Any | None = None
     dispatcher: str = "alltoall"  # alltoall | allgather
     timeout_s: float = 600.0
 
@@ -173,11 +182,20 @@ class OptimusConfig:
 
 # Values of train.activation_checkpointing, from least to most recomputation.
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# Values of parallel.dispatcher (optimus.parallel.expert_parallel maps each to its class).
+DISPATCHERS = ("alltoall", "allgather")
+# Values of optim.sharding besides `auto` (optimus.optim implements each; `optimus plan` lists them in this order).
+SHARDING_SCHEMES = ("none", "standard", "ep_aware")
 
 
-def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+def check_choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not supported: set it to one of {', '.join(allowed)}.")
+
+
+def _divides(divisor: int, divisor_key: str, total: int, total_key: str, fix: str) -> None:
+    if total % divisor:
+        raise ConfigError(f"{divisor_key}={divisor} does not divide {total_key}={total}: {fix}")
 
 
 def _positive(value: float, key: str) -> None:
@@ -206,22 +224,15 @@ def moe_aux_loss_coef(moe: MoEConfig) -> float:
 def validate_model(m: ModelConfig) -> None:
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size"):
         _positive(getattr(m, key), f"model.{key}")
-    _choice(qk_norm_mode(m.qk_norm), "model.qk_norm", QK_NORMS)
+    check_choice(qk_norm_mode(m.qk_norm), "model.qk_norm", QK_NORMS)
     _positive(m.rope_theta, "model.rope_theta")
     _positive(m.norm_eps, "model.norm_eps")
-    if m.dim % m.n_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}: choose n_heads that divides dim."
-        )
+    _divides(m.n_heads, "model.n_heads", m.dim, "model.dim", "choose n_heads that divides dim.")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} is odd: RoPE needs an even head dimension."
         )
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}: "
-            "choose n_kv_heads that divides n_heads."
-        )
+    _divides(m.n_kv_heads, "model.n_kv_heads", m.n_heads, "model.n_heads", "choose n_kv_heads that divides n_heads.")
     if not 0 <= m.first_k_dense <= m.n_layers:
         raise ConfigError(f"model.first_k_dense={m.first_k_dense} must lie between 0 and model.n_layers={m.n_layers}.")
     moe = m.moe
@@ -230,7 +241,7 @@ def validate_model(m: ModelConfig) -> None:
     if moe.n_experts == 0:
         _positive(m.ffn_dim, "model.ffn_dim")
         return
-    _choice(moe.router, "model.moe.router", ("softmax", "sigmoid"))
+    check_choice(moe.router, "model.moe.router", ("softmax", "sigmoid"))
     _positive(moe.expert_dim, "model.moe.expert_dim")
     if not 1 <= moe.top_k <= moe.n_experts:
         raise ConfigError(
@@ -249,18 +260,15 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def _validate_balancing(moe: MoEConfig) -> None:
-    _choice(moe.aux_loss_scope, "model.moe.aux_loss_scope", ("micro_batch", "global"))
+    check_choice(moe.aux_loss_scope, "model.moe.aux_loss_scope", ("micro_batch", "global"))
     for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
         value = getattr(moe, key)
         if value is not None and value < 0:
             raise ConfigError(f"model.moe.{key}={value} must be 0 or positive.")
     _positive(moe.routed_scaling_factor, "model.moe.routed_scaling_factor")
     _positive(moe.n_groups, "model.moe.n_groups")
-    if moe.n_experts % moe.n_groups:
-        raise ConfigError(
-            f"model.moe.n_groups={moe.n_groups} does not divide model.moe.n_experts={moe.n_experts}: "
-            "choose a number of groups that divides the number of experts."
-        )
+    fix = "choose a number of groups that divides the number of experts."
+    _divides(moe.n_groups, "model.moe.n_groups", moe.n_experts, "model.moe.n_experts", fix)
     if not 1 <= moe.topk_groups <= moe.n_groups:
         raise ConfigError(
             f"model.moe.topk_groups={moe.topk_groups} must lie between 1 and model.moe.n_groups={moe.n_groups}."
@@ -277,13 +285,13 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     """Check relations between keys; `world_size` is the number of ranks of the job."""
     validate_model(cfg.model)
     t, p = cfg.train, cfg.parallel
-    _choice(t.dtype, "train.dtype", ("auto", "bf16", "fp32"))
-    _choice(t.activation_checkpointing, "train.activation_checkpointing", ACTIVATION_CHECKPOINTING)
-    _choice(cfg.kernels, "kernels", ("auto", "torch", "triton"))
-    _choice(p.dispatcher, "parallel.dispatcher", ("alltoall", "allgather"))
-    _choice(cfg.optim.sharding, "optim.sharding", ("auto", "ep_aware", "standard", "none"))
-    _choice(cfg.optim.grad_dtype, "optim.grad_dtype", ("fp32", "bf16"))
-    _choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
+    check_choice(t.dtype, "train.dtype", ("auto", *TORCH_DTYPES))
+    check_choice(t.activation_checkpointing, "train.activation_checkpointing", ACTIVATION_CHECKPOINTING)
+    check_choice(cfg.kernels, "kernels", KERNEL_BACKENDS)
+    check_choice(p.dispatcher, "parallel.dispatcher", DISPATCHERS)
+    check_choice(cfg.optim.sharding, "optim.sharding", ("auto", *SHARDING_SCHEMES))
+    check_choice(cfg.optim.grad_dtype, "optim.grad_dtype", tuple(TORCH_DTYPES))
+    check_choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "eval_interval", "eval_sequences", "log_interval"):
         _positive(getattr(t, key), f"train.{key}")
     if t.max_skipped_steps < 0:
@@ -299,40 +307,63 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
         )
     _positive(p.nproc, "parallel.nproc")
     _positive(p.ep, "parallel.ep")
-    if t.global_batch % t.micro_batch:
-        raise ConfigError(
-            f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}: "
-            "choose a global batch that is a multiple of the micro batch."
-        )
+    fix = "choose a global batch that is a multiple of the micro batch."
+    _divides(t.micro_batch, "train.micro_batch", t.global_batch, "train.global_batch", fix)
     validate_pipeline(cfg, world_size)
     data_parallel = world_size // p.pp  # the ranks of one pipeline stage
-    if t.global_batch % (t.micro_batch * data_parallel):
-        what = "world size" if p.pp == 1 else "ranks per pipeline stage"
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch x {what} = "
-            f"{t.micro_batch} x {data_parallel}: make global_batch a multiple of {t.micro_batch * data_parallel}."
-        )
+    what = "world size" if p.pp == 1 else "ranks per pipeline stage"
+    micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel, what)
     validate_micro_batches(cfg, world_size)
-    if data_parallel % p.ep:
-        where = f"the world size {world_size}" if p.pp == 1 else f"the {data_parallel} ranks of a pipeline stage"
-        raise ConfigError(f"parallel.ep={p.ep} does not divide {where}: choose an ep that divides it.")
-    if p.ep > 1 and cfg.model.moe.n_experts == 0:
-        raise ConfigError("parallel.ep > 1 needs a model with experts: set parallel.ep=1 for a dense model.")
-    if cfg.model.moe.n_experts and cfg.model.moe.n_experts % p.ep:
-        raise ConfigError(
-            f"model.moe.n_experts={cfg.model.moe.n_experts} is not divisible by parallel.ep={p.ep}: "
-            "choose an ep that divides the number of experts."
-        )
+    validate_layout(world_size, p.ep, p.pp)
+    experts_per_rank(cfg.model.moe.n_experts, p.ep)
     if cfg.optim.zero not in (1, 2):
         raise ConfigError(f"optim.zero={cfg.optim.zero} is not supported: set it to 1 or 2.")
 
 
+def _check_pp_divides(world_size: int, pp: int) -> None:
+    if world_size % pp:
+        raise ConfigError(f"parallel.pp={pp} does not divide the world size {world_size}: choose a pp that divides it.")
+
+
+def validate_layout(world_size: int, ep: int, pp: int = 1) -> None:
+    """The rank layout world = pp x dp x ep: pp divides the world, ep the ranks of one pipeline stage."""
+    _check_pp_divides(world_size, pp)
+    stage_size = world_size // pp
+    if stage_size % ep:
+        where = f"the world size {world_size}" if pp == 1 else f"the {stage_size} ranks of a pipeline stage"
+        raise ConfigError(f"parallel.ep={ep} does not divide {where}: choose an ep that divides it.")
+
+
+def experts_per_rank(n_experts: int, ep: int) -> int:
+    """E / ep, the routed experts each EP rank holds; refused when ep does not split them evenly."""
+    if ep > 1 and n_experts == 0:
+        raise ConfigError("parallel.ep > 1 needs a model with experts: set parallel.ep=1 for a dense model.")
+    if n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts={n_experts} is not divisible by parallel.ep={ep}: "
+            "choose an ep that divides the number of experts."
+        )
+    return n_experts // ep
+
+
+def micro_batches_per_rank(global_batch: int, micro_batch: int, data_parallel: int, ranks: str = "world size") -> int:
+    """global_batch / (micro_batch x data_parallel), refused unless whole; `ranks` names data_parallel to the user."""
+    _positive(micro_batch, "train.micro_batch")
+    if global_batch % (micro_batch * data_parallel):
+        raise ConfigError(
+            f"train.global_batch={global_batch} is not divisible by train.micro_batch x {ranks} = "
+            f"{micro_batch} x {data_parallel}: make global_batch a multiple of {micro_batch * data_parallel}."
+        )
+    return global_batch // (micro_batch * data_parallel)
+
+
 def grad_accum_steps(cfg: OptimusConfig, world_size: int) -> int:
     """Micro-batches per rank and step; `world_size` counts the data-parallel ranks (one pipeline stage's)."""
-    return cfg.train.global_batch // (cfg.train.micro_batch * world_size)
+    return micro_batches_per_rank(cfg.train.global_batch, cfg.train.micro_batch, world_size)
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")  # several stages per rank (pp_virtual >= 2)
 
 
 def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
@@ -340,39 +371,43 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
     p = cfg.parallel
     _positive(p.pp, "parallel.pp")
     _positive(p.pp_virtual, "parallel.pp_virtual")
-    _choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
+    check_choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
     if p.pp == 1:
         return
-    if world_size % p.pp:
-        raise ConfigError(
-            f"parallel.pp={p.pp} does not divide the world size {world_size}: choose a pp that divides it."
-        )
-    interleaved = p.pp_schedule == "interleaved_1f1b"
+    _check_pp_divides(world_size, p.pp)
+    interleaved = p.pp_schedule in INTERLEAVED_SCHEDULES
     if interleaved and p.pp_virtual < 2:
         raise ConfigError(
-            "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual >= 2 stages per rank: set it to 2."
+            f"parallel.pp_schedule={p.pp_schedule} needs parallel.pp_virtual >= 2 stages per rank: set it to 2."
         )
     if not interleaved and p.pp_virtual != 1:
         raise ConfigError(
-            f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule=interleaved_1f1b: "
-            "set that, or pp_virtual=1."
+            f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule=interleaved_1f1b or interleaved_zb: "
+            "set one of those, or pp_virtual=1."
         )
     if cfg.model.n_layers < p.pp * p.pp_virtual:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} cannot fill parallel.pp x parallel.pp_virtual = "
             f"{p.pp * p.pp_virtual} pipeline stages: use fewer stages or more layers."
         )
-    if cfg.model.tie_embeddings:
+    if cfg.model.tie_embeddings and cfg.optim.zero == 2:
         raise ConfigError(
-            "model.tie_embeddings=true needs the embedding and the LM head on one stage: "
-            "set model.tie_embeddings=false to use parallel.pp > 1."
+            "model.tie_embeddings=true with parallel.pp > 1 needs optim.zero=1 (the LM head's gradient reaches the "
+            "embedding's stage after its backward): set optim.zero=1, or model.tie_embeddings=false."
         )
-    if cfg.optim.zero == 2:
-        raise ConfigError("optim.zero=2 does not work with parallel.pp > 1 yet: set optim.zero=1.")
-    if cfg.checkpoint.interval or cfg.checkpoint.load:
+    if p.pp_layers is not None:
+        validate_pp_layers(p.pp_layers, p.pp * p.pp_virtual, cfg.model.n_layers)
+
+
+def validate_pp_layers(pp_layers: Any, n_stages: int, n_layers: int) -> None:
+    """parallel.pp_layers: one positive layer count per stage, summing to model.n_layers."""
+    counts = None if isinstance(pp_layers, (str, int, float)) else list(pp_layers)  # a list or a ListConfig
+    valid = counts is not None and all(isinstance(c, int) and c > 0 for c in counts)
+    if not valid or len(counts) != n_stages or sum(counts) != n_layers:
         raise ConfigError(
-            "checkpoints do not work with parallel.pp > 1 yet: "
-            "set checkpoint.interval=0 and leave checkpoint.load unset."
+            f"parallel.pp_layers={pp_layers} must list {n_stages} positive layer counts (one per pipeline stage, "
+            f"parallel.pp x parallel.pp_virtual) that add up to model.n_layers={n_layers}: fix the list, or set it "
+            "to null for the automatic split."
         )
 
 
@@ -382,8 +417,8 @@ def validate_micro_batches(cfg: OptimusConfig, world_size: int) -> None:
     if p.pp == 1 or p.pp_schedule == "gpipe":
         return
     accum = grad_accum_steps(cfg, world_size // p.pp)
-    rounds = max(1, accum // p.pp)  # interleaved_1f1b runs the micro-batches in rounds of pp
-    if accum < p.pp or (p.pp_schedule == "interleaved_1f1b" and accum % rounds):
+    rounds = max(1, accum // p.pp)  # the interleaved schedules run the micro-batches in rounds of pp
+    if accum < p.pp or (p.pp_schedule in INTERLEAVED_SCHEDULES and accum % rounds):
         raise ConfigError(
             f"parallel.pp_schedule={p.pp_schedule} needs a multiple of parallel.pp={p.pp} micro-batches per step on "
             f"each rank, got {accum} = train.global_batch / (train.micro_batch x {world_size // p.pp} ranks per "

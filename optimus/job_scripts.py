@@ -275,8 +275,10 @@ def main(argv: list[str]) -> int:
         setup,
     )
     ranks = opts.nodes * cfg.machine.ranks_per_node
+    pp = cfg.parallel.pp  # the outermost rank dimension: each stage is a run of consecutive nodes
+    stages = f"pipeline: {pp} stages of {ranks // pp} ranks ({opts.nodes / pp:g} nodes) each\n" if pp > 1 else ""
     where = (
-        f"{opts.nodes} nodes x {cfg.machine.ranks_per_node} = {ranks} ranks of machine={cfg.machine.name}\n"
+        f"{opts.nodes} nodes x {cfg.machine.ranks_per_node} = {ranks} ranks of machine={cfg.machine.name}\n{stages}"
         f"run directory: {run_dir}\n"
         f"  job log:  {run_dir / ('job.log' if scheduler == 'pbs' else 'job-<jobid>.log')}\n"
         f"  metrics:  {run_dir / 'metrics.jsonl'}  (config.yaml, run_info.json beside it)"

@@ -33,11 +33,15 @@ tests/train/test_activation_checkpointing.py measures them, and the peak, within
                   2 K D a        the exchanged rows: expert inputs and expert outputs
                   4 K F a        the routed experts' SwiGLU (as the dense FFN, per routed copy)
                   4 F_s a        shared experts, F_s = n_shared x F
-    head          3 D a + V (a + 4) + 16   final norm, logits, fp32 log-probabilities, ids
+    head          3 D a + V a + 16   final norm, ids and the logits' gradient in the compute dtype,
+                                 which the fused cross-entropy (optimus.model.loss) makes in its
+                                 forward; the last pipeline stage's plain cross-entropy keeps the
+                                 logits and fp32 log-probabilities instead: 3 D a + V (a + 4) + 16
 
-The peak is the larger of: everything kept plus the logits' gradient (4 V, + a V in bf16) as the
-backward starts, and, for each block, what it and the blocks before it keep plus its largest
-recomputed region, alive again during its backward.
+The peak is the larger of: everything kept (plus, for the plain head, the logits' gradient, 4 V +
+a V in bf16) as the backward starts, and, for each block, what it and the blocks before it keep plus its largest
+recomputed region, alive again during its backward, and two [t, D] gradients (the residual stream's and
+the region's, 2 D a).
 train.activation_checkpointing (optimus/train/activation_checkpointing.py) removes parts:
 selective drops attention (recomputing one layer's); full keeps only the input (D a) of a dense
 block and drops attention, the expert SwiGLU and shared experts of an MoE block (the norms,
@@ -57,12 +61,28 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from optimus.config import ConfigError, ModelConfig, OptimusConfig, qk_norm_mode, validate
-from optimus.model import ParamCounts, count_params_of_config, flops_per_token, padded_vocab_size
+from optimus.config import (
+    TORCH_DTYPES,
+    ConfigError,
+    ModelConfig,
+    OptimusConfig,
+    grad_accum_steps,
+    qk_norm_mode,
+    validate,
+)
+from optimus.model import ParamCounts, count_params_of_config, flops_per_token, moe_layer_ids, padded_vocab_size
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
+from optimus.parallel.pipeline import (
+    PartCounts,
+    in_flight_chunks,
+    part_counts,
+    rank_stage_indices,
+    stage_layer_ids,
+    stage_sizes,
+)
 from optimus.platform import resolve_dtype
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 GIB = 2**30
 STATE_KEYS = ("param_bytes", "grad_bytes", "master_bytes", "optim_state_bytes")  # persistent bytes per rank
 
@@ -76,11 +96,51 @@ def planned_dtype(cfg: OptimusConfig) -> str:
     return resolve_dtype(cfg.train.dtype, device)
 
 
-def state_bytes(cfg: OptimusConfig, scheme: str, counts: ParamCounts, world: int) -> StateBytes:
-    """Persistent bytes of one rank under `scheme`, from the optimizer's own buffer layout."""
+def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> StateBytes:
+    """Persistent bytes of one rank holding `dense` and `expert` (all experts) parameters under `scheme`, with
+    `world` ranks sharing them (a pipeline stage's), from the optimizer's own buffer layout."""
     es, gs = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype]
     ep = cfg.parallel.ep
-    return rank_state_bytes(scheme, counts.dense, counts.expert // ep, world, world // ep, es, gs, cfg.optim.zero)
+    return rank_state_bytes(scheme, dense, expert // ep, world, world // ep, es, gs, cfg.optim.zero)
+
+
+@dataclass
+class RankShare:
+    """What one pipeline rank holds (the whole model when pp = 1)."""
+
+    pp_rank: int
+    stages: list[int]
+    layers: list[int]
+    embed: bool
+    head: bool
+    dense: int  # parameters, all experts counted in `expert`
+    expert: int
+    in_flight: float  # micro-batches' worth of its layers' activations held at the peak
+    head_copy: int = 0  # tie_embeddings: the last stage's copy of the embedding, held but not optimised
+
+
+def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[RankShare]:
+    """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline)."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp == 1:
+        return [RankShare(0, [0], list(range(m.n_layers)), True, True, counts.dense, counts.expert, 1)]
+    n_stages = p.pp * p.pp_virtual
+    stage_layers = stage_layer_ids(stage_sizes(m, n_stages, p.pp_layers))
+    layers, embed, head = part_counts(m)
+    accum = grad_accum_steps(cfg, world // p.pp)
+    shares = []
+    for rank in range(p.pp):
+        stages = rank_stage_indices(rank, p.pp, p.pp_virtual)
+        ids = [i for stage in stages for i in stage_layers[stage]]
+        held = [layers[i] for i in ids] + [embed] * (0 in stages) + [head] * (n_stages - 1 in stages)
+        total = sum(held, PartCounts())
+        head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and n_stages - 1 in stages else 0
+        chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
+        shares.append(
+            RankShare(rank, stages, ids, 0 in stages, n_stages - 1 in stages, total.dense - head_copy, total.expert,
+                      chunks / p.pp_virtual, head_copy)
+        )  # fmt: skip
+    return shares
 
 
 def _layer_activations(m: ModelConfig, a: int) -> dict[str, int]:
@@ -117,33 +177,53 @@ def _block_activations(part: dict[str, int], is_moe: bool, checkpointing: str) -
 
 
 def activation_bytes(
-    m: ModelConfig, micro_batch: int, seq_len: int, act_bytes: int, checkpointing: str, recompute: bool = True
+    m: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int,
+    checkpointing: str,
+    recompute: bool = True,
+    layers: list[int] | None = None,
+    head: bool = True,
+    in_flight: float = 1,
+    fused_head: bool = True,
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
-    only what the forward keeps for the backward."""
+    only what the forward keeps for the backward. A pipeline rank holds the blocks `layers` (and the
+    head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. `fused_head`:
+    the head's cross-entropy is optimus.model.loss's (pp = 1), else the plain one on full logits (the last
+    pipeline stage)."""
     part = _layer_activations(m, act_bytes)
-    n_dense = m.first_k_dense if m.moe.n_experts else m.n_layers
-    blocks = [_block_activations(part, i >= n_dense, checkpointing) for i in range(m.n_layers)]
+    moe_ids = set(moe_layer_ids(m))
+    layers = range(m.n_layers) if layers is None else layers
+    blocks = [_block_activations(part, i in moe_ids, checkpointing) for i in layers]
     vocab = padded_vocab_size(m.vocab_size)
-    head = 3 * m.dim * act_bytes + vocab * (act_bytes + 4) + 16  # norm, logits, fp32 log-probs, ids
-    kept = sum(block_kept for block_kept, _ in blocks) + head
+    # final norm and ids; fused: the logits' gradient in the compute dtype; plain: logits and fp32 log-probs
+    head_logits = vocab * act_bytes if fused_head else vocab * (act_bytes + 4)
+    head_kept = 3 * m.dim * act_bytes + head_logits + 16 if head else 0
+    kept = sum(block_kept for block_kept, _ in blocks) + head_kept
+    waiting = (in_flight - 1) * kept  # the other micro-batches' forwards, waiting for their backward
     if not recompute:
-        return micro_batch * seq_len * kept
-    # The backward starts with everything kept plus the logits' gradient (fp32, and its cast in bf16);
-    # block i is recomputed once the blocks after it and the head have freed theirs.
-    peak = kept + vocab * (4 + (act_bytes if act_bytes != 4 else 0))
+        return round(micro_batch * seq_len * (waiting + kept))
+    # The plain head's backward starts with everything kept plus the logits' gradient (fp32, and its cast
+    # in bf16; the fused head kept it already); block i is recomputed once the blocks after it and the
+    # head have freed theirs, while the residual stream's gradient and the region's are alive (2 D a).
+    logits_grad = vocab * (4 + (act_bytes if act_bytes != 4 else 0)) if head and not fused_head else 0
+    peak = kept + logits_grad
     below = 0
     for block_kept, block_recomputed in blocks:
         below += block_kept
-        peak = max(peak, below + block_recomputed)
-    return micro_batch * seq_len * peak
+        if block_recomputed:
+            peak = max(peak, below + block_recomputed + 2 * m.dim * act_bytes)
+    return round(micro_batch * seq_len * (waiting + peak))
 
 
 @dataclass
 class Plan:
     model: str
     world: int
+    pp: int
     dp: int
     ep: int
     sharding: str
@@ -155,24 +235,54 @@ class Plan:
     activations: dict  # micro-batch activations with / without checkpointing
     flops: dict
     memory: dict
+    stages: list[dict]  # pp > 1: per pipeline rank (its stages, layers, bytes); the figures above are the busiest's
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
-    validate(cfg, world)
-    m, t, ep = cfg.model, cfg.train, cfg.parallel.ep
-    counts = counts or count_params_of_config(m)
-    state = {s: state_bytes(cfg, s, counts, world).rounded() for s in SCHEMES}
-    compute = planned_dtype(cfg)
+def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
+    """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    stage_world = world // p.pp
+    state = {s: state_bytes(cfg, s, share.dense, share.expert, stage_world).rounded() for s in SCHEMES}
+    a = DTYPE_BYTES[planned_dtype(cfg)]
+    for scheme_bytes in state.values():
+        scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
+    # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1)
+    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": p.pp == 1}
     act = {
         "micro_batch": t.micro_batch,
-        "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, DTYPE_BYTES[compute], "none"),
-        "selective": activation_bytes(m, t.micro_batch, t.seq_len, DTYPE_BYTES[compute], "selective"),
-        "checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, DTYPE_BYTES[compute], "full"),
-        "configured": activation_bytes(m, t.micro_batch, t.seq_len, DTYPE_BYTES[compute], t.activation_checkpointing),
+        "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "none", **where),
+        "selective": activation_bytes(m, t.micro_batch, t.seq_len, a, "selective", **where),
+        "checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "full", **where),
+        "configured": activation_bytes(m, t.micro_batch, t.seq_len, a, t.activation_checkpointing, **where),
     }
+    chosen = sum(state[resolve_sharding(cfg.optim.sharding, stage_world)][k] for k in STATE_KEYS)
+    return {"state": state, "activations": act, "total": chosen + act["configured"], "share": share}
+
+
+def _stage_row(rank: dict, device: float | None) -> dict:
+    """One pipeline rank's line of the plan."""
+    share, activations = rank["share"], rank["activations"]["configured"]
+    return {
+        "pp_rank": share.pp_rank, "stages": share.stages, "layers": share.layers, "embed": share.embed,
+        "head": share.head, "params": share.dense + share.expert + share.head_copy, "in_flight": share.in_flight,
+        "state_bytes": rank["total"] - activations, "activation_bytes": activations, "total_bytes": rank["total"],
+        "fits": None if device is None else rank["total"] <= device,
+    }  # fmt: skip
+
+
+def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
+    """The plan of the busiest rank (with pp > 1, of the pipeline rank that needs the most memory; every
+    pipeline rank's figures are in `stages`)."""
+    validate(cfg, world)
+    m, t, ep, pp = cfg.model, cfg.train, cfg.parallel.ep, cfg.parallel.pp
+    counts = counts or count_params_of_config(m)
+    ranks = [_rank_plan(cfg, share, world) for share in rank_shares(cfg, world, counts)]
+    busiest = max(ranks, key=lambda r: r["total"])
+    state, act = busiest["state"], busiest["activations"]
+    compute = planned_dtype(cfg)
     per_token = flops_per_token(counts, m, t.seq_len)
     per_step = per_token * t.global_batch * t.seq_len
     peak = cfg.machine.peak_flops
@@ -183,7 +293,7 @@ def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None)
         "peak_per_device": peak,
         "step_time_at_peak_s": per_step / world / peak if peak else None,
     }
-    sharding = resolve_sharding(cfg.optim.sharding, world)
+    sharding = resolve_sharding(cfg.optim.sharding, world // pp)
     chosen = sum(state[sharding][k] for k in STATE_KEYS)
     device = cfg.machine.memory_gb * GIB if cfg.machine.memory_gb else None
     memory = {"device_bytes": device}
@@ -191,9 +301,10 @@ def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None)
         total = chosen + act[key]
         memory[f"total_{key}"] = total
         memory[f"fits_{key}"] = None if device is None else total <= device
+    stages = [_stage_row(r, device) for r in ranks] if pp > 1 else []
     return Plan(
-        m.name, world, world // ep, ep, sharding, cfg.optim.zero, compute, cfg.optim.grad_dtype,
-        counts.as_dict(), state, act, flops, memory,
+        m.name, world, pp, world // pp // ep, ep, sharding, cfg.optim.zero, compute, cfg.optim.grad_dtype,
+        counts.as_dict(), state, act, flops, memory, stages,
     )  # fmt: skip
 
 
@@ -207,12 +318,30 @@ def _fits(value: bool | None) -> str:
     return {None: "unknown (set machine.memory_gb)", True: "fits", False: "DOES NOT FIT"}[value]
 
 
+def _verdict(total: float, device: float | None) -> str:
+    """'X GiB -> fits (Y GiB free)' for one total against the device's memory."""
+    free = f" ({_gib(device - total)} free)" if device is not None and total <= device else ""
+    return f"{_gib(total)} -> {_fits(None if device is None else total <= device)}{free}"
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
 def format_plan(plan: Plan) -> str:
     p, f, mem = plan.params, plan.flops, plan.memory
     lines = [
         f"model {plan.model}: {p['total'] / 1e9:.3f}B parameters ({p['active'] / 1e9:.3f}B active), "
         f"dense {p['dense'] / 1e9:.3f}B, experts {p['expert'] / 1e9:.3f}B",
-        f"layout: world {plan.world} = DP {plan.dp} x EP {plan.ep}; params and compute {plan.param_dtype}, "
+        f"layout: world {plan.world} = {f'PP {plan.pp} x ' if plan.pp > 1 else ''}DP {plan.dp} x EP {plan.ep}; "
+        f"params and compute {plan.param_dtype}, "
         f"grads {plan.grad_dtype}, fp32 master and moments, ZeRO-{plan.zero}",
         "",
         f"{'per device':<22}{'params':>12}{'grads':>12}{'fp32 master':>14}{'moments':>12}{'total':>12}",
@@ -224,14 +353,31 @@ def format_plan(plan: Plan) -> str:
             f"  sharding={scheme:<11}{_gib(s['param_bytes']):>12}{_gib(s['grad_bytes']):>12}"
             f"{_gib(s['master_bytes']):>14}{_gib(s['optim_state_bytes']):>12}{_gib(total):>12}{mark}"
         )
+    if plan.stages:
+        lines += ["", "pipeline ranks (the figures above are the busiest one's; optim.sharding and "
+                  "train.activation_checkpointing as configured):",
+                  f"  {'rank':<6}{'layers':<16}{'params':>10}{'state':>12}{'in flight':>11}{'activations':>13}"
+                  f"{'total':>12}"]  # fmt: skip
+        for row in plan.stages:
+            held = (
+                _layer_ranges(row["layers"]) + (" +embed" if row["embed"] else "") + (" +head" if row["head"] else "")
+            )
+            lines.append(
+                f"  {row['pp_rank']:<6}{held:<16}{row['params'] / 1e9:>9.2f}B{_gib(row['state_bytes']):>12}"
+                f"{row['in_flight']:>11.3g}{_gib(row['activation_bytes']):>13}{_gib(row['total_bytes']):>12}"
+                f"  {_fits(row['fits'])}"
+            )
     act = plan.activations
     lines += [
         "",
-        f"activations per micro-batch ({act['micro_batch']} sequences), train.activation_checkpointing="
+        ("activations of the busiest pipeline rank (its micro-batches in flight, " if plan.stages else "activations ")
+        + f"per micro-batch of {act['micro_batch']} sequences), train.activation_checkpointing="
         f"none {_gib(act['no_checkpointing'])}, selective {_gib(act['selective'])}, full {_gib(act['checkpointing'])}",
         f"device memory {_gib(mem['device_bytes'])}: "
-        f"{_gib(mem['total_no_checkpointing'])} -> {_fits(mem['fits_no_checkpointing'])}; "
-        f"with full checkpointing {_gib(mem['total_checkpointing'])} -> {_fits(mem['fits_checkpointing'])}",
+        f"{_verdict(mem['total_no_checkpointing'], mem['device_bytes'])}; "
+        f"with full checkpointing {_verdict(mem['total_checkpointing'], mem['device_bytes'])}",
+        "  (not counted: the runtime's context and collective buffers, allocator caching and fragmentation, "
+        "routing imbalance; docs/MEMORY.md)",
         "",
         f"FLOPs: {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, {f['per_device_per_step']:.4g} "
         "per device per step"

@@ -160,13 +160,17 @@ def _time_one_mm(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def cpu_matmul_probe(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.5) -> float:
+def cpu_matmul_probe(dtype: torch.dtype = torch.bfloat16, n: int = 512, seconds: float = 0.5) -> float:
     """Measured FLOP/s of a square matmul on this CPU, the CPU's practical peak for MFU.
 
     Measured on one thread and scaled by torch's thread count: a multi-threaded matmul on a
     busy machine waits for descheduled threads and can read 100x low, one thread does not.
     The size grows from 128 up to `n` while one matmul stays cheap, so a CPU without fast bf16
-    (where a 1024^3 bf16 matmul takes seconds) still finishes in about `seconds`.
+    (where a 1024^3 bf16 matmul takes seconds) still finishes in about `seconds`. The fastest of
+    many short matmuls is the peak: at n = 512 one takes about a millisecond, shorter than a
+    scheduler time slice, so on a busy machine some run undisturbed (with 1024^3, ~10 ms on an
+    AVX512-BF16 core, the probe read 306 instead of 430 GFLOP/s at load 8 on 2 cores), and on an
+    idle core 512^3 reaches the rate of 1024^3 (225 against 218 GFLOP/s bf16 on one EPYC core).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -243,18 +247,26 @@ def max_memory_allocated(platform: Platform) -> int:
     return int(api.max_memory_allocated(platform.device)) if api is not None else 0
 
 
+def proc_bytes(path: str, field: str) -> int | None:
+    """The `field:  N kB` line of a Linux /proc file (meminfo, self/status) in bytes; None where it is absent."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident set size.
 
     Linux: VmHWM, the peak of this process image alone; getrusage's ru_maxrss would also carry the
     peak of the process that forked it (a launcher, a test runner) across fork and exec.
     """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # the kernel reports kB
-    except (OSError, ValueError, IndexError):
-        pass
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -45,6 +45,26 @@ def corpus_file(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
 
 
+@pytest.fixture(scope="session")
+def tok_file(tmp_path_factory):
+    """A small BPE tokenizer file (vocabulary 320), trained once per session; read-only for tests."""
+    from optimus.data import train_bpe
+
+    path = tmp_path_factory.mktemp("tok") / "tok.json"
+    texts = ["the quick brown fox jumps over the lazy dog. 0123456789 " * 40, "Grüße, ñandú! " * 20]
+    train_bpe(texts, 320).save(str(path))
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: a second thread only contends with whatever else runs on the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path_factory, monkeypatch):
     """Tokenizers and token caches of tests go to a per-session temp dir, never the user's cache."""
@@ -52,8 +72,9 @@ def isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
 
 
-# A small finished run, trained once per session and shared: tests copy it (copy_small_run) before changing it.
-SMALL_RUN = [
+# What the tests' short CPU runs share: TINY_MODEL made smaller, fp32 with the torch kernels (exact and
+# fast on any CPU), sequences of 16 tokens in global batches of 8, and no progress bar.
+SMALL_MODEL_RUN = [
     *TINY_MODEL,
     "model.dim=32",
     "model.moe.expert_dim=32",
@@ -62,6 +83,11 @@ SMALL_RUN = [
     "logging.progress=false",
     "train.seq_len=16",
     "train.global_batch=8",
+]
+
+# A small finished run, trained once per session and shared: tests copy it (copy_small_run) before changing it.
+SMALL_RUN = [
+    *SMALL_MODEL_RUN,
     "train.micro_batch=4",
     "train.eval_sequences=8",
     "train.eval_interval=2",

@@ -3,7 +3,14 @@
 import pytest
 
 from optimus.cli import load_config, main
-from optimus.config import ConfigError, validate
+from optimus.config import (
+    DISPATCHERS,
+    ConfigError,
+    experts_per_rank,
+    micro_batches_per_rank,
+    validate,
+    validate_layout,
+)
 
 
 def error_of(overrides, world_size=1) -> str:
@@ -79,7 +86,42 @@ def test_intervals_and_rates_out_of_range_are_named(override):
 
 
 def test_bad_choice_lists_the_options():
-    assert "auto, bf16, fp32" in error_of(["train.dtype=fp8"])
+    assert "auto, fp32, bf16" in error_of(["train.dtype=fp8"])
+
+
+def test_layout_rules_are_one_function():
+    # validate_layout is what both config.validate and parallel.state.build_parallel_state call.
+    validate_layout(12, ep=3, pp=2)  # 2 stages of 6 ranks, EP groups of 3
+    with pytest.raises(ConfigError, match="parallel.pp=5 does not divide the world size 12"):
+        validate_layout(12, ep=1, pp=5)
+    with pytest.raises(ConfigError, match="parallel.ep=4 does not divide the 6 ranks of a pipeline stage"):
+        validate_layout(12, ep=4, pp=2)
+    with pytest.raises(ConfigError, match="parallel.ep=4 does not divide the world size 6"):
+        validate_layout(6, ep=4)
+
+
+def test_experts_per_rank():
+    assert [experts_per_rank(8, ep) for ep in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert experts_per_rank(0, 1) == 0  # a dense model without expert parallelism
+    with pytest.raises(ConfigError, match="needs a model with experts"):
+        experts_per_rank(0, 2)
+    with pytest.raises(ConfigError, match="model.moe.n_experts=8 is not divisible by parallel.ep=3"):
+        experts_per_rank(8, 3)
+
+
+def test_micro_batches_per_rank():
+    assert micro_batches_per_rank(32, 4, 2) == 32 // (4 * 2)
+    with pytest.raises(ConfigError, match="train.micro_batch x ranks per pipeline stage = 4 x 3"):
+        micro_batches_per_rank(32, 4, 3, "ranks per pipeline stage")
+    with pytest.raises(ConfigError, match="train.micro_batch=0"):
+        micro_batches_per_rank(32, 0, 1)
+
+
+def test_every_dispatcher_the_config_accepts_has_an_implementation():
+    # parallel.dispatcher's values are written once, in config; the map from names to classes must cover them.
+    from optimus.parallel.expert_parallel import DISPATCHER_CLASSES
+
+    assert tuple(DISPATCHER_CLASSES) == DISPATCHERS
 
 
 def test_cli_prints_one_line_and_exits_2(capsys):

@@ -299,3 +299,25 @@ def test_plan_and_launch_agree_on_the_expert_group_of_a_node(capsys):
     assert main(["launch", "--nodes", "4", *args]) == 2
     assert capsys.readouterr().err == plan_error and "does not divide the 12 ranks per node" in plan_error
     assert main(["plan", "--nodes", "4", *args[:2], "parallel.ep=4", *args[3:]]) == 0
+
+
+@pytest.mark.parametrize(
+    "experiment,pp,ep", [("aurora-mula-100b-a7b", 4, 12), ("aurora-mula-220b-a10b", 8, 12)], ids=["100b", "220b"]
+)
+def test_pipeline_experiments_render_and_launch_on_256_aurora_nodes(experiment, pp, ep, tmp_path, fakes, capsys):
+    """The full-size recipes, composed as `optimus launch` composes them: 3072 ranks, PP x DP x EP."""
+    bin_dir, python = fakes
+    run_dir = tmp_path / "run"
+    argv = ["--nodes", "256", "--run-dir", str(run_dir), "--python", str(python), f"experiment={experiment}"]
+    assert job_scripts.main(argv) == 0
+    script, notes = capsys.readouterr()
+    assert f"pipeline: {pp} stages of {3072 // pp} ranks ({256 / pp:g} nodes) each" in notes
+    bash_syntax_ok(script, tmp_path)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("".join(f"x4102c{i}s0b0n0.hsn.cm.aurora\n" for i in range(256)))
+    run_script(script, tmp_path, bin_dir, {"PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(tmp_path)})
+    command = [str(python), "-m", "optimus", "train", f"experiment={experiment}", f"run.dir={run_dir}"]
+    assert lines(tmp_path / "launcher.txt")[:4] == ["-n", "3072", "--ppn", "12"]
+    assert lines(tmp_path / "launcher.txt")[-len(command) :] == command
+    cfg = job_scripts.load_config([f"experiment={experiment}"])
+    assert (cfg.parallel.pp, cfg.parallel.ep) == (pp, ep)

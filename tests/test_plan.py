@@ -33,13 +33,7 @@ LAYOUTS = {  # name: (world, overrides); the sharded ones need expert parallelis
 STATE_KEYS = ("param_bytes", "grad_bytes", "master_bytes", "optim_state_bytes")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second thread only contends with whatever else runs on the machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 def write_run_info(overrides: list[str], cache: str) -> None:
@@ -71,6 +65,37 @@ def test_plan_matches_measured_state_bytes(tmp_path, corpus_file, layout):
     for rank_bytes in measured:
         for key in STATE_KEYS:
             assert abs(predicted[key] - rank_bytes[key]) <= 0.01 * rank_bytes[key], (world, key, rank_bytes)
+
+
+def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_file):
+    """pp=2 x ep=2 on 4 gloo ranks, an uneven stage split: each pipeline rank's planned state bytes equal
+    what the ranks of that stage hold (run_info.json), and the stages differ (the plan is per stage)."""
+    run_dir = tmp_path / "run"
+    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_layers=[1,3]", "model.n_layers=4"]
+    extra = [*layout, "optim.sharding=ep_aware", "optim.zero=2", "train.dtype=fp32"]
+    overrides = [*RUN, f"data.path={corpus_file}", f"run.dir={run_dir}", *extra]
+    run_distributed(write_run_info, 4, overrides, os.environ["OPTIMUS_CACHE"])
+    measured = json.loads((run_dir / "run_info.json").read_text())["per_rank"]
+    plan = make_plan(load_config(overrides), 4)
+    assert [row["layers"] for row in plan.stages] == [[0], [1, 2, 3]]
+    assert plan.stages[0]["state_bytes"] != plan.stages[1]["state_bytes"]
+    for rank, rank_bytes in enumerate(measured):
+        stage = plan.stages[rank // 2]  # ranks 0-1 hold stage 0, ranks 2-3 stage 1
+        assert sum(rank_bytes[k] for k in STATE_KEYS) == stage["state_bytes"], rank
+
+
+@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 4), ("aurora-mula-220b-a10b", 8)])
+def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp):
+    """256 Aurora nodes: every pipeline rank of the 100B (PP 4) and 220B (PP 8) recipes fits its 64 GB tile,
+    the stages hold every layer once, in order, and the 1F1B warm-up leaves the most activations on rank 0."""
+    cfg = load_config([f"experiment={experiment}"])
+    plan = make_plan(cfg, 256 * cfg.machine.ranks_per_node)
+    assert plan.pp == pp and len(plan.stages) == pp
+    assert [i for row in plan.stages for i in row["layers"]] == list(range(cfg.model.n_layers))
+    assert plan.stages[0]["embed"] and plan.stages[-1]["head"]
+    assert [row["in_flight"] for row in plan.stages] == list(range(pp, 0, -1))
+    assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
+    assert plan.memory["total_configured"] == max(row["total_bytes"] for row in plan.stages)
 
 
 SMALL = ModelConfig(
@@ -130,16 +155,21 @@ def test_activation_bytes_by_hand():
     norms, attn = 6 * d * a, (5 * d + 4 * d_kv) * a + 4 * n
     router, rows, experts, shared = 4 * d + 8 * e + 28 * k, 2 * k * d * a, 4 * k * f * a, 4 * fs * a
     dense, moe = norms + attn + 4 * ffn * a, norms + attn + router + rows + experts + shared
-    head = 3 * d * a + v * (a + 4) + 16
-    kept = {  # one dense block, then two MoE blocks
-        "none": dense + 2 * moe + head,
-        "selective": dense - attn + 2 * (moe - attn) + head,
-        "full": d * a + 2 * (norms + router + rows) + head,
-    }
-    logits_grad = v * (4 + a)  # larger here than any recomputed region, so it sets every mode's peak
-    for mode, per_token in kept.items():
-        assert activation_bytes(SMALL, 2, 16, a, mode, recompute=False) == t * per_token, mode
-        assert activation_bytes(SMALL, 2, 16, a, mode) == t * (per_token + logits_grad), mode
+    # the fused cross-entropy keeps the logits' gradient in bf16; the plain one logits and fp32 log-probs
+    head = {True: 3 * d * a + v * a + 16, False: 3 * d * a + v * (a + 4) + 16}
+    for fused in (True, False):
+        kept = {  # one dense block, then two MoE blocks
+            "none": dense + 2 * moe + head[fused],
+            "selective": dense - attn + 2 * (moe - attn) + head[fused],
+            "full": d * a + 2 * (norms + router + rows) + head[fused],
+        }
+        # the plain head's backward starts with the logits' gradient (fp32 and its bf16 cast), larger here than
+        # any recomputed region; the fused head's kept bytes exceed every block's recomputed region
+        logits_grad = 0 if fused else v * (4 + a)
+        for mode, per_token in kept.items():
+            got = activation_bytes(SMALL, 2, 16, a, mode, recompute=False, fused_head=fused)
+            assert got == t * per_token, (mode, fused)
+            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused) == t * (per_token + logits_grad), mode
 
 
 def test_flops_and_fit(tmp_path):

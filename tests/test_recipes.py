@@ -1,4 +1,4 @@
-"""Experiment recipes compose to the published Aurora layouts; pipeline layouts refuse to run."""
+"""Experiment recipes compose to the published Aurora layouts (the 100B and 220B ones with pipeline stages)."""
 
 import pytest
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from optimus.config import ConfigError
+from optimus.config import micro_batches_per_rank
 from optimus.data.errors import DataError
 from optimus.data.order import global_indices
 
@@ -39,7 +39,7 @@ def rank_micro_batches(
     dataset: Any, seed: int, first: int, global_batch: int, micro_batch: int, rank: int, world_size: int
 ) -> list[torch.Tensor]:
     """This rank's micro-batches of the global batch starting at global position `first`."""
-    accum = global_batch // (micro_batch * world_size)
+    accum = micro_batches_per_rank(global_batch, micro_batch, world_size)
     start = first + rank * accum * micro_batch
     idx = global_indices(dataset, seed, np.arange(start, start + accum * micro_batch))
     rows = _gather(dataset, idx)  # [accum * mb, S + 1]
@@ -60,11 +60,7 @@ class BatchLoader:
         samples_consumed: int = 0,
         prefetch: int = 4,
     ):
-        if micro_batch <= 0 or world_size <= 0 or global_batch % (micro_batch * world_size):
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by micro_batch x world size = "
-                f"{micro_batch} x {world_size}: make global_batch a multiple of {micro_batch * world_size}."
-            )
+        micro_batches_per_rank(global_batch, micro_batch, world_size)  # refuses a batch the ranks cannot share
         if len(dataset) == 0:
             raise DataError("the dataset has no window of seq_len + 1 tokens: add data or lower train.seq_len.")
         self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch

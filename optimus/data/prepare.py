@@ -84,7 +84,9 @@ def write_tokens(
     bar, bar_docs = _progress_bar(progress, total_bytes), [0]  # documents written so far
     chunks = _chunks(docs)
     if num_proc > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # Fresh worker processes: a fork of a process whose tokenizer or torch thread pools already ran can
+        # deadlock in the child (a pool lock held by a thread that the fork did not copy).
+        ctx = mp.get_context("spawn")
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, and no warning after fork
         try:

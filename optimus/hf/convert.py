@@ -18,6 +18,7 @@ from optimus.config import ConfigError, ModelConfig, OptimusConfig
 from optimus.hf.io import from_pretrained, save_state
 from optimus.train.checkpoint import META
 from optimus.train.checkpoint_state import model_state
+from optimus.train.dcp_warning import no_single_process_warning
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -65,7 +66,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, name: str | None = None) -> I
     for key in ("trainer/step", "trainer/samples_consumed", "trainer/skipped_in_row"):
         state[key] = torch.tensor(0)
     state["trainer/world"] = torch.tensor(1)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True), no_dist=True)
+    with no_single_process_warning():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True), no_dist=True)
     meta = {
         "step": 0, "world": 1, "dp": 1, "ep": 1, "sharding": "none", "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model": asdict(cfg), "imported_from": str(Path(hf_dir).resolve()),

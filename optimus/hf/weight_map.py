@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from optimus.config import ModelConfig, qk_norm_mode
 from optimus.hf.formats import HFFormat
+from optimus.model import moe_layer_ids
 
 # Tensors some HF checkpoints carry that hold nothing to load (recomputed on the fly).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -56,12 +57,12 @@ def pieces(cfg: ModelConfig, fmt: HFFormat) -> list[Piece]:
     """Every HF tensor of a `fmt` model of shape `cfg`, in the order HF writes them (layer by layer)."""
     vocab = (slice(0, cfg.vocab_size),)
     out = [Piece("model.embed_tokens.weight", "embed.weight", vocab)]
+    moe_ids = set(moe_layer_ids(cfg))
     for i in range(cfg.n_layers):
         out.append(Piece(f"model.layers.{i}.input_layernorm.weight", f"layers.{i}.attn_norm.weight"))
         out.extend(_attention(i, cfg))
         out.append(Piece(f"model.layers.{i}.post_attention_layernorm.weight", f"layers.{i}.ffn_norm.weight"))
-        is_moe = cfg.moe.n_experts > 0 and i >= cfg.first_k_dense
-        out.extend(_moe(i, cfg, fmt) if is_moe else _dense_ffn(i))
+        out.extend(_moe(i, cfg, fmt) if i in moe_ids else _dense_ffn(i))
     out.append(Piece("model.norm.weight", "norm.weight"))
     if not cfg.tie_embeddings:  # tied: HF stores the embedding once, as Optimus does
         out.append(Piece("lm_head.weight", "lm_head.weight", vocab))

@@ -24,9 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from optimus.config import ConfigError
-
 BACKENDS = ("auto", "torch", "triton")
+
+
+class KernelUnavailable(ValueError):
+    """The `kernels` backend asked for cannot run here; the message says what to change.
+
+    A ValueError of its own, not optimus.config.ConfigError: kernels imports nothing of optimus
+    outside itself, and the model translates it where a config's `kernels` key arrives.
+    """
 
 
 @dataclass(frozen=True)
@@ -81,17 +87,17 @@ def _triton_backend() -> KernelBackend:
 def get_backend(name: str = "auto") -> KernelBackend:
     """Return the backend for `kernels=<name>` (auto | torch | triton)."""
     if name not in BACKENDS:
-        raise ConfigError(f"kernels={name!r} is not a kernel backend; use one of {', '.join(BACKENDS)}.")
+        raise KernelUnavailable(f"kernels={name!r} is not a kernel backend; use one of {', '.join(BACKENDS)}.")
     if name == "torch":
         return _torch_backend()
     if name == "triton":
         if not triton_importable():
-            raise ConfigError(
+            raise KernelUnavailable(
                 "kernels=triton needs the triton package, which cannot be imported here: "
                 "install it with `pip install triton` (or set kernels=torch)."
             )
         if not gpu_present() and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(
+            raise KernelUnavailable(
                 "kernels=triton needs a GPU and none is visible: set kernels=torch on CPUs "
                 "(or TRITON_INTERPRET=1 to run the kernels in Triton's slow interpreter)."
             )

@@ -14,11 +14,48 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
     return angles_SH.cos(), angles_SH.sin()
 
 
-def apply_rope(x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of each head dimension (the "rotate_half" convention)."""
-    x1, x2 = x_BNSH.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos_SH - x2 * sin_SH, x2 * cos_SH + x1 * sin_SH), dim=-1)
-    return out.to(x_BNSH.dtype)
+def _rotate(x: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    """(x1 cos - x2 sin, x2 cos + x1 sin) of the halves of the last dimension, in fp32, written into one
+    output: the halves never exist as separate tensors. A rotation by -angle (-sin) is the inverse."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos_SH, out=out1).addcmul_(x2, sin_SH, value=-1)
+    torch.mul(x2, cos_SH, out=out2).addcmul_(x1, sin_SH)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with its backward written out: the gradient of a rotation is the rotation by the opposite
+    angle, two fused multiply-adds per half. Autograd of the elementwise form replays its four
+    multiplies, the add and subtract, the concatenation and the casts one by one (1.5 -> 1.1 ms for
+    a [8, 8, 256, 32] q, forward + backward, one EPYC core)."""
+
+    @staticmethod
+    def forward(ctx, x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, dtype: torch.dtype):
+        ctx.save_for_backward(cos_SH, sin_SH)
+        ctx.input_dtype = x_BNSH.dtype
+        return _rotate(x_BNSH, cos_SH, sin_SH).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_BNSH: torch.Tensor):
+        cos_SH, sin_SH = ctx.saved_tensors
+        return _rotate(grad_BNSH, cos_SH, -sin_SH).to(ctx.input_dtype), None, None, None
+
+
+def apply_rope(
+    x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Rotate the two halves of each head dimension (the "rotate_half" convention) in fp32; the result
+    in `dtype` (default: the input's)."""
+    return _Rope.apply(x_BNSH, cos_SH, sin_SH, dtype or x_BNSH.dtype)
+
+
+# On a CPU, SDPA's flash kernel is faster in fp32 than in bf16 for small heads: its bf16 path converts
+# every block to fp32 and its bf16 GEMMs gain nothing at a 32-wide reduction. fwd + bwd, one core of an
+# AVX512-BF16 EPYC, bf16 time / fp32 time: 1.49 at head_dim 32 (S 256), 1.07 at 128 (S 256), 0.92 at
+# 64 (S 1024), 0.82 at 128 (S 2048). Heads up to this size attend in fp32 there (values: as fp32 is).
+CPU_FP32_ATTENTION_MAX_HEAD_DIM = 32
 
 
 class Attention(nn.Module):
@@ -63,6 +100,16 @@ class Attention(nn.Module):
         k = k_BSNH.transpose(1, 2)  # [B, Nkv, S, H]
         v = v_BSK.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(S, x_BSD.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(B, S, D))
+        dtype = self._attention_dtype(v)
+        q, k = apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype)
+        with torch.autocast(x_BSD.device.type, enabled=False):  # SDPA in `dtype`, whatever autocast says
+            out = F.scaled_dot_product_attention(
+                q, k, v.to(dtype), is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            )
+        return self.wo(out.transpose(1, 2).reshape(B, S, D).to(v.dtype))
+
+    def _attention_dtype(self, v: torch.Tensor) -> torch.dtype:
+        """fp32 for small heads on a CPU (see CPU_FP32_ATTENTION_MAX_HEAD_DIM), else the projections' dtype."""
+        if v.device.type == "cpu" and self.head_dim <= CPU_FP32_ATTENTION_MAX_HEAD_DIM:
+            return torch.float32
+        return v.dtype

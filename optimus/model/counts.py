@@ -1,4 +1,5 @@
-"""Parameter counts and training FLOPs per token, computed on the meta device (no memory)."""
+"""Parameter counts and training FLOPs per token, computed on the meta device (no memory), and which
+parameters are routed experts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from optimus.config import ModelConfig
+from optimus.model.moe.experts import GroupedExperts
 
 
 @dataclass
@@ -21,15 +23,24 @@ class ParamCounts:
         return asdict(self)
 
 
-def is_expert_param(name: str) -> bool:
-    return ".experts." in name
+def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
+    """The routed-expert parameters of `model` (names as named_parameters and state_dict give them) -> the
+    global index of their first expert. The one test of what an expert parameter is: the stacked
+    [E_local, ...] tensors of a GroupedExperts, which under expert parallelism hold a rank's block."""
+    return {
+        f"{prefix}.{name}" if prefix else name: module.expert_offset
+        for prefix, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for name, _ in module.named_parameters(recurse=False)
+    }
 
 
 def count_params(model: torch.nn.Module, cfg: ModelConfig) -> ParamCounts:
     """Counts of the full model (all experts), whatever slice of experts this rank holds."""
     dense = expert = 0
+    experts = expert_offsets(model)
     for name, param in model.named_parameters():  # tied weights are listed once
-        if is_expert_param(name):
+        if name in experts:
             expert += param.numel()
         else:
             dense += param.numel()

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from optimus.config import ModelConfig
-from optimus.model.moe.experts import GroupedExperts
+from optimus.model.counts import expert_offsets
 from optimus.model.moe.router import Router
 
 RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
@@ -38,18 +38,13 @@ def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Normal(0, init_std) matrices, residual projections scaled by 1/sqrt(2 * n_layers), norms 1, router bias 0."""
     std = cfg.init_std
     residual_std = std / math.sqrt(2 * cfg.n_layers)
-    expert_offsets = {
-        id(param): module.expert_offset
-        for module in model.modules()
-        if isinstance(module, GroupedExperts)
-        for param in module.parameters(recurse=False)
-    }
+    offsets = expert_offsets(model)
     for name, param in model.named_parameters():
         if param.dim() == 1:  # norm weights
             param.fill_(1.0)
             continue
         param_std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
-        offset = expert_offsets.get(id(param))
+        offset = offsets.get(name)
         if offset is None:
             param.copy_(_normal(param.shape, param_std, init_seed(seed, name)))
             continue

@@ -9,8 +9,10 @@ import torch
 import torch.nn as nn
 
 from optimus.config import ConfigError, ModelConfig
+from optimus.kernels import KernelUnavailable
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
+from optimus.model.loss import linear_cross_entropy
 from optimus.model.mlp import SwiGLU
 from optimus.model.moe.layer import MoE
 from optimus.model.moe.stats import RouterStats
@@ -63,22 +65,22 @@ class Transformer(nn.Module):
         head: bool = True,
     ):
         super().__init__()
-        if cfg.tie_embeddings and not (embed and head):
-            raise ConfigError(
-                "model.tie_embeddings=true needs the embedding and the LM head on the same pipeline stage: "
-                "set model.tie_embeddings=false to cut this model into stages."
-            )
         self.cfg = cfg
         self.vocab_size = padded_vocab_size(cfg.vocab_size)
         layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
         self.embed = nn.Embedding(self.vocab_size, cfg.dim) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
+        try:
+            self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
+        except KernelUnavailable as err:  # the `kernels` key of a config: the user's to change, like any other
+            raise ConfigError(str(err)) from None
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.dim, self.vocab_size, bias=False) if head else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head (tie_embeddings); again after to_empty, which unties them."""
+        """Share the embedding with the LM head (tie_embeddings); again after to_empty, which unties them.
+        A pipeline stage with only one of the two keeps its own tensor; the pipeline keeps the head's copy
+        equal to the embedding and adds its gradient into the embedding's (optimus.parallel.pipeline)."""
         if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed.weight
 
@@ -92,14 +94,22 @@ class Transformer(nn.Module):
         for moe in self.moe_layers:
             moe.stats = stats
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (or hidden states [B, S, D] without the embedding) -> logits [B, S, V] (or hidden)."""
+    def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] (or hidden states [B, S, D] without the embedding) -> logits [B, S, V] (or hidden).
+
+        With `targets_BS` (and the head): the per-token cross-entropy [B, S] in fp32 instead of the
+        logits, fused with the LM head so that the [B, S, V] logits are never materialised.
+        """
         h_BSD = self.embed(x) if self.embed is not None else x
         for block in self.layers.values():
             h_BSD = block(h_BSD)
         if self.lm_head is None:
             return h_BSD
-        return self.lm_head(self.norm(h_BSD))  # [B, S, V]
+        h_BSD = self.norm(h_BSD)
+        if targets_BS is not None:
+            loss_T = linear_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.reshape(-1))
+            return loss_T.view_as(targets_BS)
+        return self.lm_head(h_BSD)  # [B, S, V]
 
     def init_weights(self, seed: int | torch.Generator = 0) -> None:
         """Initialise every parameter from `seed` (a Generator stands for its initial seed): see optimus.model.init."""

@@ -1,9 +1,9 @@
 """The EP-aware AdamW (replicated or sharded state), gradient clipping and LR schedules."""
 
-from optimus.config import ConfigError, OptimusConfig
+from optimus.config import OptimusConfig, check_choice
 from optimus.optim.protocol import Optimizer
 from optimus.optim.schedule import lr_at
-from optimus.optim.sharded import GRAD_DTYPES, SCHEMES, ShardedAdamW, StateBytes, rank_state_bytes
+from optimus.optim.sharded import SCHEMES, ShardedAdamW, StateBytes, rank_state_bytes
 from optimus.parallel import ParallelState
 
 
@@ -16,13 +16,12 @@ def resolve_sharding(sharding: str, world_size: int) -> str:
 
 def build_optimizer(model, cfg: OptimusConfig, ps: ParallelState, timers=None) -> Optimizer:
     """The optimizer for `optim.sharding`: it averages, clips and applies gradients in `step(lr)`."""
+    check_choice(cfg.optim.sharding, "optim.sharding", ("auto", *SCHEMES))
     sharding = resolve_sharding(cfg.optim.sharding, ps.world_size)
-    if sharding not in SCHEMES:
-        raise ConfigError(f"optim.sharding={sharding!r} is not supported: set it to auto, ep_aware, standard or none.")
     return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers)
 
 
 __all__ = [
-    "GRAD_DTYPES", "SCHEMES", "Optimizer", "ShardedAdamW", "StateBytes", "build_optimizer", "lr_at", "rank_state_bytes",
+    "SCHEMES", "Optimizer", "ShardedAdamW", "StateBytes", "build_optimizer", "lr_at", "rank_state_bytes",
     "resolve_sharding",
 ]  # fmt: skip

@@ -14,6 +14,12 @@ One `FlatParams` holds one parameter group (dense or expert) of one rank:
 Parameters become views into the flat buffer, so an all-gather into a bucket
 writes straight into them. Every element of the group is owned by exactly one
 rank of the shard group.
+
+A model built by optimus.train.build already keeps each group in one buffer with
+this layout (allocate_flat); FlatParams then adopts that buffer instead of copying
+the parameters into a new one, so a rank never holds its parameters twice (the
+copy's freed originals would otherwise stay in the process's resident set, scattered
+between live allocations, and count in the peak).
 """
 
 from __future__ import annotations
@@ -83,6 +89,28 @@ def padded_numel(numel: int, world: int, element_size: int) -> int:
     return round_up(numel, shard_unit(world, element_size)) if numel else 0
 
 
+def flat_order(items: list) -> list:
+    """A group's parameters in flat-buffer order (reverse model order): backward fills the buckets front to back."""
+    return list(reversed(items))
+
+
+def allocate_flat(params: list[torch.Tensor], world: int, device: torch.device | str) -> list[torch.Tensor]:
+    """Storage for one group's parameters (`params` in model order, any device, meta included): views of one new,
+    uninitialised buffer laid out as FlatParams lays out the group and padded for `world` owner ranks, returned
+    in the order given. FlatParams over any shard world that divides `world` adopts the buffer without a copy
+    (a smaller shard world pads less and leaves the buffer's tail, under world x 128 bytes, unused)."""
+    dtype = params[0].dtype
+    if any(p.dtype != dtype for p in params):
+        raise ValueError("all parameters of one optimizer group must share one dtype")
+    numel = sum(p.numel() for p in params)
+    buffer = torch.empty(padded_numel(numel, world, params[0].element_size()), dtype=dtype, device=device)  # [N_pad]
+    views, offset = {}, 0
+    for i, p in flat_order(list(enumerate(params))):
+        views[i] = buffer[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    return [views[i] for i in range(len(params))]
+
+
 class FlatParams:
     def __init__(
         self,
@@ -102,7 +130,7 @@ class FlatParams:
         global_offsets = global_offsets or {}
         self.slots: list[ParamSlot] = []
         offset = 0
-        for name, p in reversed(named_params):
+        for name, p in flat_order(named_params):
             g_off, g_shape = global_offsets.get(name, (0, tuple(p.shape)))
             self.slots.append(ParamSlot(name, p, offset, offset + p.numel(), p.dim() >= 2, g_off, g_shape))
             offset += p.numel()
@@ -115,14 +143,37 @@ class FlatParams:
         self.buckets = [
             Bucket(lo, min(lo + step, self.padded_numel), lo // world) for lo in range(0, self.padded_numel, step)
         ]
-        self.buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)  # [N_pad]
+        adopted = self._adopted_buffer()
+        self.buffer = self._copied_buffer() if adopted is None else adopted  # [N_pad]
         with torch.no_grad():
-            for s in self.slots:
-                view = self.buffer[s.start : s.end].view_as(s.param)
-                view.copy_(s.param)
-                s.param.data = view  # the parameter now lives in the flat buffer
+            self.buffer[self.numel :].zero_()  # padding: zero grads, params and moments under AdamW
         self.segments = self._segments()
         self.owned_ranges = self._owned_ranges()
+
+    def _adopted_buffer(self) -> torch.Tensor | None:
+        """The buffer the parameters already live in when it has this layout (see allocate_flat), else None."""
+        if not self.slots or self.device.type == "meta":
+            return None
+        first = self.slots[0].param
+        storage, base = first.untyped_storage(), first.storage_offset()
+        if storage.nbytes() < (base + self.padded_numel) * first.element_size():
+            return None
+        for s in self.slots:
+            p = s.param
+            same = p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == base + s.start
+            if not (same and p.is_contiguous()):
+                return None
+        return first.detach().as_strided((self.padded_numel,), (1,), base)
+
+    @torch.no_grad()
+    def _copied_buffer(self) -> torch.Tensor:
+        """A new buffer holding the parameters; each original is released as soon as it is copied."""
+        buffer = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)  # [N_pad]
+        for s in self.slots:
+            view = buffer[s.start : s.end].view_as(s.param)
+            view.copy_(s.param)
+            s.param.data = view  # the parameter now lives in the flat buffer
+        return buffer
 
     @property
     def padding(self) -> int:

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from optimus.config import OptimConfig
-from optimus.model.counts import is_expert_param
+from optimus.config import SHARDING_SCHEMES, TORCH_DTYPES, OptimConfig
+from optimus.model.counts import expert_offsets
 from optimus.optim.adamw import AdamWHyper, adamw_update
 from optimus.optim.flat_buffer import FlatParams, padded_numel
 from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
@@ -45,8 +45,7 @@ from optimus.parallel import ParallelState
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-SCHEMES = ("none", "standard", "ep_aware")
-GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCHEMES = SHARDING_SCHEMES  # the values of optim.sharding that name a scheme (all but auto)
 MASTER_BYTES, MOMENT_BYTES = 4, 8  # per owned element: fp32 master copy; two fp32 Adam moments
 
 
@@ -132,15 +131,24 @@ def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
 
 
 def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Expert params: (first element in the tensor of all E experts, full shape), from the module's expert_offset."""
+    """Expert params: (first element in the tensor of all E experts, full shape)."""
+    first_expert = expert_offsets(model)
     out = {}
     for name in names:
-        module_name, _, attr = name.rpartition(".")
-        param = getattr(model.get_submodule(module_name), attr)
-        offset = getattr(model.get_submodule(module_name), "expert_offset", 0)
+        param = model.get_parameter(name)
         per_expert = param[0].numel() if param.dim() else 1
-        out[name] = (offset * per_expert, (param.shape[0] * ep, *param.shape[1:]))
+        out[name] = (first_expert[name] * per_expert, (param.shape[0] * ep, *param.shape[1:]))
     return out
+
+
+def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    """The trainable parameters of each optimizer group, in model order: "dense" and "expert" (routed experts)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = expert_offsets(model)
+    return {
+        "dense": [(n, p) for n, p in named if n not in experts],
+        "expert": [(n, p) for n, p in named if n in experts],
+    }
 
 
 class ShardGroup:
@@ -348,14 +356,10 @@ class ShardedAdamW:
         self.step_count = 0
         self.last_micro_batch = True
         self.timed = timers or (lambda name: nullcontext())
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        by_kind = {
-            "dense": [(n, p) for n, p in named if not is_expert_param(n)],
-            "expert": [(n, p) for n, p in named if is_expert_param(n)],
-        }
+        by_kind = param_groups(model)
         comms = group_comms(ps, scheme)
         bucket_bytes = int(cfg.bucket_mb * 2**20) if cfg.zero == 2 else 2**62  # ZeRO-1: only the size limit cuts
-        grad_dtype = GRAD_DTYPES[cfg.grad_dtype]
+        grad_dtype = TORCH_DTYPES[cfg.grad_dtype]
         self.groups: dict[str, ShardGroup] = {}
         for kind, params in by_kind.items():
             if not params:

@@ -17,8 +17,6 @@ are each other's backward, and the routing weights are gathered with gradient.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from optimus.config import ConfigError
@@ -27,6 +25,7 @@ from optimus.model.moe.dispatch import run_experts
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
 from optimus.parallel.collectives import all_gather, all_gather_sizes, reduce_scatter
+from optimus.parallel.ep_dispatcher import EPDispatcher
 
 
 def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
@@ -43,15 +42,8 @@ def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
     return flat_pos_A[order_A], local_A[order_A], counts_L
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(EPDispatcher):
     """Expert-parallel dispatcher built on all_gather_into_tensor and reduce_scatter_tensor."""
-
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int):
-        self.group = group
-        self.ep_size = ep_size
-        self.ep_rank = ep_rank
-        self.n_local = n_local_experts
-        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
 
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
         sizes = all_gather_sizes(n_tokens, device, self.group)
@@ -62,13 +54,9 @@ class AllGatherDispatcher:
             )
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        if experts.n_experts != self.n_local:
-            raise ValueError(
-                f"the dispatcher expects {self.n_local} local experts, the layer holds {experts.n_experts}."
-            )
+        self.check_layer(experts)
         n_tokens, top_k = routing.expert_idx_TK.shape
-        timed = self.timers if self.timers else (lambda name: nullcontext())  # profile.timers
-        with timed("dispatch_comm"):
+        with self.timed("dispatch_comm"):
             self._check_equal_tokens(n_tokens, x_TD.device)
         keep_TK = (
             routing.keep_TK if routing.keep_TK is not None else torch.ones_like(routing.expert_idx_TK, dtype=torch.bool)
@@ -78,7 +66,7 @@ class AllGatherDispatcher:
         # Under autocast the experts take their rows in the autocast dtype: gather them in it (half
         # the bytes of the fp32 residual stream, and the same values the experts would round to).
         x_TD = x_TD.to(compute_dtype(x_TD))
-        with timed("dispatch_comm"):
+        with self.timed("dispatch_comm"):
             packed_NK = all_gather(packed_TK, self.group)
             weight_NK = all_gather(routing.weight_TK, self.group)  # fp32: the combine weights stay exact
             x_ND = all_gather(x_TD, self.group)
@@ -90,5 +78,5 @@ class AllGatherDispatcher:
         x_AD = kernels.permute(x_ND, token_idx_A)
         y_AD = run_experts(experts, x_AD, counts_L)
         partial_ND = kernels.combine(y_AD, token_idx_A, weight_NK.reshape(-1)[flat_pos_A], x_ND.shape[0])
-        with timed("combine_comm"):
+        with self.timed("combine_comm"):
             return reduce_scatter(partial_ND, self.group)

@@ -19,14 +19,13 @@ the backward of each all-to-all is the reverse all-to-all.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from optimus.model.moe.dispatch import run_experts, sort_by_expert
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
 from optimus.parallel.collectives import all_to_all, all_to_all_counts
+from optimus.parallel.ep_dispatcher import EPDispatcher
 
 
 def regroup_by_local_expert(counts_PL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,27 +42,17 @@ def regroup_by_local_expert(counts_PL: torch.Tensor) -> tuple[torch.Tensor, torc
     return order_R, inverse_R
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(EPDispatcher):
     """Expert-parallel dispatcher that exchanges token rows with all_to_all_single (uneven splits)."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int):
-        self.group = group
-        self.ep_size = ep_size
-        self.ep_rank = ep_rank
-        self.n_local = n_local_experts
-        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
-
     def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        if experts.n_experts != self.n_local:
-            raise ValueError(
-                f"the dispatcher expects {self.n_local} local experts, the layer holds {experts.n_experts}."
-            )
+        self.check_layer(experts)
         kernels = experts.kernels
         assign = sort_by_expert(routing, self.n_local * self.ep_size)
         x_AD = kernels.permute(x_TD, assign.token_idx_A)  # grouped by destination rank, then expert
 
         send_counts_PL = assign.counts_E.view(self.ep_size, self.n_local)
-        with self.timers("dispatch_comm") if self.timers else nullcontext():  # profile.timers
+        with self.timed("dispatch_comm"):
             recv_counts_PL = all_to_all_counts(send_counts_PL, self.group)
             # One host sync: uneven splits and the grouped GEMM offsets need the counts on the CPU.
             send_rows, recv_rows = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
@@ -72,6 +61,6 @@ class AllToAllDispatcher:
         x_GD = kernels.permute(x_RD, order_R)
         y_GD = run_experts(experts, x_GD, recv_counts_PL.sum(0))
         y_RD = kernels.permute(y_GD, inverse_R)
-        with self.timers("combine_comm") if self.timers else nullcontext():  # profile.timers
+        with self.timed("combine_comm"):
             y_AD = all_to_all(y_RD, send_rows, recv_rows, self.group)
         return kernels.combine(y_AD, assign.token_idx_A, assign.weight_A, x_TD.shape[0])

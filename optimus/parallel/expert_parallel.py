@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from optimus.config import ConfigError, ParallelConfig
+from optimus.config import DISPATCHERS, ParallelConfig, check_choice, experts_per_rank
 from optimus.model.moe.experts import expert_range
 from optimus.model.moe.layer import MoE
 from optimus.parallel.allgather_dispatch import AllGatherDispatcher
 from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
 from optimus.parallel.state import ParallelState
 
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+# One class for each name of config.DISPATCHERS (parallel.dispatcher).
+DISPATCHER_CLASSES = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 
 def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
@@ -41,18 +42,15 @@ def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
 
 def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConfig) -> nn.Module:
     """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place."""
-    if cfg.dispatcher not in DISPATCHERS:
-        raise ConfigError(
-            f"parallel.dispatcher={cfg.dispatcher!r} is not supported: set it to one of {', '.join(DISPATCHERS)}."
-        )
+    check_choice(cfg.dispatcher, "parallel.dispatcher", DISPATCHERS)
     if ps.ep == 1:
         return model
     if ps.ep_group is None:
         raise RuntimeError("ParallelState has ep > 1 but no EP process group: build it with build_parallel_state.")
     moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not moe_layers:
-        raise ConfigError("parallel.ep > 1 needs a model with experts: set parallel.ep=1 for a dense model.")
-    dispatcher_cls = DISPATCHERS[cfg.dispatcher]
+        experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
+    dispatcher_cls = DISPATCHER_CLASSES[cfg.dispatcher]
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
         moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local)

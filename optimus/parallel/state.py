@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from optimus.config import ConfigError
+from optimus.config import ConfigError, validate_layout
 
 
 @dataclass
@@ -116,11 +116,7 @@ def build_parallel_state(ep: int, timeout_s: float | None = None, pp: int = 1) -
             )
         return ParallelState()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size % pp:
-        raise ConfigError(f"parallel.pp={pp} does not divide the world size {world_size}: choose a pp that divides it.")
-    if (world_size // pp) % ep:
-        where = f"the world size {world_size}" if pp == 1 else f"the {world_size // pp} ranks of a pipeline stage"
-        raise ConfigError(f"parallel.ep={ep} does not divide {where}: choose an ep that divides it.")
+    validate_layout(world_size, ep, pp)
     state = ParallelState(rank=rank, world_size=world_size, ep=ep, world_group=dist.group.WORLD, pp=pp)
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     # Every rank must call new_group for every group, in the same order.

@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -53,10 +52,10 @@ from optimus.train.checkpoint_state import (
     optimizer_state,
     saved_ranges,
 )
+from optimus.train.dcp_warning import no_single_process_warning
+from optimus.train.intervals import due_every
 
 log = logging.getLogger("optimus.checkpoint")
-# A single process saves and loads with no_dist=True on purpose; DCP would still warn at every call.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 LATEST = "latest"
 META = "meta.json"
@@ -281,10 +280,12 @@ class Checkpointer:
         no_dist = self.group is None
         self.last_saved_step = step
         if self.cfg.checkpoint.async_save and not block:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+            with no_single_process_warning():
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
             return
-        dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        with no_single_process_warning():
+            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
         digests = self._gather_digests(hash_files(tmp, self.ps.rank, self.ps.world_size))
         elapsed = time.perf_counter() - started
         self._publish(step, tmp, elapsed, elapsed, digests)
@@ -321,7 +322,8 @@ class Checkpointer:
             return
         ps = self.ps
         meta = {
-            "step": step, "world": ps.world_size, "dp": ps.dp, "ep": ps.ep, "sharding": self.cfg.optim.sharding,
+            "step": step, "world": ps.world_size, "pp": ps.pp, "dp": ps.dp, "ep": ps.ep,
+            "sharding": self.cfg.optim.sharding,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
             "run": run_identity(self.cfg, self.tokenizer_id),
             "files": digests if digests is not None else hash_files(tmp),
@@ -393,12 +395,13 @@ class Checkpointer:
         """Load `targets` in place; returns why it failed on any rank (the same on all), or None."""
         problem = None
         try:
-            dcp.load(
-                targets,
-                storage_reader=dcp.FileSystemReader(str(path)),
-                process_group=self.group,
-                no_dist=self.group is None,
-            )
+            with no_single_process_warning():
+                dcp.load(
+                    targets,
+                    storage_reader=dcp.FileSystemReader(str(path)),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
         except (Exception, CheckpointException) as err:  # CheckpointException (a BaseException) on every rank
             first_line = (str(err).strip() or "no message").splitlines()[0][:300]
             problem = f"reading it failed ({type(err).__name__}: {first_line})"
@@ -519,7 +522,4 @@ class Checkpointer:
 
     def due(self, step: int, total_steps: int) -> bool:
         """A save is due every `interval` steps and at the end of training (when checkpointing is on)."""
-        interval = self.cfg.checkpoint.interval
-        if interval <= 0 or step == self.last_saved_step:
-            return False
-        return step % interval == 0 or step == total_steps
+        return step != self.last_saved_step and due_every(step, self.cfg.checkpoint.interval, total_steps)

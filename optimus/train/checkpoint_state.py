@@ -12,7 +12,9 @@ identical keys and DCP keeps one copy. On load every rank asks for exactly the k
 it needs: its own experts, and the saved optimizer ranges that overlap the ranges
 it owns in the new layout, which is what makes a checkpoint load under any layout.
 Every `optim.sharding` scheme (none, standard, ep_aware) writes the same keys, so a
-checkpoint also moves between schemes.
+checkpoint also moves between schemes. Pipeline stages need nothing of their own: a
+stage's layers keep their global index in their names (`layers.5...`), so each stage
+writes the keys of its layers and a rank of another stage split asks for those of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.model.counts import expert_offsets
 from optimus.optim import Optimizer
 
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "master")
@@ -42,16 +45,6 @@ class SavedRange:
 
 
 # ---- model --------------------------------------------------------------------------------
-
-
-def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
-    """State-dict names of expert tensors [E_local, ...] -> global index of their first expert."""
-    out = {}
-    for prefix, module in model.named_modules():
-        if hasattr(module, "expert_offset"):  # GroupedExperts (sliced by expert parallelism or not)
-            for name, _ in module.named_parameters(recurse=False):
-                out[f"{prefix}.{name}"] = module.expert_offset
-    return out
 
 
 def _model_items(model: torch.nn.Module):

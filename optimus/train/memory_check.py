@@ -8,21 +8,18 @@ device allocator reports its own out-of-memory errors, so only CPU runs are chec
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig
+from optimus.platform import proc_bytes
 
 GIB = 2**30
 
 
 def available_memory_bytes() -> int | None:
     """Memory the kernel can give without swapping (MemAvailable), or None where that is unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the kernel reports kB
-    except (OSError, ValueError, IndexError):
-        pass
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from optimus.config import TORCH_DTYPES
+
 
 def param_dtype(dtype: str) -> torch.dtype:
     """Parameter dtype of a resolved `train.dtype`: bf16 runs keep bf16 parameters (fp32 master in the optimizer)."""
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

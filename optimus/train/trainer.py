@@ -28,7 +28,7 @@ from optimus.model import Transformer, count_params, count_params_of_config, flo
 from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
-from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids
+from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids, stage_sizes
 from optimus.platform import (
     Platform,
     detect_platform,
@@ -48,6 +48,7 @@ from optimus.train.faults import (
     too_many_skipped_message,
     unpack_step_flags,
 )
+from optimus.train.intervals import due_every
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import param_dtype
 from optimus.train.run_dir import resolve_run_dir, resume_hint, truncate_metrics
@@ -72,14 +73,14 @@ def autocast_context(cfg: OptimusConfig, platform: Platform):
 
 def eval_loss_sum(model, batch_BS1: torch.Tensor, weight_B: torch.Tensor, cfg, platform) -> torch.Tensor:
     """fp64 sum over tokens of next-token cross-entropy, each sequence weighted by `weight_B` (0 = padding).
-    `model` maps tokens to logits: the model, or a pipeline's forward (None on ranks without the last stage)."""
+    `model(inputs, targets)` gives per-token losses: the model, or a pipeline's forward (None on ranks without
+    the last stage); the head's cross-entropy is fused, so a long sequence's logits are never all alive."""
     inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with autocast_context(cfg, platform):
-        logits_BSV = model(inputs_BS)
-    if logits_BSV is None:  # a pipeline rank without the last stage
+        loss_BS = model(inputs_BS, targets_BS)
+    if loss_BS is None:  # a pipeline rank without the last stage
         return torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
-    loss_BS = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1), reduction="none")
-    return (loss_BS.view_as(targets_BS).sum(1).double() * weight_B).sum()
+    return (loss_BS.sum(1).double() * weight_B).sum()
 
 
 def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusConfig, platform: Platform):
@@ -87,7 +88,7 @@ def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusCo
     routers: their losses ride on the graph (optimus.model.moe.stats), their values go to the RouterStats."""
     inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with autocast_context(cfg, platform):
-        return next_token_loss(model(inputs_BS), targets_BS)
+        return model(inputs_BS, targets_BS).mean()  # the head's cross-entropy, fused (optimus.model.loss)
 
 
 def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -151,6 +152,9 @@ class Trainer:
         # profile.timers: the dispatchers and the optimizer time their collectives through this object.
         self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
         self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
+        if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
+            self.pipeline.before_backward = self.optimizer.set_last_micro_batch
+            self.pipeline.timers = self.timers
         attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
         p = cfg.profile
         self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
@@ -182,6 +186,8 @@ class Trainer:
             if restored is not None:
                 self.step, self.skipped_in_row = restored.step, restored.skipped_in_row
         self.tokens_seen = self.step * t.global_batch * t.seq_len
+        if self.pipeline is not None:  # tie_embeddings: the head starts as the embedding (init or checkpoint)
+            self.pipeline.copy_tied_weight()
         if self.ps.is_main:
             truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
@@ -197,6 +203,7 @@ class Trainer:
             device=self.device,
             param_dtype=param_dtype(cfg.train.dtype),
             seed=cfg.train.seed,
+            pad_world=ps.world_size,  # the optimizer adopts the parameters' flat buffers instead of copying them
             **stage,
         )
         parallelize_model(model, ps, cfg.parallel)
@@ -206,7 +213,7 @@ class Trainer:
         """pp > 1: this rank's stages, run by `self.pipeline`; returns them merged into one module."""
         cfg, ps = self.cfg, self.ps
         n_stages = ps.pp * cfg.parallel.pp_virtual
-        layer_ids = stage_layer_ids(cfg.model.n_layers, n_stages)
+        layer_ids = stage_layer_ids(stage_sizes(cfg.model, n_stages, cfg.parallel.pp_layers))
         indices = rank_stage_indices(ps.pp_rank, ps.pp, cfg.parallel.pp_virtual)
         stages = [self._build_model(layer_ids=layer_ids[i], embed=i == 0, head=i == n_stages - 1) for i in indices]
         t = cfg.train
@@ -219,17 +226,18 @@ class Trainer:
 
     def _pipeline_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch, as the schedule back-propagates it; keeps the LM loss."""
-        lm_loss = next_token_loss(logits_BSV, targets_BS)
+        with self.pipeline.timed(self.pipeline.n_stages - 1, "forward"):  # the last stage's work
+            lm_loss = next_token_loss(logits_BSV, targets_BS)
         self.pipeline_lm_losses.append(lm_loss.detach())
         return lm_loss / self.accum
 
     def _run_pipeline(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """pp > 1: forward and backward of every micro-batch through the stages; [M] LM losses on every rank."""
         batch_BS1 = torch.cat(micro_batches).to(self.device, non_blocking=True)
-        self.optimizer.set_last_micro_batch(True)  # ZeRO-1 reduces in step(); ZeRO-2 is refused with pp > 1
         self.pipeline_lm_losses = []
         with autocast_context(self.cfg, self.platform):
             self.pipeline.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
+        self.pipeline.add_tied_gradient()
         lm_losses_M = torch.zeros(len(micro_batches), device=self.device)  # [M]
         if self.pipeline.is_last:
             lm_losses_M = torch.stack(self.pipeline_lm_losses)
@@ -246,7 +254,9 @@ class Trainer:
             micro_batches = self.loader.next_step()
         self.router_stats.reset()
         if self.pipeline is not None:
-            with timers("forward"):  # the whole schedule: forward and backward interleaved
+            # The whole schedule; the stages time their own forwards and backwards inside it, so what
+            # pipeline_wait keeps is this rank's idle time (the bubble) and its activation transfers.
+            with timers("pipeline_wait"):
                 lm_losses_M = self._run_pipeline(micro_batches)
         else:
             lm_losses = []
@@ -283,6 +293,8 @@ class Trainer:
             else:
                 grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
                 self.optimizer.zero_grad()
+            if self.pipeline is not None:
+                self.pipeline.copy_tied_weight()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
             for moe in self.model.moe_layers:
@@ -294,6 +306,8 @@ class Trainer:
         }  # fmt: skip
         if agreed.nonfinite_ranks:
             record["nonfinite_ranks"] = agreed.nonfinite_ranks
+        if self.pipeline is not None and timers:  # profile.timers: each stage's forward + backward seconds
+            record["stage_time_s"] = self.pipeline.pop_stage_seconds()
         return record
 
     @torch.no_grad()
@@ -346,12 +360,10 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item())
 
-    def _planned_memory(self) -> tuple[int, int] | None:
-        """optimus plan's (per-rank total, activations) for this run; None where it does not model the layout."""
+    def _planned_memory(self) -> tuple[int, int]:
+        """optimus plan's (per-rank total, activations) for this run (with pp > 1, its busiest pipeline rank's)."""
         from optimus.plan import STATE_KEYS, make_plan
 
-        if self.cfg.parallel.pp > 1:  # the planner counts the whole model on every rank
-            return None
         plan = make_plan(self.cfg, self.ps.world_size)
         activations = plan.activations["configured"]
         return sum(plan.state[plan.sharding][k] for k in STATE_KEYS) + activations, activations
@@ -434,13 +446,13 @@ class Trainer:
                             ps.world_size,
                         )
                     )
-                if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
+                if due_every(self.step, cfg.train.eval_interval, cfg.train.steps):
                     record["val_loss"] = summary["last_val_loss"] = self.evaluate()
                     record["peak_memory_bytes"] = self._max_peak_memory()
                 metrics.log(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                if self.step % cfg.train.log_interval == 0 or "val_loss" in record:
+                if due_every(self.step, cfg.train.log_interval) or "val_loss" in record:
                     line = console_line(record, cfg.train.steps)
                     self._print(line + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""), bar)
                 if self._checkpoint_boundary(bar):
@@ -467,8 +479,6 @@ class Trainer:
     def _checkpoint_boundary(self, bar: tqdm) -> bool:
         """Publish finished background saves, save when due; True when the ranks agreed to stop."""
         self.checkpointer.poll()
-        if self.pipeline is not None:  # no checkpoints with pp > 1 yet (config.validate_pipeline)
-            return self.stop_agreed
         if self.stop_agreed or self.checkpointer.due(self.step, self.cfg.train.steps):
             self.save_checkpoint(block=self.stop_agreed)  # a stopping job must not exit mid-write
         self._report_checkpoint(bar)

@@ -13,19 +13,12 @@ import pytest
 
 from optimus.cli import main
 from optimus.config import DataConfig
-from optimus.data import DataError, build_data, open_tokens, train_bpe
+from optimus.data import DataError, build_data, open_tokens
 from optimus.data.cli import main as data_main
 from optimus.data.prepare import prepare  # the package attribute `prepare` may be the submodule
 from optimus.data.sources import load_hf
 from optimus.data.tokenizer import load_tokenizer
 from tests.conftest import TINY_MODEL
-
-
-@pytest.fixture(scope="module")
-def tok_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tok.json"
-    train_bpe(["the cat sorts tokens and the dog reads shards. " * 50], 300).save(str(path))
-    return path
 
 
 def _prepare(inputs, out, tok_file, *extra) -> int:

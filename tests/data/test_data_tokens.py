@@ -17,14 +17,6 @@ from optimus.data.shards import ShardWriter
 SEQ = 16
 
 
-@pytest.fixture(scope="module")
-def tok_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tok.json"
-    texts = ["the quick brown fox jumps over the lazy dog. 0123456789 " * 40, "Grüße, ñandú! " * 20]
-    train_bpe(texts, 320).save(str(path))
-    return path
-
-
 def _docs(n, seed):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "délta", "эпсилон", "zeta", "\n", "  ", "42", "fox", "🙂"]

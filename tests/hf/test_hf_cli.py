@@ -4,6 +4,7 @@ the exported directory gives transformers the trained model's logits."""
 from __future__ import annotations
 
 import shlex
+import warnings
 
 import pytest
 import torch
@@ -22,13 +23,22 @@ TRAIN = [
 ]  # fmt: skip
 
 
+def run_without_user_warnings(argv: list[str]) -> int:
+    """`optimus ARGV`'s exit code; fails if a UserWarning would reach the user's output (DCP's included)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(argv)
+    assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message) for w in caught]
+    return code
+
+
 def test_import_continue_pretraining_and_export(tmp_path, corpus_file, capsys):
     fmt, shape = CASES["olmoe-gqa-top8"]
     shape = {**shape, "vocab": 301}  # the corpus tokenizer needs 300
     hf_dir = tmp_path / "OLMoE-tiny"
     random_hf_model(fmt, **shape).save_pretrained(hf_dir)
     ckpt = tmp_path / "imported"
-    assert main(["checkpoint", "import", str(hf_dir), "--out", str(ckpt)]) == 0
+    assert run_without_user_warnings(["checkpoint", "import", str(hf_dir), "--out", str(ckpt)]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1]
     assert (ckpt / "model" / "olmoe-tiny.yaml").is_file() and "checkpoint.load_weights_only=true" in command
     assert main(["checkpoint", "import", str(hf_dir), "--out", str(ckpt)]) == 2  # never overwrites
@@ -43,7 +53,7 @@ def test_import_continue_pretraining_and_export(tmp_path, corpus_file, capsys):
 
     out = tmp_path / "exported"
     checkpoints = str(tmp_path / "run" / "checkpoints")
-    assert main(["checkpoint", "export", checkpoints, "--format", "hf", "--out", str(out)]) == 0
+    assert run_without_user_warnings(["checkpoint", "export", checkpoints, "--format", "hf", "--out", str(out)]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens_BS = torch.randint(0, shape["vocab"], (2, 9))
     trainer.model.eval()

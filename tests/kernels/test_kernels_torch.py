@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import optimus.kernels as kernels
-from optimus.config import ConfigError
-from optimus.kernels import get_backend, reference, torch_backend
+from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.kernels import KernelUnavailable, get_backend, reference, torch_backend
+from optimus.model import Transformer
 
 
 def make_problem(T, D, F, E, K, dtype=torch.float32, empty_experts=(), seed=0):
@@ -55,6 +56,33 @@ def test_expert_path_fp32_matches_reference(top_k, grouped, monkeypatch):
     for name, g, w in zip(NAMES, got, want):
         assert g.dtype == w.dtype == torch.float32
         assert_close_rel(g, w, 1e-5, name)
+
+
+def drop_assignments(token_idx_A, offsets_E, keep_every: int):
+    """Keep every `keep_every`-th assignment (as capacity drops do): tokens end up with 0..K rows."""
+    keep_A = torch.arange(token_idx_A.shape[0]) % keep_every != 0
+    expert_A = torch.repeat_interleave(torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long())
+    counts_E = torch.bincount(expert_A[keep_A], minlength=offsets_E.shape[0])
+    return keep_A, torch.cumsum(counts_E, 0).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_expert_path_with_dropped_assignments_matches_reference(dtype, rtol):
+    leaves, token_idx_A, offsets_E = make_problem(29, 16, 8, 5, 3, dtype=dtype)
+    keep_A, offsets_E = drop_assignments(token_idx_A, offsets_E, keep_every=3)
+    x_TD, w13_EDF2, w2_EFD, weight_A = leaves
+    token_idx_A = token_idx_A[keep_A]
+    assert torch.bincount(token_idx_A, minlength=29).min() < 3  # some tokens lost assignments
+    gen = torch.Generator().manual_seed(2)
+    dout_TD = torch.randn(29, 16, generator=gen, dtype=dtype)
+    results = []
+    for ops in (get_backend("torch"), reference):
+        x_AD = ops.permute(x_TD, token_idx_A)
+        y_AD = ops.expert_swiglu_mlp(x_AD, w13_EDF2, w2_EFD, offsets_E)
+        out_TD = ops.combine(y_AD, token_idx_A, weight_A[keep_A], 29)
+        results.append([out_TD, *torch.autograd.grad(out_TD, leaves, dout_TD)])
+    for name, g, w in zip(NAMES, *results):
+        assert_close_rel(g, w, rtol, name)
 
 
 def test_unaligned_shapes_use_the_loop_and_match():
@@ -143,20 +171,30 @@ def test_auto_selection(monkeypatch, gpu, importable, compiles, expect):
 
 def test_triton_missing_says_how_to_install(monkeypatch):
     _probes(monkeypatch, True, False, False)
-    with pytest.raises(ConfigError, match="pip install triton"):
+    with pytest.raises(KernelUnavailable, match="pip install triton"):
         get_backend("triton")
 
 
 def test_triton_without_gpu_says_to_use_torch(monkeypatch):
     _probes(monkeypatch, False, True, False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigError, match="set kernels=torch"):
+    with pytest.raises(KernelUnavailable, match="set kernels=torch"):
         get_backend("triton")
 
 
-def test_unknown_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match="kernels='cuda'"):
+def test_unknown_backend_is_refused():
+    with pytest.raises(KernelUnavailable, match="kernels='cuda'"):
         get_backend("cuda")
+
+
+def test_the_model_reports_an_unavailable_backend_as_a_config_error(monkeypatch):
+    # kernels raises its own error (it imports nothing of optimus); the model, where a config's `kernels`
+    # key arrives, turns it into the ConfigError that the command line prints as one sentence.
+    _probes(monkeypatch, False, True, False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = ModelConfig(n_layers=1, dim=32, n_heads=2, n_kv_heads=1, vocab_size=128, moe=MoEConfig(n_experts=2))
+    with pytest.raises(ConfigError, match="set kernels=torch"):
+        Transformer(cfg, kernels="triton")
 
 
 def test_import_does_not_need_triton():

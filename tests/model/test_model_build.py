@@ -122,3 +122,26 @@ def test_more_experts_grow_a_rank_by_its_own_share_only():
         growth = peaks[large] - peaks[small]
     # Building the whole model and slicing it would grow the peak by twice the share.
     assert 0.8 * own_share < growth < 1.25 * own_share, (growth / 2**20, own_share / 2**20)
+
+
+@pytest.mark.parametrize("scheme,world,ep,zero", [("none", 1, 1, 1), ("ep_aware", 4, 2, 1), ("standard", 4, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_adopts_the_built_parameters_without_a_copy(scheme, world, ep, zero, dtype):
+    """The parameters stay where build_model put them: the optimizer's flat buffers are their storage."""
+    from optimus.config import OptimConfig
+    from optimus.optim import ShardedAdamW
+    from optimus.parallel import ParallelState
+
+    ps = ParallelState(rank=world - 1, world_size=world, ep=ep)
+    model = build_model(small_config(), "torch", ep=ep, ep_rank=ps.ep_rank, param_dtype=dtype, seed=SEED,
+                        pad_world=world)  # fmt: skip
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    opt = ShardedAdamW(model, OptimConfig(zero=zero, bucket_mb=0.01), ps, 1.0, scheme)
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == before[name][0], name  # not moved
+        assert torch.equal(p, before[name][1]), name
+    for group in opt.groups.values():
+        flat = group.flat
+        assert all(s.param.data_ptr() == flat.buffer.data_ptr() + s.start * flat.buffer.element_size()
+                   for s in flat.slots)  # fmt: skip
+        assert not flat.buffer[flat.numel :].any()  # padding is zero

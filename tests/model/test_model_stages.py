@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.config import ModelConfig, MoEConfig
 from optimus.model import Transformer, moe_layer_ids
 from optimus.model.moe import MoE, RouterStats, router_loss
 
@@ -136,11 +136,16 @@ def test_stages_compose_to_the_full_model():
     assert first_stats.tokens_per_expert()[first_stats.row(2)].sum() == 0  # layer 2 is the other stage's
 
 
-def test_a_stage_refuses_tied_embeddings():
+def test_tied_stages_hold_their_own_embedding_or_head():
+    """Cut apart, a tied model's first stage holds the embedding and its last stage a head of its own (the
+    pipeline keeps the two equal and adds the head's gradient into the embedding's); whole, they are one."""
     cfg = model_config()
     cfg.tie_embeddings = True
-    with pytest.raises(ConfigError, match="set model.tie_embeddings=false"):
-        Transformer(cfg, kernels="torch", layer_ids=[0, 1], head=False)
+    first = Transformer(cfg, kernels="torch", layer_ids=[0, 1], head=False)
+    last = Transformer(cfg, kernels="torch", layer_ids=[2, 3], embed=False)
+    assert first.lm_head is None and last.embed is None and last.lm_head.weight.requires_grad
+    whole = Transformer(cfg, kernels="torch")
+    assert whole.lm_head.weight is whole.embed.weight
 
 
 def test_bias_update_goes_through_the_moe_layer():

@@ -117,6 +117,40 @@ def test_moe_layer_matches_per_token_loop(case):
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
+def per_token_experts(moe: MoE, x_TD: torch.Tensor, routing) -> torch.Tensor:
+    """sum over each token's kept choices of weight * expert(x), one token at a time, on the layer's own routing."""
+    outputs = []
+    for t in range(x_TD.shape[0]):
+        y = x_TD.new_zeros(D)
+        for k, e in enumerate(routing.expert_idx_TK[t].tolist()):
+            if routing.keep_TK is None or routing.keep_TK[t, k]:
+                y = y + routing.weight_TK[t, k] * naive_expert(x_TD[t], moe.experts.w13[e], moe.experts.w2[e])
+        outputs.append(y)
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=["softmax-norm_topk", "sigmoid-capacity"])
+def test_fp64_expert_path_of_the_layer_matches_per_token_loop(case):
+    # The layer's expert path (permute, grouped experts, weighted combine) in fp64, on the router's own choices
+    # (the router computes in fp32 by design): values and the gradients of the input, the expert weights and
+    # the router gate (through the combine weights, the routing probabilities) to 1e-10.
+    moe = make_moe(**case).double()
+    if case["router"] == "sigmoid":
+        moe.router.expert_bias.copy_(torch.linspace(-0.5, 0.5, E))
+    x = torch.randn(2, 7, D, dtype=torch.float64, requires_grad=True)
+    x_TD = x.view(-1, D)
+    routing = moe.router(x_TD, seq_len=7)
+    y = moe.dispatcher(x_TD, routing, moe.experts)
+    y_ref = per_token_experts(moe, x_TD, routing)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    grad_out = torch.randn_like(y)
+    inputs = [x, moe.experts.w13, moe.experts.w2, moe.router.gate.weight]
+    grads = torch.autograd.grad((y * grad_out).sum(), inputs, retain_graph=True)
+    grads_ref = torch.autograd.grad((y_ref * grad_out).sum(), inputs)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
 def test_capacity_drops_assignments():
     moe = make_moe(capacity_factor=0.25)
     x = torch.randn(1, 16, D)

@@ -22,13 +22,7 @@ MODEL = ModelConfig(
 LAYOUTS = [(2, 1), (4, 2), (4, 4), (8, 4), (16, 8)]  # (world, ep)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: extra threads only contend with whatever else runs on the machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:

@@ -7,13 +7,16 @@ layout does (ARCHITECTURE.md's invariant).
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, validate
-from optimus.parallel.pipeline import rank_stage_indices, stage_layer_ids
+from optimus.model import padded_vocab_size
+from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes
 from optimus.parallel.state import ParallelState, edp_group_ranks, pp_group_ranks, stage_group_ranks
 from tests.conftest import TINY_MODEL
 
@@ -42,11 +45,49 @@ COMMON = [
 
 
 def test_stages_cut_layers_evenly_and_loop_over_ranks():
-    assert stage_layer_ids(4, 2) == [[0, 1], [2, 3]]
-    assert stage_layer_ids(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert balanced_split([1] * 4, 2) == [2, 2]
+    assert balanced_split([1] * 7, 3) == [3, 2, 2]  # ties: the larger stages first
+    assert stage_layer_ids([3, 2, 2]) == [[0, 1, 2], [3, 4], [5, 6]]
     assert rank_stage_indices(1, pp=2, pp_virtual=2) == [1, 3]
     with pytest.raises(ConfigError, match="cannot fill 4 pipeline stages"):
-        stage_layer_ids(3, 4)
+        balanced_split([1] * 3, 4)
+
+
+def brute_force_split(costs: list[int], n_stages: int, first: int, last: int) -> int:
+    """The smallest costliest stage over every way to cut `costs` into `n_stages` consecutive runs."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        stage_costs = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stage_costs[0] += first
+        stage_costs[-1] += last
+        best = max(stage_costs) if best is None else min(best, max(stage_costs))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_split_minimises_the_costliest_stage(seed):
+    """The embedding and head weigh on the first and last stages; no other cut has a cheaper costliest stage."""
+    rng = random.Random(seed)
+    costs = [rng.randint(1, 9) for _ in range(rng.randint(4, 10))]
+    n_stages, first, last = rng.randint(2, 4), rng.randint(0, 12), rng.randint(0, 12)
+    sizes = balanced_split(costs, n_stages, first, last)
+    assert len(sizes) == n_stages and sum(sizes) == len(costs) and min(sizes) >= 1
+    bounds = [0, *itertools.accumulate(sizes)]
+    got = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    got[0] += first
+    got[-1] += last
+    assert max(got) == brute_force_split(costs, n_stages, first, last)
+
+
+def test_embedding_and_head_count_in_the_automatic_split():
+    """With a vocabulary as heavy as several layers, the end stages take fewer layers; pp_layers overrides."""
+    cfg = load_config([*COMMON, "model.n_layers=8", "model.vocab_size=4096"]).model
+    layers, embed, head = stage_costs(cfg)
+    assert embed == cfg.dim * padded_vocab_size(cfg.vocab_size) and embed > 2 * layers[0]
+    sizes = stage_sizes(cfg, 4)
+    assert sum(sizes) == 8 and sizes[0] < sizes[1] and sizes[-1] < sizes[-2]
+    assert stage_sizes(cfg, 2, [5, 3]) == [5, 3]
 
 
 def test_pp_is_the_outermost_rank_dimension():
@@ -64,11 +105,13 @@ def test_pp_is_the_outermost_rank_dimension():
     "overrides, message",
     [
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_virtual >= 2"),
-        (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule=interleaved_1f1b"),
+        (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule=interleaved_1f1b or interleaved_zb"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb"], "needs parallel.pp_virtual >= 2"),
         (["parallel.pp=3"], "does not divide the world size 4"),
-        (["parallel.pp=2", "model.tie_embeddings=true"], "set model.tie_embeddings=false"),
-        (["parallel.pp=2", "optim.zero=2"], "set optim.zero=1"),
-        (["parallel.pp=2", "checkpoint.interval=10"], "set checkpoint.interval=0"),
+        (["parallel.pp=2", "model.tie_embeddings=true", "optim.zero=2"], "needs optim.zero=1"),
+        (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "add up to model.n_layers=4"),
+        (["parallel.pp=2", "parallel.pp_layers=[4]"], "must list 2 positive layer counts"),
+        (["parallel.pp=2", "parallel.pp_layers=[0,4]"], "must list 2 positive layer counts"),
         (["parallel.pp=4", "train.global_batch=4"], "needs a multiple of parallel.pp=4 micro-batches"),
         (["parallel.pp=2", "parallel.pp_schedule=zero"], "parallel.pp_schedule='zero' is not supported"),
     ],
@@ -91,14 +134,24 @@ def single_threaded(monkeypatch):
 @pytest.mark.slow
 def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_threaded):
     data = ["data=text", f"data.path={corpus_file}"]
+    # 1F1B with an uneven stage split given by the recipe; interleaved and zero bubble with ZeRO-2, whose
+    # reduction must wait for each of a rank's two stages' last backward (zero bubble: its last weight
+    # backward, which comes after the input backward); GPipe with the per-stage timers on.
     runs = {
         "nproc=1": [],
-        "pp=2 ep=2 1f1b": ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"],
-        "pp=2 ep=2 interleaved v=2": [
-            "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",
-            "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
+        "pp=2 ep=2 1f1b layers 1+3": [
+            "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b",
+            "parallel.pp_layers=[1,3]",
         ],
-        "pp=4 gpipe": ["parallel.nproc=4", "parallel.pp=4", "parallel.pp_schedule=gpipe"],
+        "pp=2 ep=2 interleaved v=2 zero=2": [
+            "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",
+            "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2", "optim.zero=2", "optim.bucket_mb=0.01",
+        ],
+        "pp=2 ep=2 zero bubble v=2 zero=2": [
+            "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",
+            "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual=2", "optim.zero=2", "optim.bucket_mb=0.01",
+        ],
+        "pp=4 gpipe": ["parallel.nproc=4", "parallel.pp=4", "parallel.pp_schedule=gpipe", "profile.timers=true"],
     }  # fmt: skip
     metrics = {}
     for i, (layout, extra) in enumerate(runs.items()):
@@ -119,6 +172,66 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
             assert ("val_loss" in m) == ("val_loss" in ref), layout
             if "val_loss" in ref:
                 assert m["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), f"{layout}: val_loss"
+        if "profile.timers=true" in runs[layout]:  # every stage's forward + backward time, from every stage
+            assert all(len(m["stage_time_s"]) == 4 and min(m["stage_time_s"]) > 0 for m in run), layout
         pairs = list(zip(run, reference))
         worst[layout] = {k: max(abs(m[k] - r[k]) / abs(r[k]) for m, r in pairs) for k in ("loss", "grad_norm")}
     print("max relative differences per layout:", worst)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_across_stages_match_single_process(tmp_path, corpus_file, single_threaded):
+    """tie_embeddings with the embedding on the first stage and the head on the last: the pp=2 trajectory equals
+    the single-process one, and its step-2 checkpoint continues it in one process (steps 3-4)."""
+    common = [k for k in COMMON if not k.startswith(("train.steps=", "train.eval_interval="))]
+    common += ["model.tie_embeddings=true", "train.steps=4", "train.eval_interval=4", "data=text"]
+    common += [f"data.path={corpus_file}"]
+    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "checkpoint.interval=2"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'ref'}"]) == 0
+    assert main(["train", *common, *layout, f"run.dir={tmp_path / 'pp'}"]) == 0
+    load = f"checkpoint.load={tmp_path / 'pp' / 'checkpoints' / 'step_000002'}"
+    assert main(["train", *common, load, f"run.dir={tmp_path / 'resumed'}"]) == 0
+    reference = read_metrics(tmp_path / "ref")
+    for run_dir, steps in (("pp", [1, 2, 3, 4]), ("resumed", [3, 4])):
+        run = read_metrics(tmp_path / run_dir)
+        assert [m["step"] for m in run] == steps, run_dir
+        for m in run:
+            ref = reference[m["step"] - 1]
+            for key in ("loss", "grad_norm"):
+                assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{run_dir}: step {m['step']} {key}"
+        assert run[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-6), run_dir
+
+
+# The Mula recipes' own model files (all-MoE layers, softmax routing, full QK-norm, z-loss) with small
+# dimensions; 12 experts so that EP 2 and the recipes' EP 12 both divide them.
+SCALED_DOWN = [
+    "model.dim=32", "model.n_heads=4", "model.n_kv_heads=4", "model.vocab_size=512", "data.vocab_size=512",
+    "model.ffn_dim=64", "model.moe.n_experts=12", "model.moe.top_k=2", "model.moe.expert_dim=16",
+    "train.dtype=fp32", "kernels=torch", "logging.progress=false", "train.steps=4", "train.eval_interval=4",
+    "train.seq_len=16", "train.global_batch=8", "train.micro_batch=2", "train.eval_sequences=4",
+    "optim.warmup_steps=1", "optim.lr=1e-2", "parallel.timeout_s=60",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,layout",
+    [
+        # Aurora: PP 4 x EP 12, 1F1B; here PP 2 x EP 2 over 8 of its 48 layers
+        ("mula-100b-a7b", ["model.n_layers=8", "parallel.pp=2", "parallel.ep=2", "optim.zero=2"]),
+        # Aurora: PP 8 x EP 12, 1F1B; here PP 4 (four processes leave no room for EP) over 8 of its 64 layers
+        ("mula-220b-a10b", ["model.n_layers=8", "parallel.pp=4"]),
+    ],
+    ids=["100b-pp2-ep2", "220b-pp4"],
+)
+def test_scaled_down_mula_recipes_train_at_their_pipeline_layout(model, layout, tmp_path, corpus_file, single_threaded):
+    common = [f"model={model}", *SCALED_DOWN, "data=text", f"data.path={corpus_file}", "model.n_layers=8"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'ref'}"]) == 0
+    assert main(["train", *common, *layout, "parallel.nproc=4", f"run.dir={tmp_path / 'pp'}"]) == 0
+    reference, run = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
+    assert [m["step"] for m in run] == [1, 2, 3, 4]
+    assert reference[-1]["loss"] < reference[0]["loss"]  # it trains
+    for m, ref in zip(run, reference):
+        for key in ("loss", "z_loss", "grad_norm", "expert_load_imbalance"):
+            assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{model}: step {m['step']} {key}"
+    assert run[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-6)

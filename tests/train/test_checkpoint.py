@@ -26,20 +26,13 @@ from optimus.cli import load_config, main
 from optimus.model import Transformer
 from optimus.train.checkpoint import candidates, inspect
 from optimus.train.trainer import Trainer
-from tests.conftest import TINY_MODEL
+from tests.conftest import SMALL_MODEL_RUN
 
 STEPS = 6
 COMMON = [
-    *TINY_MODEL,
-    "model.dim=32",
-    "model.moe.expert_dim=32",
+    *SMALL_MODEL_RUN,
     "model.moe.router=sigmoid",
     "model.moe.bias_update_rate=0.01",
-    "train.dtype=fp32",
-    "kernels=torch",
-    "logging.progress=false",
-    "train.seq_len=16",
-    "train.global_batch=8",
     "train.micro_batch=4",
     "train.eval_sequences=8",
     "train.eval_interval=3",

@@ -7,6 +7,10 @@ must reproduce steps 3-4: losses, gradient norms, and the final parameters (comp
 through the export's consolidation). The standard scheme with EP 2 writes its dense
 optimizer shards from both EP ranks under the same keys (DCP keeps one).
 The sigmoid router makes the router biases (model buffers) part of what must carry over.
+
+Pipeline stages: a checkpoint written at pp=2 (EP 2, ZeRO-2, 1F1B) continues the same
+trajectory at pp=1 (one process) and at pp=4 (GPipe): a layer's keys carry its global
+index, whichever stage held it.
 """
 
 from __future__ import annotations
@@ -83,23 +87,56 @@ def reference(tmp_path_factory, corpus_file):
 )
 def test_checkpoint_continues_under_another_layout(reference, corpus_file, tmp_path, world, ep, sharding):
     ref_dir, cache = reference
-    ref_metrics = read_metrics(ref_dir)
-    assert sorted(ref_metrics) == [1, 2, 3, 4]
     run_dir = tmp_path / "run"
     layout = [f"parallel.nproc={world}", f"parallel.ep={ep}", f"optim.sharding={sharding}"]
     load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
     run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], world, cache)
+    assert_continues(run_dir, ref_dir)
 
-    metrics = read_metrics(run_dir)
+
+PIPELINE = ["model.n_layers=4", "optim.zero=2"]  # 4 layers: pp=4 puts one on each stage
+
+
+def assert_continues(run_dir, ref_dir) -> None:
+    """Steps 3-4 and the final parameters of `run_dir` (started from step 2) equal those of the reference."""
+    ref_metrics, metrics = read_metrics(ref_dir), read_metrics(run_dir)
+    assert sorted(ref_metrics) == [1, 2, 3, 4]
     assert sorted(metrics) == [3, 4]  # the run started at the checkpoint's step
     for step in (3, 4):
         for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "expert_load_imbalance"):
             assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5), (step, key)
         assert metrics[step]["lr"] == ref_metrics[step]["lr"]  # the schedule continues from step 2
-
     final = consolidated_state(run_dir / "checkpoints" / "step_000004")
     expected = consolidated_state(ref_dir / "checkpoints" / "step_000004")
     assert final.keys() == expected.keys()
     assert any(t.abs().sum() > 0 for k, t in expected.items() if k.endswith("expert_bias"))  # biases moved
     for key in expected:
         torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(tmp_path_factory, corpus_file):
+    """A pp=2 run saved at step 2 and continued, uninterrupted, to step 4."""
+    root = tmp_path_factory.mktemp("reshard_pp")
+    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
+    run_dir = root / "reference"
+    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]
+    run([*COMMON, *PIPELINE, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
+    return run_dir, cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,layout",
+    [(1, []), (4, ["parallel.pp=4", "parallel.pp_schedule=gpipe"])],
+    ids=["pp2-to-pp1", "pp2-to-pp4"],
+)
+def test_pipeline_checkpoint_continues_under_another_stage_split(
+    pipeline_reference, corpus_file, tmp_path, world, layout
+):
+    ref_dir, cache = pipeline_reference
+    run_dir = tmp_path / "run"
+    load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
+    overrides = [*COMMON, *PIPELINE, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", load]
+    run([*overrides, f"parallel.nproc={world}", *layout], world, cache)
+    assert_continues(run_dir, ref_dir)

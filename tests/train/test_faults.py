@@ -19,20 +19,13 @@ import torch
 import torch.distributed as dist
 
 from optimus.train.faults import StopSignal, pack_step_flags, unpack_step_flags
-from tests.conftest import TINY_MODEL
+from tests.conftest import SMALL_MODEL_RUN
 from tests.distributed import DistributedTestError, run_distributed
 
 COMMON = [
-    *TINY_MODEL,
-    "model.dim=32",
-    "model.moe.expert_dim=32",
+    *SMALL_MODEL_RUN,
     "model.moe.router=sigmoid",
     "model.moe.bias_update_rate=0.01",
-    "train.dtype=fp32",
-    "kernels=torch",
-    "logging.progress=false",
-    "train.seq_len=16",
-    "train.global_batch=8",
     "train.micro_batch=2",
     "train.eval_sequences=8",
     "train.eval_interval=100",

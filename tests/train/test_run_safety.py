@@ -221,7 +221,7 @@ def test_memory_that_cannot_fit_is_refused_before_the_run(small_run, tmp_path, c
         check_cpu_memory(cfg, 1, 1, available=2**20)
     check_cpu_memory(load_config([]), 1, 1, available=8 * 2**30)  # the default run fits a small laptop
     with pytest.raises(ConfigError, match="GiB of memory is available"):  # the case: killed by the kernel
-        check_cpu_memory(load_config(["train.seq_len=100000"]), 1, 1, available=64 * 2**30)
+        check_cpu_memory(load_config(["train.seq_len=200000"]), 1, 1, available=64 * 2**30)
     base = [o for o in overrides if not o.startswith("run.dir=")]
     assert main(["train", *base, f"run.dir={tmp_path / 'big'}", "train.seq_len=10000000"]) == 2
     assert "GiB of memory is available" in error_of(capsys)

@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from optimus.cli import load_config
 from optimus.config import ConfigError
@@ -16,14 +15,7 @@ from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second thread only contends with whatever else runs on the machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 class FakeClock:

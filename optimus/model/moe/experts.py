@@ -5,17 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from optimus.config import ConfigError
+from optimus.config import experts_per_rank
 from optimus.kernels import get_backend
 
 
 def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
     """Global indices [start, end) of the experts EP rank `ep_rank` holds: contiguous blocks of E / ep."""
-    if n_experts % ep:
-        raise ConfigError(
-            f"model.moe.n_experts={n_experts} is not divisible by parallel.ep={ep}: choose an ep that divides it."
-        )
-    n_local = n_experts // ep
+    n_local = experts_per_rank(n_experts, ep)
     return ep_rank * n_local, (ep_rank + 1) * n_local
 
 

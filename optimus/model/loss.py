@@ -1,0 +1,83 @@
+"""Cross-entropy fused with the LM head: the [tokens, vocab] logits are never materialised in fp32.
+
+The plain path, `F.cross_entropy((h @ W.T).float(), targets)`, writes the logits in the compute
+dtype, copies them to fp32, keeps the fp32 log-softmax for the backward and makes two more [T, V]
+fp32 tensors there; with an 8192-token vocabulary that elementwise work took 0.8x the time of the LM
+head's three GEMMs on one EPYC core. Here the rows go through in chunks small enough to stay in
+cache: each chunk's logits are made, reduced to their log-sum-exp and turned at once into the
+gradient of the loss with respect to them, softmax - one_hot, stored in the compute dtype (the plain
+path also casts that gradient to the compute dtype before its GEMMs). The backward is then two GEMMs
+over that stored gradient, scaled by the incoming per-token gradient.
+
+Values are those of the plain path: fp32 log-sum-exp of the compute-dtype logits; gradients
+that differ only by the order in which the same fp32 terms are rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows per chunk: a chunk's fp32 logits (rows x vocab x 4 bytes) stay in the last-level cache, and
+# the chunk's GEMM has enough rows to run near the rate of the whole one: 256 rows of an 8192-word
+# vocabulary (8 MiB). Measured steps of the default run, one EPYC core: 256 rows 1.5% faster than
+# 64 (2 MiB, a core's L2), 3% faster than 1024. Larger vocabularies get fewer rows.
+CHUNK_BYTES = 8 * 2**20
+MIN_CHUNK_ROWS = 16
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        T, V = h_TD.shape[0], weight_VD.shape[0]
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
+        # d loss_t / d logits_t for a unit incoming gradient, in the compute dtype
+        grad_TV = torch.empty(T, V, dtype=h_TD.dtype, device=h_TD.device) if needs_grad else None
+        rows = chunk_rows(V)
+        weight_DV = weight_VD.t()
+        for start in range(0, T, rows):
+            end = min(start + rows, T)
+            logits_CV = torch.mm(h_TD[start:end], weight_DV).float()  # [C, V]; a copy, free to overwrite
+            targets_C1 = targets_T[start:end, None]
+            max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+            shifted_CV = logits_CV.sub_(max_C1)  # exp of the shifted logits cannot overflow
+            target_C = shifted_CV.gather(1, targets_C1).squeeze(1)
+            exp_CV = shifted_CV.exp_()
+            sum_C1 = exp_CV.sum(dim=-1, keepdim=True)
+            loss_T[start:end] = sum_C1.log().squeeze(1) - target_C  # log-sum-exp minus the target's logit
+            if grad_TV is not None:
+                probs_CV = exp_CV.div_(sum_C1)
+                probs_CV.scatter_add_(1, targets_C1, probs_CV.new_full((end - start, 1), -1.0))
+                grad_TV[start:end] = probs_CV
+        if grad_TV is not None:
+            ctx.save_for_backward(h_TD, weight_VD, grad_TV)
+        return loss_T
+
+    @staticmethod
+    def backward(ctx, grad_loss_T: torch.Tensor):
+        h_TD, weight_VD, grad_TV = ctx.saved_tensors
+        scale_T1 = grad_loss_T.float()[:, None]
+        grad_h = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_h = (torch.mm(grad_TV, weight_VD).float() * scale_T1).to(h_TD.dtype)  # [T, D]
+        if ctx.needs_input_grad[1]:
+            scaled_h_TD = (h_TD.float() * scale_T1).to(h_TD.dtype)
+            grad_weight = torch.mm(grad_TV.t(), scaled_h_TD).to(weight_VD.dtype)  # [V, D]
+        return grad_h, grad_weight, None
+
+
+def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [T] (fp32) of the logits `h_TD @ weight_VD.T` against `targets_T`.
+
+    Computes the logits in autocast's dtype when autocast is on (as `F.linear` would), else in
+    the inputs' dtype. Reduce the result as needed (`.mean()`, weighted sums); padding rows are
+    dropped by zero weights there.
+    """
+    device_type = h_TD.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_TD.dtype
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(h_TD.to(dtype), weight_VD.to(dtype), targets_T)

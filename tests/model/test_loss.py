@@ -1,0 +1,98 @@
+"""The LM head fused with cross-entropy (optimus.model.loss) against the plain F.cross_entropy of full logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimus.model import Transformer
+from optimus.model import loss as loss_module
+from optimus.model.loss import linear_cross_entropy
+from tests.model.test_model import tiny_config
+
+
+def plain_per_token(h_TD, weight_VD, targets_T):
+    return F.cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T, reduction="none")
+
+
+def assert_relative_error(actual, expected, tol=1e-6):
+    """|actual - expected| / |expected| (Frobenius norms) at most `tol`: elementwise relative error is
+    meaningless for gradient entries that are sums cancelling to almost nothing."""
+    error = ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert error <= tol, f"relative error {error:.2e} > {tol:.0e}"
+
+
+def grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def inputs(T=37, D=16, V=50, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=gen)
+    return h, weight, targets
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 16 rows (the minimum), so that 37 rows make two full chunks and a ragged one."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 1)
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("reduce", ["mean", "weighted"])
+def test_fp32_matches_plain_cross_entropy(reduce):
+    h, weight, targets = inputs()
+    # Eval's weighting: per-token weights, zeros for padding rows.
+    weights_T = torch.rand(37, generator=torch.Generator().manual_seed(1)) * (torch.arange(37) % 5 != 0)
+
+    def reduced(loss_T):
+        return loss_T.mean() if reduce == "mean" else (loss_T * weights_T).sum()
+
+    fused_T, plain_T = linear_cross_entropy(h, weight, targets), plain_per_token(h, weight, targets)
+    torch.testing.assert_close(fused_T, plain_T, rtol=1e-6, atol=0)
+    for fused, plain in zip(grads(reduced(fused_T), h, weight), grads(reduced(plain_T), h, weight)):
+        assert_relative_error(fused, plain)
+
+
+def test_chunk_rows_fit_the_cache_budget():
+    assert loss_module.chunk_rows(8192) * 8192 * 4 == loss_module.CHUNK_BYTES
+    assert loss_module.chunk_rows(10**7) == loss_module.MIN_CHUNK_ROWS
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_bf16_under_autocast_matches_plain_path():
+    """The trainer's bf16 path: bf16 logits, fp32 loss; the gradient is rounded to bf16 before the GEMMs."""
+    h, weight, targets = inputs(dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = linear_cross_entropy(h, weight, targets).mean()
+        plain = F.cross_entropy(F.linear(h, weight).float(), targets)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)  # same bf16 logits, same fp32 reduction
+    for a, b in zip(grads(fused, h, weight), grads(plain, h, weight)):
+        assert a.dtype == torch.bfloat16
+        assert_relative_error(a, b, tol=1e-2)  # bf16 rounds at 2^-8
+
+
+def test_no_grad_saves_nothing():
+    h, weight, targets = inputs()
+    with torch.no_grad():
+        loss_T = linear_cross_entropy(h, weight, targets)
+    assert loss_T.grad_fn is None
+    torch.testing.assert_close(loss_T, plain_per_token(h, weight, targets).detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_with_targets_matches_cross_entropy_of_its_logits(tie):
+    model = Transformer(tiny_config(tie_embeddings=tie), kernels="torch")
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 100, (2, 2, 12), generator=gen)
+    fused = model(tokens, targets).mean()
+    fused_grads = grads(fused, *model.parameters())
+    plain = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.reshape(-1))
+    plain_grads = grads(plain, *model.parameters())
+    assert model(tokens, targets).shape == targets.shape
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
+    for a, b in zip(fused_grads, plain_grads):
+        assert_relative_error(a, b)
