@@ -134,14 +134,15 @@ def single_threaded(monkeypatch):
 @pytest.mark.slow
 def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_threaded):
     data = ["data=text", f"data.path={corpus_file}"]
-    # 1F1B with an uneven stage split given by the recipe; interleaved and zero bubble with ZeRO-2, whose
-    # reduction must wait for each of a rank's two stages' last backward (zero bubble: its last weight
-    # backward, which comes after the input backward); GPipe with the per-stage timers on.
+    # 1F1B with an uneven stage split given by the recipe, the all-gather dispatcher and activation
+    # checkpointing; interleaved and zero bubble with ZeRO-2, whose reduction must wait for each of a
+    # rank's two stages' last backward (zero bubble: its last weight backward, which comes after the
+    # input backward); GPipe with the per-stage timers on.
     runs = {
         "nproc=1": [],
-        "pp=2 ep=2 1f1b layers 1+3": [
+        "pp=2 ep=2 1f1b layers 1+3, allgather, selective checkpointing": [
             "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b",
-            "parallel.pp_layers=[1,3]",
+            "parallel.pp_layers=[1,3]", "parallel.dispatcher=allgather", "train.activation_checkpointing=selective",
         ],
         "pp=2 ep=2 interleaved v=2 zero=2": [
             "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",

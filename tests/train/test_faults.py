@@ -232,3 +232,48 @@ def test_a_stop_signal_to_a_local_two_rank_run_saves_and_ends_every_process(tmp_
     assert f"stopped by {sig.name}" in output and "Traceback" not in output
     last = read_metrics(run_dir)[-1]["step"]
     assert latest.read_text().strip() == f"step_{last:06d}"
+
+
+def faulty_pipeline_rank(overrides: list[str], cache: str, bad_rank: int, bad_step: int):
+    """One rank of a pipeline: NaN added to the last stage's loss on `bad_rank` at `bad_step`; per-step
+    snapshots of this rank's stage."""
+    os.environ["OPTIMUS_CACHE"] = cache
+    torch.set_num_threads(1)
+    import optimus.train.trainer as trainer_module
+    from optimus.cli import load_config
+
+    real_loss = trainer_module.Trainer._pipeline_loss
+    rank = dist.get_rank()
+
+    def poisoned_loss(self, logits_BSV, targets_BS):
+        loss = real_loss(self, logits_BSV, targets_BS)
+        if rank == bad_rank and self.step + 1 == bad_step:
+            self.pipeline_lm_losses[-1] = self.pipeline_lm_losses[-1] + float("nan")
+            loss = loss + float("nan")
+        return loss
+
+    trainer_module.Trainer._pipeline_loss = poisoned_loss  # before the pipeline's schedule takes it
+    trainer = trainer_module.Trainer(load_config(overrides))
+    snapshots = []
+    real_step = trainer.train_step
+
+    def recording_step():
+        record = real_step()
+        snapshots.append({k: v.tolist() for k, v in trainer.model.state_dict().items()})
+        return record
+
+    trainer.train_step = recording_step
+    trainer.fit()
+    return snapshots
+
+
+def test_nonfinite_loss_on_the_last_pipeline_stage_is_skipped_on_every_stage(tmp_path, corpus_file):
+    run_dir = tmp_path / "run"
+    layout = ["parallel.nproc=2", "parallel.pp=2", "train.steps=4"]
+    overrides = [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout]
+    results = run_distributed(faulty_pipeline_rank, 2, overrides, os.environ["OPTIMUS_CACHE"], 1, 2, timeout_s=180)
+    metrics = read_metrics(run_dir)
+    assert [m["skipped"] for m in metrics] == [False, True, False, False]
+    for snapshots in results:  # the first stage, whose own loss was finite, skipped the update as well
+        assert snapshots[1] == snapshots[0], "step 2 changed the stage"
+        assert snapshots[2] != snapshots[1], "step 3 did not train"
