@@ -20,6 +20,7 @@ raises, the others are stopped and the child's traceback is re-raised here.
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue as queue_lib
 import time
 import traceback
@@ -65,7 +66,9 @@ def _child(fn, args, rank, world_size, port, pg_timeout_s, threads, results) -> 
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
-        results.put((rank, fn(*args), None))
+        # Pickled here, by value: a tensor put on the queue as it is travels as a shared-memory handle,
+        # which the parent cannot open once this process has exited.
+        results.put((rank, pickle.dumps(fn(*args)), None))
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
     finally:
@@ -127,7 +130,8 @@ def spawn_ranks(
 
 
 def _record(outcome: RankOutcome, result, error) -> None:
-    outcome.result, outcome.error, outcome.reported, outcome.reported_at = result, error, True, time.monotonic()
+    outcome.result = None if result is None else pickle.loads(result)
+    outcome.error, outcome.reported, outcome.reported_at = error, True, time.monotonic()
 
 
 def _drain(results, outcomes: list[RankOutcome]) -> None:
