@@ -253,8 +253,8 @@ def proc_bytes(path: str, field: str) -> int | None:
         for line in Path(path).read_text().splitlines():
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024  # the kernel reports kB
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError):  # no /proc (not Linux), or a line of another format
+        return None
     return None
 
 
