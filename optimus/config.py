@@ -98,6 +98,11 @@ class ParallelConfig:
     # layers per stage, in stage order (pp x pp_virtual counts); null = split by parameters, embedding and head included
     pp_layers: Any | None = None
     dispatcher: str = "alltoall"  # alltoall | allgather
+    # Tensor parallelism: the innermost rank dimension (world = pp x dp x tp), inside a node. Attention, dense
+    # FFNs, the embedding and the LM head are split over the tp ranks; MoE layers fold them into expert
+    # parallelism instead (their ranks count as ep x edp). See optimus/parallel/tensor_parallel.py.
+    tp: int = 1
+    sp: bool = True  # with tp > 1: sequence parallelism (norms and residuals hold 1/tp of the sequence)
     timeout_s: float = 600.0
 
 
@@ -310,11 +315,11 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     fix = "choose a global batch that is a multiple of the micro batch."
     _divides(t.micro_batch, "train.micro_batch", t.global_batch, "train.global_batch", fix)
     validate_pipeline(cfg, world_size)
-    data_parallel = world_size // p.pp  # the ranks of one pipeline stage
-    what = "world size" if p.pp == 1 else "ranks per pipeline stage"
-    micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel, what)
+    validate_layout(world_size, p.ep, p.pp, p.tp)
+    validate_tensor_parallel(cfg)
+    what = {(1, 1): "world size", (1, p.tp): "world size / parallel.tp"}.get((p.pp, p.tp), "data-parallel ranks")
+    micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel_size(world_size, p.pp, p.tp), what)
     validate_micro_batches(cfg, world_size)
-    validate_layout(world_size, p.ep, p.pp)
     experts_per_rank(cfg.model.moe.n_experts, p.ep)
     if cfg.optim.zero not in (1, 2):
         raise ConfigError(f"optim.zero={cfg.optim.zero} is not supported: set it to 1 or 2.")
@@ -325,13 +330,48 @@ def _check_pp_divides(world_size: int, pp: int) -> None:
         raise ConfigError(f"parallel.pp={pp} does not divide the world size {world_size}: choose a pp that divides it.")
 
 
-def validate_layout(world_size: int, ep: int, pp: int = 1) -> None:
-    """The rank layout world = pp x dp x ep: pp divides the world, ep the ranks of one pipeline stage."""
+def validate_layout(world_size: int, ep: int, pp: int = 1, tp: int = 1) -> None:
+    """The rank layout world = pp x dp x tp: pp divides the world; tp and ep each divide the ranks of one
+    pipeline stage (MoE layers see a stage's dp x tp ranks as edp x ep)."""
     _check_pp_divides(world_size, pp)
     stage_size = world_size // pp
-    if stage_size % ep:
-        where = f"the world size {world_size}" if pp == 1 else f"the {stage_size} ranks of a pipeline stage"
-        raise ConfigError(f"parallel.ep={ep} does not divide {where}: choose an ep that divides it.")
+    where = f"the world size {world_size}" if pp == 1 else f"the {stage_size} ranks of a pipeline stage"
+    for key, size in (("parallel.tp", tp), ("parallel.ep", ep)):
+        _positive(size, key)
+        if stage_size % size:
+            raise ConfigError(f"{key}={size} does not divide {where}: choose a {key[9:]} that divides it.")
+
+
+def data_parallel_size(world_size: int, pp: int = 1, tp: int = 1) -> int:
+    """Ranks that read different data: a pipeline stage's ranks over tp (the tp ranks share their batch)."""
+    return world_size // (pp * tp)
+
+
+def validate_tensor_parallel(cfg: OptimusConfig) -> None:
+    """What parallel.tp > 1 needs of the model: whole heads, FFN columns, vocabulary rows and sequence slices
+    per tp rank, and the features it does not combine with yet."""
+    tp, m = cfg.parallel.tp, cfg.model
+    if tp == 1:
+        return
+    fix = "choose a parallel.tp that divides it."
+    _divides(tp, "parallel.tp", m.n_heads, "model.n_heads", fix)
+    _divides(tp, "parallel.tp", m.n_kv_heads, "model.n_kv_heads", fix + " (each tp rank keeps whole KV heads)")
+    if m.moe.n_experts == 0 or m.first_k_dense:
+        _divides(tp, "parallel.tp", m.ffn_dim, "model.ffn_dim", fix)
+    vocab = -(-m.vocab_size // 128) * 128  # the model's padded vocabulary (optimus.model.padded_vocab_size)
+    _divides(tp, "parallel.tp", vocab, "the padded vocabulary", fix)
+    # MoE layers route 1/tp of each sequence on each tp rank; sequence parallelism splits it the same way.
+    _divides(tp, "parallel.tp", cfg.train.seq_len, "train.seq_len", fix)
+    if m.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings=true does not combine with parallel.tp > 1 yet: set model.tie_embeddings=false "
+            "or parallel.tp=1."
+        )
+    if m.moe.n_experts and m.moe.seq_aux_loss_coef > 0:
+        raise ConfigError(
+            "model.moe.seq_aux_loss_coef > 0 does not combine with parallel.tp > 1 yet (a tp rank routes part of "
+            "each sequence): set it to 0 or parallel.tp=1."
+        )
 
 
 def experts_per_rank(n_experts: int, ep: int) -> int:
@@ -416,7 +456,7 @@ def validate_micro_batches(cfg: OptimusConfig, world_size: int) -> None:
     p = cfg.parallel
     if p.pp == 1 or p.pp_schedule == "gpipe":
         return
-    accum = grad_accum_steps(cfg, world_size // p.pp)
+    accum = grad_accum_steps(cfg, data_parallel_size(world_size, p.pp, p.tp))
     rounds = max(1, accum // p.pp)  # the interleaved schedules run the micro-batches in rounds of pp
     if accum < p.pp or (p.pp_schedule in INTERLEAVED_SCHEDULES and accum % rounds):
         raise ConfigError(

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from optimus.config import ConfigError, OptimusConfig, validate
+from optimus.config import ConfigError, OptimusConfig, data_parallel_size, validate
 from optimus.recipes import load_config
 
 SCHEDULERS = {
@@ -55,20 +55,25 @@ def check_layout(cfg: OptimusConfig, nodes: int) -> int:
             f"machine={cfg.machine.name} does not say how many ranks run per node: "
             "choose machine=aurora, frontier or nvidia, or set machine.ranks_per_node."
         )
-    check_ep_in_node(cfg)
+    check_groups_in_node(cfg)
     world = nodes * rpn
     validate(cfg, world)
     return world
 
 
-def check_ep_in_node(cfg: OptimusConfig) -> None:
-    """An expert-parallel group stays inside one node (`optimus plan --nodes` applies the same rule)."""
+def check_groups_in_node(cfg: OptimusConfig) -> None:
+    """A tensor-parallel group and an expert-parallel group each stay inside one node (`optimus plan --nodes`
+    applies the same rule): both are runs of consecutive ranks, so each size must divide the ranks per node."""
     rpn = cfg.machine.ranks_per_node
-    if rpn and rpn % cfg.parallel.ep:
-        raise ConfigError(
-            f"parallel.ep={cfg.parallel.ep} does not divide the {rpn} ranks per node of machine={cfg.machine.name}: "
-            f"choose an ep that divides {rpn}, so each expert-parallel group stays inside one node."
-        )
+    if not rpn:
+        return
+    groups = (("parallel.tp", cfg.parallel.tp, "tensor-parallel"), ("parallel.ep", cfg.parallel.ep, "expert-parallel"))
+    for key, size, what in groups:
+        if rpn % size:
+            raise ConfigError(
+                f"{key}={size} does not divide the {rpn} ranks per node of machine={cfg.machine.name}: "
+                f"choose a {key[9:]} that divides {rpn}, so each {what} group stays inside one node."
+            )
 
 
 def default_run_dir(cfg: OptimusConfig) -> Path:
@@ -277,6 +282,10 @@ def main(argv: list[str]) -> int:
     ranks = opts.nodes * cfg.machine.ranks_per_node
     pp = cfg.parallel.pp  # the outermost rank dimension: each stage is a run of consecutive nodes
     stages = f"pipeline: {pp} stages of {ranks // pp} ranks ({opts.nodes / pp:g} nodes) each\n" if pp > 1 else ""
+    tp = cfg.parallel.tp  # the innermost rank dimension: each group is a run of consecutive ranks in a node
+    if tp > 1:
+        dp = data_parallel_size(ranks, pp, tp)
+        stages += f"tensor parallel: groups of {tp} consecutive ranks, {dp} data-parallel ranks per stage\n"
     where = (
         f"{opts.nodes} nodes x {cfg.machine.ranks_per_node} = {ranks} ranks of machine={cfg.machine.name}\n{stages}"
         f"run directory: {run_dir}\n"

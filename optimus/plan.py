@@ -1,15 +1,19 @@
 """`optimus plan`: predicted memory per device and FLOPs per step of a recipe on a layout, before running it.
 
-Persistent state per device (P_d dense, P_e routed-expert parameters, EP experts split
-over the EP group; es / gs = bytes per parameter / gradient element, from train.dtype and
-optim.grad_dtype), computed by the optimizer's own layout code
-(optimus.optim.sharded.rank_state_bytes), so the figures equal what a run reports in
-run_info.json (per_rank):
+Layout: world = PP x DP x TP (TP innermost, inside a node); MoE layers see a stage's DP x TP ranks as
+EDP x EP. Persistent state per device (P_d dense = P_t split by tensor parallelism + P_r replicated, P_e
+routed-expert parameters, experts split over the EP group and never over TP; es / gs = bytes per parameter /
+gradient element, from train.dtype and optim.grad_dtype), computed by the optimizer's own layout code
+(optimus.optim.sharded.rank_state_bytes), so the figures equal what a run reports in run_info.json (per_rank).
+A rank holds N_d = P_t/TP + P_r dense parameters (P_t: attention's q/k/v/out projections, dense SwiGLU
+layers, embedding and LM head; P_r: norms, routers, shared experts); S = world / PP ranks per stage, of which
+S/TP hold the same dense slices:
 
     sharding   owner ranks (dense, expert)   parameters          optimizer-owned shard N_o
-    none       1, 1                          es (P_d + P_e/EP)   P_d + P_e/EP
-    standard   DP, DP                        es (P_d + P_e/EP)   P_d/DP + P_e/world
-    ep_aware   world, DP                     es (P_d + P_e/EP)   P_d/world + P_e/world
+    none       1, 1                          es (N_d + P_e/EP)   N_d + P_e/EP
+    standard   S/EP, S/EP                    es (N_d + P_e/EP)   N_d EP/S + P_e/S   (TP = 1)
+               S/TP, S/EP                    es (N_d + P_e/EP)   N_d TP/S + P_e/S   (TP > 1)
+    ep_aware   S/TP, S/EP                    es (N_d + P_e/EP)   N_d TP/S + P_e/S
 
     gradients  ZeRO-1: gs x full local size (+ gs N_o when the owner ranks are > 1);
                ZeRO-2: gs N_o (the full gradient exists only during the last backward)
@@ -18,38 +22,51 @@ run_info.json (per_rank):
 
 Each flat group is padded to a multiple of (owner ranks x 128 bytes), counted exactly.
 
-Activations saved for the backward of one micro-batch (t = micro_batch x seq_len tokens
-on this rank, a = bytes per activation element: 2 for bf16, 4 for fp32), per token, counted
-from what autograd actually saves with the torch kernels (fused SDPA: no S x S scores;
-tests/train/test_activation_checkpointing.py measures them, and the peak, within 5%):
+Activations saved for the backward of one micro-batch (t = micro_batch x seq_len tokens of the micro-batch,
+a = bytes per activation element: 2 for bf16, 4 for fp32), per token, counted from what autograd actually
+saves with the torch kernels (fused SDPA: no S x S scores; tests/train/test_activation_checkpointing.py
+measures them, and the peak, within 5%). With TP > 1 each term is one tp rank's
+(optimus/parallel/tensor_parallel.py; tests/test_plan.py measures what autograd keeps on 2 ranks, within
+5%): r = 1/TP with sequence parallelism (parallel.sp), where the residual stream and the norms hold t/TP
+tokens, else r = 1; G = D a with sequence parallelism (the [t, D] input that attention, a dense FFN and the
+head all-gather and keep), else 0:
 
-    norms         6 D a          both pre-norms: input, normalised input, output
-    attention     (5 D + 4 D_kv) a + 4 n_heads   q/k before and after QK-norm, q/k/v and output of
-                                 SDPA with its fp32 log-sum-exp, out-projection input
-                                 (3 D + 2 D_kv without QK-norm; D_kv = n_kv_heads x head_dim)
-    dense FFN     4 F_dense a    gate and up outputs, SiLU output, their product
-    MoE FFN       router: 8 E + 28 K bytes (fp32 logits and probabilities, ids, row ids, weights;
-                                 + 4 D for the router's fp32 input copy in bf16 runs)
-                  2 K D a        the exchanged rows: expert inputs and expert outputs
-                  4 K F a        the routed experts' SwiGLU (as the dense FFN, per routed copy)
-                  4 F_s a        shared experts, F_s = n_shared x F
-    head          3 D a + V a + 16   final norm, ids and the logits' gradient in the compute dtype,
-                                 which the fused cross-entropy (optimus.model.loss) makes in its
-                                 forward; the last pipeline stage's plain cross-entropy keeps the
-                                 logits and fp32 log-probabilities instead: 3 D a + V (a + 4) + 16
+    norms         4 D a r + O    both pre-norms' input and normalised input, and the attention norm's output
+                                 O = D a, the projections' input (O = 0 with sequence parallelism: they keep it
+                                 gathered, G); the ffn norm's output counts as the FFN's input below
+    attention     G + (3 D + 2 D_kv) a / TP + 4 n_heads / TP + Q   its gathered input; q/k/v and output of
+                                 SDPA with its fp32 log-sum-exp, out-projection input, split by heads;
+                                 Q: q/k before and after QK-norm, (2 D + 2 D_kv) a, / TP for qk_norm=head,
+                                 whole for qk_norm=full (gathered to be normalised), 0 without QK-norm
+                                 (D_kv = n_kv_heads x head_dim)
+    dense FFN     4 F_dense a / TP + G + O   gate and up outputs, SiLU output, their product, split by
+                                 columns, and its input (gathered with sequence parallelism)
+    MoE FFN       an MoE layer routes t/TP tokens on each tp rank, with or without sequence parallelism:
+                  D a / TP       its input, this rank's share of the ffn norm's output
+                  router: (8 E + 28 K) / TP bytes (fp32 logits and probabilities, ids, row ids, weights;
+                                 + 4 D / TP for the router's fp32 input copy in bf16 runs)
+                  2 K D a / TP   the exchanged rows: expert inputs and expert outputs
+                  4 K F a / TP   the routed experts' SwiGLU (as the dense FFN, per routed copy)
+                  4 F_s a / TP   shared experts, F_s = n_shared x F
+    head          3 D a + V a + 16   final norm (as a pre-norm: 2 D a r + G with sequence parallelism), ids
+                                 and the logits' gradient in the compute dtype, which the fused cross-entropy
+                                 (optimus.model.loss) makes in its forward (pp = 1, tp = 1); the last pipeline
+                                 stage's plain cross-entropy keeps the logits and fp32 log-probabilities
+                                 instead, V (a + 4); the vocabulary-parallel one (tp > 1: V/TP logits per rank,
+                                 never gathered) the fp32 log-probabilities of its columns, 4 V / TP
 
-The peak is the larger of: everything kept (plus, for the plain head, the logits' gradient, 4 V +
-a V in bf16) as the backward starts, and, for each block, what it and the blocks before it keep plus its largest
-recomputed region, alive again during its backward, and two [t, D] gradients (the residual stream's and
-the region's, 2 D a).
+The peak is the larger of: everything kept (plus, for the plain head, the logits' gradient, (4 V + a V) / TP in
+bf16) as the backward starts, and, for each block, what it and the blocks before it keep plus its largest
+recomputed region, alive again during its backward, and two gradients: the residual stream's (D a r) and the
+region's input's (D a; 2 D a in all without TP).
 train.activation_checkpointing (optimus/train/activation_checkpointing.py) removes parts:
-selective drops attention (recomputing one layer's); full keeps only the input (D a) of a dense
-block and drops attention, the expert SwiGLU and shared experts of an MoE block (the norms,
-router and exchanged rows stay, since the exchange is never re-run). Under expert parallelism
-each rank computes K x t routed rows on average (balanced routing; the busiest rank holds
-`expert_load_imbalance` times more). Not included: allocator fragmentation and cached blocks,
-collective buffers, temporaries of the optimizer step, and the different buffers of the Triton
-kernels.
+selective drops attention (recomputing one layer's; its gathered input G is the recomputation's input and
+stays); full keeps only the input (D a r) of a dense block and drops attention (G stays), the expert SwiGLU
+and shared experts of an MoE block (the norms, router and exchanged rows stay, since the exchange is never
+re-run). Under expert parallelism each rank computes K x t / TP routed rows on average (balanced routing; the
+busiest rank holds `expert_load_imbalance` times more). Not included: allocator fragmentation and cached
+blocks, collective buffers (the TP all-gathers' and reduce-scatters' included), temporaries of the optimizer
+step, and the different buffers of the Triton kernels.
 """
 
 from __future__ import annotations
@@ -66,11 +83,19 @@ from optimus.config import (
     ConfigError,
     ModelConfig,
     OptimusConfig,
+    data_parallel_size,
     grad_accum_steps,
     qk_norm_mode,
     validate,
 )
-from optimus.model import ParamCounts, count_params_of_config, flops_per_token, moe_layer_ids, padded_vocab_size
+from optimus.model import (
+    ParamCounts,
+    Transformer,
+    count_params_of_config,
+    flops_per_token,
+    moe_layer_ids,
+    padded_vocab_size,
+)
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
 from optimus.parallel.pipeline import (
     PartCounts,
@@ -97,11 +122,26 @@ def planned_dtype(cfg: OptimusConfig) -> str:
 
 
 def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> StateBytes:
-    """Persistent bytes of one rank holding `dense` and `expert` (all experts) parameters under `scheme`, with
-    `world` ranks sharing them (a pipeline stage's), from the optimizer's own buffer layout."""
-    es, gs = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype]
-    ep = cfg.parallel.ep
-    return rank_state_bytes(scheme, dense, expert // ep, world, world // ep, es, gs, cfg.optim.zero)
+    """Persistent bytes of one rank holding `dense` parameters (its 1/tp slices of the tensor-parallel ones and
+    all the replicated ones) and `expert` (all experts) under `scheme`, in a pipeline stage of `world` ranks,
+    from the optimizer's own buffer layout (with tp > 1 it shards the dense group over the world / tp ranks
+    that hold the same slices)."""
+    es, gs, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.parallel
+    return rank_state_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, cfg.optim.zero, p.tp)
+
+
+def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
+    """(per layer, embedding, final norm + LM head): the parameters that tensor parallelism splits over the tp
+    ranks (attention's q/k/v/out projections, dense SwiGLU layers, embedding and LM head rows), counted on the
+    meta device; norms, routers, shared and routed experts stay whole on every tp rank."""
+    with torch.device("meta"):
+        model = Transformer(m, kernels="torch")
+
+    def split(block: torch.nn.Module) -> int:
+        attention = sum(getattr(block.attn, name).weight.numel() for name in ("wq", "wk", "wv", "wo"))
+        return attention + (0 if block.is_moe else sum(p.numel() for p in block.ffn.parameters()))
+
+    return [split(b) for b in model.layers.values()], model.embed.weight.numel(), model.lm_head.weight.numel()
 
 
 @dataclass
@@ -117,55 +157,84 @@ class RankShare:
     expert: int
     in_flight: float  # micro-batches' worth of its layers' activations held at the peak
     head_copy: int = 0  # tie_embeddings: the last stage's copy of the embedding, held but not optimised
+    tp_split: int = 0  # the part of `dense` that tensor parallelism splits (whole-model count)
+
+    def local_dense(self, tp: int) -> int:
+        """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
+        return self.dense - self.tp_split + self.tp_split // tp
+
+    def per_device(self, tp: int, ep: int) -> int:
+        """Parameters one device of this pipeline rank holds: its dense slices, its experts, a tied head's copy."""
+        return self.local_dense(tp) + self.expert // ep + self.head_copy
 
 
 def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[RankShare]:
     """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline)."""
     m, p = cfg.model, cfg.parallel
+    split_layers, split_embed, split_head = tp_split_params(m) if p.tp > 1 else ([0] * m.n_layers, 0, 0)
     if p.pp == 1:
-        return [RankShare(0, [0], list(range(m.n_layers)), True, True, counts.dense, counts.expert, 1)]
+        split = sum(split_layers) + split_embed + split_head
+        return [RankShare(0, [0], list(range(m.n_layers)), True, True, counts.dense, counts.expert, 1, 0, split)]
     n_stages = p.pp * p.pp_virtual
     stage_layers = stage_layer_ids(stage_sizes(m, n_stages, p.pp_layers))
     layers, embed, head = part_counts(m)
-    accum = grad_accum_steps(cfg, world // p.pp)
+    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))
     shares = []
     for rank in range(p.pp):
         stages = rank_stage_indices(rank, p.pp, p.pp_virtual)
         ids = [i for stage in stages for i in stage_layers[stage]]
-        held = [layers[i] for i in ids] + [embed] * (0 in stages) + [head] * (n_stages - 1 in stages)
+        first, last = 0 in stages, n_stages - 1 in stages
+        held = [layers[i] for i in ids] + [embed] * first + [head] * last
         total = sum(held, PartCounts())
-        head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and n_stages - 1 in stages else 0
+        split = sum(split_layers[i] for i in ids) + split_embed * first + split_head * last
+        head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and last else 0
         chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
         shares.append(
-            RankShare(rank, stages, ids, 0 in stages, n_stages - 1 in stages, total.dense - head_copy, total.expert,
-                      chunks / p.pp_virtual, head_copy)
+            RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
+                      head_copy, split)
         )  # fmt: skip
     return shares
 
 
-def _layer_activations(m: ModelConfig, a: int) -> dict[str, int]:
-    """Bytes per token that each part of a block keeps for the backward (see the module docstring)."""
+def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> dict[str, float]:
+    """Bytes per token of the micro-batch that each part of a block keeps for the backward on one tp rank (see
+    the module docstring): what tensor parallelism splits over heads or columns, and the MoE layer's share of
+    the tokens, count 1/tp; the norms 1/tp with sequence parallelism, whole without."""
     d, moe = m.dim, m.moe
     d_kv = m.n_kv_heads * (m.dim // m.n_heads)
-    qk = 0 if qk_norm_mode(m.qk_norm) == "none" else 1
+    qk = qk_norm_mode(m.qk_norm)
     k, f = moe.top_k, moe.expert_dim
     router_input = 4 * d if a != 4 else 0  # the router's fp32 copy of its input, in bf16 runs only
+    residual = 1 / tp if sp else 1  # the share of the sequence that the residual stream and the norms hold
+    gathered = d * a if tp > 1 and sp else 0  # the [t, D] input that attention and a dense FFN all-gather
+    # a norm's output, kept by the projections it feeds; with sequence parallelism they keep it gathered instead
+    # (an MoE layer keeps only its share of the tokens: "moe_input")
+    norm_output = 0 if gathered else d * a
+    # q and k before and after QK-norm: per head split like the heads; "full" normalises them gathered, whole
+    qk_norm = {"none": 0, "head": 1 / tp, "full": 1}[qk] * (2 * d + 2 * d_kv) * a
     return {
-        "norms": 6 * d * a,  # both pre-norms: input, normalised input, output
-        "attention": ((3 + 2 * qk) * d + (2 + 2 * qk) * d_kv) * a + 4 * m.n_heads,
-        "dense_ffn": 4 * m.ffn_dim * a,
-        "router": router_input + 8 * moe.n_experts + 8 * k + 20 * k,  # fp32 logits/probs, ids, row ids, weights
-        "expert_rows": 2 * k * d * a,  # the exchanged rows: expert inputs and expert outputs
-        "expert_mlp": 4 * k * f * a,
-        "shared": 4 * moe.n_shared_experts * f * a,
-        "block_input": d * a,
+        # both pre-norms' input and normalised input, and the attention norm's output
+        "norms": 4 * d * a * residual + norm_output,
+        "attention_input": gathered,  # gathered before the attention module runs: kept when it is recomputed
+        "attention": ((3 * d + 2 * d_kv) * a + 4 * m.n_heads) / tp + qk_norm,
+        "dense_ffn": 4 * m.ffn_dim * a / tp + gathered + norm_output,  # + its input, the ffn norm's output
+        # an MoE layer routes 1/tp of the tokens on each tp rank, with or without sequence parallelism, and keeps
+        # them as its input: the ffn norm's output (with sequence parallelism) or a copy of this rank's slice of it
+        "moe_input": d * a / tp,
+        "router": (router_input + 8 * moe.n_experts + 8 * k + 20 * k) / tp,  # fp32 logits/probs, ids, row ids
+        "expert_rows": 2 * k * d * a / tp,  # the exchanged rows: expert inputs and expert outputs
+        "expert_mlp": 4 * k * f * a / tp,
+        "shared": 4 * moe.n_shared_experts * f * a / tp,
+        "block_input": d * a * residual,
+        "head_input": 2 * d * a * residual + norm_output + gathered,  # the final norm's, and the head's input
+        "grads": d * a * (1 + residual),  # the residual stream's gradient and a region's input gradient
     }
 
 
-def _block_activations(part: dict[str, int], is_moe: bool, checkpointing: str) -> tuple[int, int]:
+def _block_activations(part: dict[str, float], is_moe: bool, checkpointing: str) -> tuple[float, float]:
     """(bytes per token a block keeps, bytes per token alive again while its largest region is recomputed)."""
-    ffn = ("router", "expert_rows", "expert_mlp", "shared") if is_moe else ("dense_ffn",)
-    kept = part["norms"] + part["attention"] + sum(part[name] for name in ffn)
+    ffn = ("moe_input", "router", "expert_rows", "expert_mlp", "shared") if is_moe else ("dense_ffn",)
+    kept = part["norms"] + part["attention_input"] + part["attention"] + sum(part[name] for name in ffn)
     if checkpointing == "selective":
         return kept - part["attention"], part["attention"]
     if checkpointing == "full" and not is_moe:
@@ -187,35 +256,39 @@ def activation_bytes(
     head: bool = True,
     in_flight: float = 1,
     fused_head: bool = True,
+    tp: int = 1,
+    sp: bool = True,
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
     only what the forward keeps for the backward. A pipeline rank holds the blocks `layers` (and the
     head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. `fused_head`:
-    the head's cross-entropy is optimus.model.loss's (pp = 1), else the plain one on full logits (the last
-    pipeline stage)."""
-    part = _layer_activations(m, act_bytes)
+    the head's cross-entropy is optimus.model.loss's fused one (pp = 1, tp = 1), else the plain one on full
+    logits (the last pipeline stage) or the vocabulary-parallel one on V/tp of them (tp > 1). `tp` > 1: one
+    rank of a tensor-parallel group, with sequence parallelism when `sp`."""
+    part = _layer_activations(m, act_bytes, tp, sp)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
     blocks = [_block_activations(part, i in moe_ids, checkpointing) for i in layers]
-    vocab = padded_vocab_size(m.vocab_size)
-    # final norm and ids; fused: the logits' gradient in the compute dtype; plain: logits and fp32 log-probs
-    head_logits = vocab * act_bytes if fused_head else vocab * (act_bytes + 4)
-    head_kept = 3 * m.dim * act_bytes + head_logits + 16 if head else 0
+    vocab = padded_vocab_size(m.vocab_size) / tp  # vocabulary-parallel head: a rank's columns of the logits
+    # final norm and ids; fused: the logits' gradient in the compute dtype; plain: logits and fp32 log-probs;
+    # vocabulary-parallel (tp > 1): the fp32 log-probs of this rank's V/tp columns only
+    head_logits = vocab * act_bytes if fused_head else vocab * (4 if tp > 1 else act_bytes + 4)
+    head_kept = part["head_input"] + head_logits + 16 if head else 0
     kept = sum(block_kept for block_kept, _ in blocks) + head_kept
     waiting = (in_flight - 1) * kept  # the other micro-batches' forwards, waiting for their backward
     if not recompute:
         return round(micro_batch * seq_len * (waiting + kept))
     # The plain head's backward starts with everything kept plus the logits' gradient (fp32, and its cast
     # in bf16; the fused head kept it already); block i is recomputed once the blocks after it and the
-    # head have freed theirs, while the residual stream's gradient and the region's are alive (2 D a).
+    # head have freed theirs, while the residual stream's gradient and the region's are alive.
     logits_grad = vocab * (4 + (act_bytes if act_bytes != 4 else 0)) if head and not fused_head else 0
     peak = kept + logits_grad
     below = 0
     for block_kept, block_recomputed in blocks:
         below += block_kept
         if block_recomputed:
-            peak = max(peak, below + block_recomputed + 2 * m.dim * act_bytes)
+            peak = max(peak, below + block_recomputed + part["grads"])
     return round(micro_batch * seq_len * (waiting + peak))
 
 
@@ -224,8 +297,11 @@ class Plan:
     model: str
     world: int
     pp: int
-    dp: int
+    dp: int  # data-parallel ranks of a stage (world / (pp x tp)): ranks that read different batches
+    tp: int
+    sp: bool  # sequence parallelism (tp > 1)
     ep: int
+    edp: int  # expert data-parallel ranks of a stage (world / (pp x ep)): MoE layers fold DP x TP into EDP x EP
     sharding: str
     zero: int
     param_dtype: str  # also the compute dtype
@@ -245,29 +321,34 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
     """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     stage_world = world // p.pp
-    state = {s: state_bytes(cfg, s, share.dense, share.expert, stage_world).rounded() for s in SCHEMES}
+    dense = share.local_dense(p.tp)
+    state = {s: state_bytes(cfg, s, dense, share.expert, stage_world).rounded() for s in SCHEMES}
     a = DTYPE_BYTES[planned_dtype(cfg)]
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
-    # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1)
-    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": p.pp == 1}
+    # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1) on a whole head (tp = 1)
+    fused = p.pp == 1 and p.tp == 1
+    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
+             "tp": p.tp, "sp": p.sp}  # fmt: skip
     act = {
         "micro_batch": t.micro_batch,
         "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "none", **where),
         "selective": activation_bytes(m, t.micro_batch, t.seq_len, a, "selective", **where),
         "checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "full", **where),
         "configured": activation_bytes(m, t.micro_batch, t.seq_len, a, t.activation_checkpointing, **where),
+        "configured_mode": t.activation_checkpointing,
     }
     chosen = sum(state[resolve_sharding(cfg.optim.sharding, stage_world)][k] for k in STATE_KEYS)
     return {"state": state, "activations": act, "total": chosen + act["configured"], "share": share}
 
 
-def _stage_row(rank: dict, device: float | None) -> dict:
+def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
     """One pipeline rank's line of the plan."""
     share, activations = rank["share"], rank["activations"]["configured"]
     return {
         "pp_rank": share.pp_rank, "stages": share.stages, "layers": share.layers, "embed": share.embed,
         "head": share.head, "params": share.dense + share.expert + share.head_copy, "in_flight": share.in_flight,
+        "params_per_device": share.per_device(tp, ep),
         "state_bytes": rank["total"] - activations, "activation_bytes": activations, "total_bytes": rank["total"],
         "fits": None if device is None else rank["total"] <= device,
     }  # fmt: skip
@@ -277,7 +358,8 @@ def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None)
     """The plan of the busiest rank (with pp > 1, of the pipeline rank that needs the most memory; every
     pipeline rank's figures are in `stages`)."""
     validate(cfg, world)
-    m, t, ep, pp = cfg.model, cfg.train, cfg.parallel.ep, cfg.parallel.pp
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    ep, pp, tp = p.ep, p.pp, p.tp
     counts = counts or count_params_of_config(m)
     ranks = [_rank_plan(cfg, share, world) for share in rank_shares(cfg, world, counts)]
     busiest = max(ranks, key=lambda r: r["total"])
@@ -301,10 +383,11 @@ def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None)
         total = chosen + act[key]
         memory[f"total_{key}"] = total
         memory[f"fits_{key}"] = None if device is None else total <= device
-    stages = [_stage_row(r, device) for r in ranks] if pp > 1 else []
+    stages = [_stage_row(r, device, tp, ep) for r in ranks] if pp > 1 else []
+    params = {**counts.as_dict(), "per_device": busiest["share"].per_device(tp, ep)}
     return Plan(
-        m.name, world, pp, world // pp // ep, ep, sharding, cfg.optim.zero, compute, cfg.optim.grad_dtype,
-        counts.as_dict(), state, act, flops, memory, stages,
+        m.name, world, pp, data_parallel_size(world, pp, tp), tp, p.sp and tp > 1, ep, world // pp // ep, sharding,
+        cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages,
     )  # fmt: skip
 
 
@@ -324,6 +407,17 @@ def _verdict(total: float, device: float | None) -> str:
     return f"{_gib(total)} -> {_fits(None if device is None else total <= device)}{free}"
 
 
+def _verdict_line(mode: str, mem: dict) -> str:
+    """The verdict as configured, then with no checkpointing and with full checkpointing where those differ."""
+    device = mem["device_bytes"]
+    line = f"device memory {_gib(device)}: as configured (train.activation_checkpointing={mode}) "
+    line += _verdict(mem["total_configured"], device)
+    for other, key in (("none", "no_checkpointing"), ("full", "checkpointing")):
+        if other != mode:
+            line += f"; with {other} {_verdict(mem[f'total_{key}'], device)}"
+    return line
+
+
 def _layer_ranges(layers: list[int]) -> str:
     """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
     runs: list[list[int]] = []
@@ -335,14 +429,23 @@ def _layer_ranges(layers: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
+def _layout_line(plan: Plan) -> str:
+    """'layout: world W = PP x DP x TP' and how MoE layers fold a stage's DP x TP ranks into EDP x EP."""
+    tp = f"TP {plan.tp}" + (" with sequence parallelism" if plan.sp else "")
+    line = f"layout: world {plan.world} = PP {plan.pp} x DP {plan.dp} x {tp}"
+    if plan.params["expert"]:
+        line += f"; MoE layers: DP {plan.dp} x TP {plan.tp} = EDP {plan.edp} x EP {plan.ep} per stage"
+    return line
+
+
 def format_plan(plan: Plan) -> str:
     p, f, mem = plan.params, plan.flops, plan.memory
     lines = [
         f"model {plan.model}: {p['total'] / 1e9:.3f}B parameters ({p['active'] / 1e9:.3f}B active), "
         f"dense {p['dense'] / 1e9:.3f}B, experts {p['expert'] / 1e9:.3f}B",
-        f"layout: world {plan.world} = {f'PP {plan.pp} x ' if plan.pp > 1 else ''}DP {plan.dp} x EP {plan.ep}; "
-        f"params and compute {plan.param_dtype}, "
-        f"grads {plan.grad_dtype}, fp32 master and moments, ZeRO-{plan.zero}",
+        _layout_line(plan),
+        f"params and compute {plan.param_dtype}, grads {plan.grad_dtype}, fp32 master and moments, "
+        f"ZeRO-{plan.zero}; {p['per_device'] / 1e9:.3f}B parameters on the busiest device",
         "",
         f"{'per device':<22}{'params':>12}{'grads':>12}{'fp32 master':>14}{'moments':>12}{'total':>12}",
     ]
@@ -356,14 +459,15 @@ def format_plan(plan: Plan) -> str:
     if plan.stages:
         lines += ["", "pipeline ranks (the figures above are the busiest one's; optim.sharding and "
                   "train.activation_checkpointing as configured):",
-                  f"  {'rank':<6}{'layers':<16}{'params':>10}{'state':>12}{'in flight':>11}{'activations':>13}"
-                  f"{'total':>12}"]  # fmt: skip
+                  f"  {'rank':<6}{'layers':<16}{'params':>10}{'on device':>11}{'state':>12}{'in flight':>11}"
+                  f"{'activations':>13}{'total':>12}"]  # fmt: skip
         for row in plan.stages:
             held = (
                 _layer_ranges(row["layers"]) + (" +embed" if row["embed"] else "") + (" +head" if row["head"] else "")
             )
             lines.append(
-                f"  {row['pp_rank']:<6}{held:<16}{row['params'] / 1e9:>9.2f}B{_gib(row['state_bytes']):>12}"
+                f"  {row['pp_rank']:<6}{held:<16}{row['params'] / 1e9:>9.2f}B{row['params_per_device'] / 1e9:>10.2f}B"
+                f"{_gib(row['state_bytes']):>12}"
                 f"{row['in_flight']:>11.3g}{_gib(row['activation_bytes']):>13}{_gib(row['total_bytes']):>12}"
                 f"  {_fits(row['fits'])}"
             )
@@ -373,9 +477,7 @@ def format_plan(plan: Plan) -> str:
         ("activations of the busiest pipeline rank (its micro-batches in flight, " if plan.stages else "activations ")
         + f"per micro-batch of {act['micro_batch']} sequences), train.activation_checkpointing="
         f"none {_gib(act['no_checkpointing'])}, selective {_gib(act['selective'])}, full {_gib(act['checkpointing'])}",
-        f"device memory {_gib(mem['device_bytes'])}: "
-        f"{_verdict(mem['total_no_checkpointing'], mem['device_bytes'])}; "
-        f"with full checkpointing {_verdict(mem['total_checkpointing'], mem['device_bytes'])}",
+        _verdict_line(act["configured_mode"], mem),
         "  (not counted: the runtime's context and collective buffers, allocator caching and fragmentation, "
         "routing imbalance; docs/MEMORY.md)",
         "",
@@ -401,9 +503,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def world_size(cfg: OptimusConfig, nodes: int | None, world: int | None) -> int:
-    from optimus.job_scripts import check_ep_in_node
+    from optimus.job_scripts import check_groups_in_node
 
-    check_ep_in_node(cfg)  # the rule `optimus launch` applies: an EP group inside one node of the machine
+    check_groups_in_node(cfg)  # the rule `optimus launch` applies: TP and EP groups inside one node of the machine
     if nodes is not None:
         if nodes < 1:
             raise ConfigError(f"--nodes {nodes} must be at least 1.")

@@ -321,3 +321,57 @@ def test_pipeline_experiments_render_and_launch_on_256_aurora_nodes(experiment, 
     assert lines(tmp_path / "launcher.txt")[-len(command) :] == command
     cfg = job_scripts.load_config([f"experiment={experiment}"])
     assert (cfg.parallel.pp, cfg.parallel.ep) == (pp, ep)
+
+
+def test_tensor_parallel_group_stays_in_a_node(capsys):
+    """A TP group is a run of consecutive ranks: tp must divide the ranks per node; plan and launch agree."""
+    from optimus.cli import main
+
+    cfg = make_cfg("frontier", n_experts=0, global_batch=64)
+    cfg.parallel.tp = 16
+    with pytest.raises(ConfigError, match=r"parallel.tp=16 does not divide the 8 ranks per node of machine=frontier"):
+        job_scripts.render("slurm", 4, cfg, [])
+    args = [
+        "machine=frontier",
+        "model.moe.n_experts=0",
+        "parallel.tp=3",
+        "train.micro_batch=1",
+        "train.global_batch=96",
+    ]
+    assert main(["plan", "--nodes", "3", *args]) == 2
+    plan_error = capsys.readouterr().err
+    assert main(["launch", "--nodes", "3", *args]) == 2
+    assert capsys.readouterr().err == plan_error and "so each tensor-parallel group stays inside one node" in plan_error
+
+
+FRONTIER_EXPERIMENTS = {  # experiment: (nodes, tp, pp, ep)
+    "frontier-22b": (16, 2, 4, 1),
+    "frontier-175b": (128, 4, 16, 1),
+    "frontier-1t": (384, 8, 64, 1),
+    "frontier-mula-20b-a2b": (384, 1, 1, 8),
+    "frontier-mula-100b-a7b": (384, 1, 4, 8),
+    "frontier-mula-220b-a10b": (384, 2, 8, 8),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(FRONTIER_EXPERIMENTS))
+def test_frontier_experiments_render_and_launch(experiment, tmp_path, fakes, capsys):
+    """The Frontier recipes, composed as `optimus launch` composes them: 8 ranks per node, PP x DP x TP."""
+    bin_dir, python = fakes
+    nodes, tp, pp, ep = FRONTIER_EXPERIMENTS[experiment]
+    run_dir = tmp_path / "run"
+    argv = ["--nodes", str(nodes), "--run-dir", str(run_dir), "--python", str(python), f"experiment={experiment}"]
+    assert job_scripts.main(argv) == 0
+    script, notes = capsys.readouterr()
+    ranks = nodes * 8
+    assert (f"pipeline: {pp} stages of {ranks // pp} ranks" in notes) == (pp > 1)
+    tp_note = f"tensor parallel: groups of {tp} consecutive ranks, {ranks // (pp * tp)} data-parallel ranks per stage"
+    assert (tp_note in notes) == (tp > 1)
+    bash_syntax_ok(script, tmp_path)
+    assert f"#SBATCH -N {nodes}\n" in script.split("set -eo pipefail")[0]
+    run_script(script, tmp_path, bin_dir, {"SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "7", "USER": "me"})
+    launched = lines(tmp_path / "launcher.txt")
+    assert launched[:6] == ["-N", str(nodes), "-n", str(ranks), "--ntasks-per-node=8", "--gpus-per-node=8"]
+    assert launched[-2:] == [f"experiment={experiment}", f"run.dir={run_dir}"]
+    cfg = job_scripts.load_config([f"experiment={experiment}"])
+    assert (cfg.machine.name, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) == ("frontier", tp, pp, ep)

@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
@@ -14,7 +16,10 @@ from optimus.model import Transformer, count_params, flops_per_token
 from optimus.optim import ShardedAdamW, rank_state_bytes
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
+from optimus.parallel.tensor_parallel import local_tensor
 from optimus.plan import activation_bytes, make_plan
+from optimus.train.activation_checkpointing import apply_activation_checkpointing
+from optimus.train.build import build_model
 from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
@@ -29,7 +34,13 @@ LAYOUTS = {  # name: (world, overrides); the sharded ones need expert parallelis
     "1-bf16": (1, ["optim.sharding=none", "train.dtype=bf16"]),
     "2-fp32": (2, ["parallel.nproc=2", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=1", "train.dtype=fp32"]),
     "4-bf16": (4, ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "optim.zero=2", "train.dtype=bf16"]),
-}
+    # tensor parallelism: each rank holds half of the split weights; the dense state is over the 2 (1) ranks
+    # with the same tp rank, the experts' over the ranks with the same experts
+    "2-tp-fp32": (2, ["parallel.nproc=2", "parallel.tp=2", "model.moe.n_experts=0", "optim.sharding=ep_aware",
+                      "optim.zero=1", "train.dtype=fp32"]),
+    "4-tp-ep-fp32": (4, ["parallel.nproc=4", "parallel.tp=2", "parallel.ep=2", "parallel.sp=false",
+                         "optim.sharding=standard", "optim.zero=2", "train.dtype=fp32"]),
+}  # fmt: skip
 STATE_KEYS = ("param_bytes", "grad_bytes", "master_bytes", "optim_state_bytes")
 
 
@@ -67,11 +78,12 @@ def test_plan_matches_measured_state_bytes(tmp_path, corpus_file, layout):
             assert abs(predicted[key] - rank_bytes[key]) <= 0.01 * rank_bytes[key], (world, key, rank_bytes)
 
 
-def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_file):
-    """pp=2 x ep=2 on 4 gloo ranks, an uneven stage split: each pipeline rank's planned state bytes equal
-    what the ranks of that stage hold (run_info.json), and the stages differ (the plan is per stage)."""
+@pytest.mark.parametrize("inner", ["parallel.ep=2", "parallel.tp=2"])
+def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_file, inner):
+    """pp=2 x ep=2 and pp=2 x tp=2 on 4 gloo ranks, an uneven stage split: each pipeline rank's planned state
+    bytes equal what the ranks of that stage hold (run_info.json), and the stages differ (the plan is per stage)."""
     run_dir = tmp_path / "run"
-    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_layers=[1,3]", "model.n_layers=4"]
+    layout = ["parallel.nproc=4", "parallel.pp=2", inner, "parallel.pp_layers=[1,3]", "model.n_layers=4"]
     extra = [*layout, "optim.sharding=ep_aware", "optim.zero=2", "train.dtype=fp32"]
     overrides = [*RUN, f"data.path={corpus_file}", f"run.dir={run_dir}", *extra]
     run_distributed(write_run_info, 4, overrides, os.environ["OPTIMUS_CACHE"])
@@ -189,8 +201,204 @@ def test_plan_cli(capsys):
     args = ["parallel.ep=2", "optim.sharding=ep_aware", "train.micro_batch=2", "--world", "4", "--json"]
     assert main(["plan", *TINY_MODEL, *args]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["world"], out["dp"], out["ep"], out["sharding"]) == (4, 2, 2, "ep_aware")
+    assert (out["world"], out["dp"], out["tp"], out["ep"], out["edp"], out["sharding"]) == (4, 4, 1, 2, 2, "ep_aware")
+    assert (
+        main(["plan", *TINY_MODEL, "parallel.tp=2", "model.moe.n_experts=0", "train.micro_batch=2", "--world", "4"])
+        == 0
+    )
+    assert "layout: world 4 = PP 1 x DP 2 x TP 2 with sequence parallelism\n" in capsys.readouterr().out
     assert main(["plan", *TINY_MODEL, "--nodes", "2"]) == 2  # machine=local has no ranks_per_node
     assert "--world" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="parallel.ep"):
         make_plan(load_config([*TINY_MODEL, "parallel.ep=3", "train.micro_batch=1", "train.global_batch=6"]), 6)
+
+
+DENSE = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=500, ffn_dim=96, qk_norm="none",
+                    moe=MoEConfig(n_experts=0))  # fmt: skip
+
+
+def tp_cfg(model: ModelConfig, tp: int, sp: bool = True, **train) -> OptimusConfig:
+    cfg = OptimusConfig(model=model)
+    cfg.parallel.tp, cfg.parallel.sp, cfg.train.dtype = tp, sp, "bf16"
+    cfg.train.micro_batch, cfg.train.global_batch, cfg.train.seq_len = 1, 8, 16
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("model", [DENSE, SMALL], ids=["dense", "moe"])
+def test_tensor_parallel_splits_attention_dense_ffn_embedding_and_head(model):
+    """Per device, tp = 2 holds half of q/k/v/out, the dense SwiGLU, the embedding and the LM head (counted by
+    hand from the shapes) and all of the rest; the optimizer state follows: the owned shard of the dense group
+    is (split / tp + replicated) / (world / tp)."""
+    d, d_kv, v = model.dim, model.n_kv_heads * model.dim // model.n_heads, 512  # vocab 500 pads to 512
+    n_dense = model.first_k_dense if model.moe.n_experts else model.n_layers
+    split = model.n_layers * (2 * d * d + 2 * d * d_kv) + n_dense * 3 * d * model.ffn_dim + 2 * v * d
+    counts = count_params(Transformer(model, kernels="torch"), model)
+    whole = make_plan(tp_cfg(model, 1), 4)
+    halved = make_plan(tp_cfg(model, 2), 4)
+    assert whole.params["per_device"] == counts.dense + counts.expert
+    assert halved.params["per_device"] == counts.dense - split // 2 + counts.expert
+    assert (halved.dp, halved.tp, halved.ep, halved.edp) == (2, 2, 1, 4)
+    # bf16 parameters, two fp32 moments on the owned shard of 2 dense owners and 4 expert owners (+ padding)
+    state = halved.state["ep_aware"]
+    assert state["param_bytes"] == pytest.approx(2 * halved.params["per_device"], abs=2 * 4 * 128)
+    owned = (counts.dense - split // 2) / 2 + counts.expert / 4
+    assert state["optim_state_bytes"] == pytest.approx(8 * owned, abs=8 * 4 * 128)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tensor_parallel_activation_bytes_by_hand(sp):
+    """bf16, tp = 2, no QK-norm: the per-token terms of the module docstring on one tp rank. With sequence
+    parallelism the norms keep t/tp tokens and attention, the dense FFN and the head each keep their
+    all-gathered [t, D] input, and an MoE layer its (local) input; without it the norms keep all t tokens.
+    Heads, FFN columns, vocabulary rows and an MoE layer's routed tokens are split in both. The attention
+    module's gathered input is its checkpoint's input: recomputing attention keeps it; recomputing a whole
+    dense block does not."""
+    t, a, tp = 2 * 16, 2, 2
+    d, d_kv, n, k, f, fs, e, ffn, v = 64, 32, 4, 2, 48, 48, 8, 96, 512
+    model = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
+    residual, gathered = (1 / tp, d * a) if sp else (1, 0)
+    # both norms' input and normalised input; a norm's output is kept by the projections it feeds, gathered with
+    # sp; an MoE layer keeps its 1/tp of the tokens as its input (the local output with sp, else a copy of a slice)
+    norm_output = 0 if sp else d * a
+    norms = 4 * d * a * residual + norm_output
+    attn = ((3 * d + 2 * d_kv) * a + 4 * n) / tp  # the region `selective` and `full` recompute
+    dense = norms + gathered + attn + 4 * ffn * a / tp + gathered + norm_output
+    routed = d * a + 4 * d + 8 * e + 28 * k + 2 * k * d * a + 4 * k * f * a + 4 * fs * a
+    moe = norms + gathered + attn + routed / tp
+    head = 2 * d * a * residual + norm_output + gathered + v * a / tp + 16
+    moe_regions = (attn, 4 * k * f * a / tp, 4 * fs * a / tp)  # recomputed one at a time under full
+    moe_full = moe - sum(moe_regions)
+    kept = {
+        "none": dense + 2 * moe + head,
+        "selective": dense - attn + 2 * (moe - attn) + head,
+        "full": d * a * residual + 2 * moe_full + head,
+    }
+    for mode, per_token in kept.items():
+        got = activation_bytes(model, 2, 16, a, mode, recompute=False, tp=tp, sp=sp)
+        assert got == round(t * per_token), mode
+    # full: block i's recomputation adds its largest region to what blocks 0..i keep, with the residual stream's
+    # gradient (t/tp tokens with sp) and the region's input gradient ([t, D]) alive
+    grads = d * a * (1 + residual)
+    recomputed = [
+        d * a * residual + dense + grads,
+        *(d * a * residual + i * moe_full + max(moe_regions) + grads for i in (1, 2)),
+    ]
+    assert activation_bytes(model, 2, 16, a, "full", tp=tp, sp=sp) == round(t * max(kept["full"], *recomputed))
+
+
+@pytest.mark.parametrize("qk_norm,share", [("head", 1 / 2), ("full", 1)])
+def test_tensor_parallel_qk_norm_activations(qk_norm, share):
+    """q and k before and after QK-norm, 2 D + 2 D_kv per token and layer: split with the heads for a per-head
+    norm, whole for the full-width norm (tensor parallelism gathers q and k to normalise them)."""
+    d, d_kv, a, t = 64, 32, 2, 2 * 16
+    plain = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
+    normed = ModelConfig(**{**SMALL.__dict__, "qk_norm": qk_norm})
+    extra = [activation_bytes(m, 2, 16, a, "none", recompute=False, tp=2) for m in (normed, plain)]
+    assert extra[0] - extra[1] == round(t * SMALL.n_layers * (2 * d + 2 * d_kv) * a * share)
+
+
+def test_tensor_parallel_at_tp_1_changes_nothing():
+    """tp = 1 is the plan without tensor parallelism, with or without sp (which matters only when tp > 1)."""
+    for sp in (True, False):
+        for mode in ("none", "selective", "full"):
+            assert activation_bytes(SMALL, 2, 16, 2, mode, tp=1, sp=sp) == activation_bytes(SMALL, 2, 16, 2, mode)
+    plain, with_sp_off = make_plan(tp_cfg(SMALL, 1), 4), make_plan(tp_cfg(SMALL, 1, sp=False), 4)
+    assert plain.state == with_sp_off.state and plain.activations == with_sp_off.activations and not plain.sp
+
+
+def test_pipeline_micro_batches_count_data_parallel_ranks_over_tp():
+    """pp = 4 x tp = 2 on 8 ranks: one data-parallel rank per stage runs all 4 micro-batches of the step, so
+    1F1B keeps 4, 3, 2, 1 in flight (counting 2 data-parallel ranks would give 2 micro-batches)."""
+    cfg = tp_cfg(DENSE, 2, global_batch=4)
+    cfg.model = ModelConfig(**{**DENSE.__dict__, "n_layers": 4})
+    cfg.parallel.pp = 4
+    plan = make_plan(cfg, 8)
+    assert (plan.pp, plan.dp, plan.tp) == (4, 1, 2)
+    assert [row["in_flight"] for row in plan.stages] == [4, 3, 2, 1]
+
+
+FRONTIER = {  # experiment: (nodes, the study's parameter count, tp, pp)
+    "frontier-22b": (16, 22e9, 2, 4),
+    "frontier-175b": (128, 175e9, 4, 16),
+    "frontier-1t": (384, 1e12, 8, 64),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(FRONTIER))
+def test_frontier_study_experiments_fit_a_gcd(experiment):
+    """The Frontier study's dense models on its layouts: the parameter count within 3% of the study's, TP inside
+    a node, every pipeline rank fitting its 64 GB GCD as configured."""
+    nodes, study_params, tp, pp = FRONTIER[experiment]
+    cfg = load_config([f"experiment={experiment}"])
+    plan = make_plan(cfg, nodes * cfg.machine.ranks_per_node)
+    assert plan.params["total"] == pytest.approx(study_params, rel=0.03)
+    assert (plan.tp, plan.pp, plan.sp, cfg.machine.ranks_per_node % tp) == (tp, pp, True, 0)
+    assert plan.dp == nodes * cfg.machine.ranks_per_node // (tp * pp)
+    assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
+
+
+@pytest.mark.parametrize("experiment", ["frontier-mula-20b-a2b", "frontier-mula-100b-a7b", "frontier-mula-220b-a10b"])
+def test_frontier_moe_experiments_fit_a_gcd(experiment):
+    """The Mula MoE models on 384 Frontier nodes: an EP group per node, every pipeline rank fitting its GCD;
+    the 220B folds TP 2 into EP 8 (EDP = world / (pp x ep))."""
+    cfg = load_config([f"experiment={experiment}"])
+    plan = make_plan(cfg, 384 * 8)
+    assert (plan.ep, cfg.machine.ranks_per_node, plan.edp) == (8, 8, 3072 // (plan.pp * 8))
+    assert plan.dp == 3072 // (plan.pp * plan.tp)
+    assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
+
+
+def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps from one forward of `model` and its loss, each storage counted
+    once, parameters left out."""
+    params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(t)
+        try:
+            storage = local.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a collective's result still in flight: no storage to share yet
+            key, size = id(t), local.numel() * local.element_size()
+        if key not in params:
+            kept[key] = size
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens[:, :-1], tokens[:, 1:])
+    return sum(kept.values())
+
+
+def saved_activation_bytes(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> dict[str, int]:
+    """One tp rank (the world is the TP group): what autograd keeps for the backward, per checkpointing mode."""
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh=list(range(dist.get_world_size())))
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        model = build_model(cfg, "torch", seed=0, tp_mesh=mesh, sp=sp, pad_world=dist.get_world_size())
+        out[mode] = saved_bytes(apply_activation_checkpointing(model, mode), tokens)
+    return out
+
+
+TP_MODELS = {
+    "dense": ModelConfig(n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256, qk_norm="none",
+                         moe=MoEConfig(n_experts=0)),
+    "moe": ModelConfig(n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256, first_k_dense=1,
+                       qk_norm="none", moe=MoEConfig(n_experts=8, top_k=2, expert_dim=96, n_shared_experts=1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("model", sorted(TP_MODELS))
+def test_tensor_parallel_plan_counts_what_autograd_keeps(model, sp):
+    """tp = 2 on 2 gloo ranks, fp32: the planner's kept activations per mode (the vocabulary-parallel head,
+    sequence parallelism on and off) against the tensors autograd saves on each rank, within 5%."""
+    cfg, batch, seq_len = TP_MODELS[model], 4, 64
+    measured = run_distributed(saved_activation_bytes, 2, cfg, sp, batch, seq_len)
+    assert measured[0] == measured[1]
+    for mode, kept in measured[0].items():
+        planned = activation_bytes(cfg, batch, seq_len, 4, mode, recompute=False, fused_head=False, tp=2, sp=sp)
+        assert planned == pytest.approx(kept, rel=0.05), mode

@@ -87,18 +87,19 @@ class Attention(nn.Module):
         return cache[2][:seq_len], cache[3][:seq_len]
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        B, S, D = x_BSD.shape
+        B, S, _ = x_BSD.shape
         q_BSD, k_BSK = self.wq(x_BSD), self.wk(x_BSD)  # K here = kv heads x head_dim
         v_BSK = self.wv(x_BSD)
         if self.qk_norm == "full":
             q_BSD, k_BSK = self.q_norm(q_BSD), self.k_norm(k_BSK)
-        q_BSNH = q_BSD.view(B, S, self.n_heads, self.head_dim)
-        k_BSNH = k_BSK.view(B, S, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank holds n_heads / tp of them (optimus.parallel.tensor_parallel).
+        q_BSNH = q_BSD.view(B, S, -1, self.head_dim)
+        k_BSNH = k_BSK.view(B, S, -1, self.head_dim)
         if self.qk_norm == "head":
             q_BSNH, k_BSNH = self.q_norm(q_BSNH), self.k_norm(k_BSNH)
         q = q_BSNH.transpose(1, 2)  # [B, N, S, H]
         k = k_BSNH.transpose(1, 2)  # [B, Nkv, S, H]
-        v = v_BSK.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v_BSK.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(S, x_BSD.device)
         dtype = self._attention_dtype(v)
         q, k = apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype)
@@ -106,7 +107,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v.to(dtype), is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
             )
-        return self.wo(out.transpose(1, 2).reshape(B, S, D).to(v.dtype))
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1).to(v.dtype))
 
     def _attention_dtype(self, v: torch.Tensor) -> torch.dtype:
         """fp32 for small heads on a CPU (see CPU_FP32_ATTENTION_MAX_HEAD_DIM), else the projections' dtype."""

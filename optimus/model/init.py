@@ -14,6 +14,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from optimus.config import ModelConfig
 from optimus.model.counts import expert_offsets
@@ -33,6 +34,18 @@ def _normal(shape: torch.Size, std: float, seed: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
+def _copy_draw(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a draw of the whole parameter into `param`, or into this rank's slice of it when tensor
+    parallelism made it a DTensor (on a 1-D mesh; the sizes divide evenly, see validate_tensor_parallel)."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        for placement in param.placements:
+            if placement.is_shard():
+                full = full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+        param = param.to_local()
+    param.copy_(full)
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Normal(0, init_std) matrices, residual projections scaled by 1/sqrt(2 * n_layers), norms 1, router bias 0."""
@@ -41,12 +54,12 @@ def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     offsets = expert_offsets(model)
     for name, param in model.named_parameters():
         if param.dim() == 1:  # norm weights
-            param.fill_(1.0)
+            _copy_draw(param, torch.ones(param.shape))
             continue
         param_std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
         offset = offsets.get(name)
         if offset is None:
-            param.copy_(_normal(param.shape, param_std, init_seed(seed, name)))
+            _copy_draw(param, _normal(param.shape, param_std, init_seed(seed, name)))
             continue
         for local, expert_param in enumerate(param):  # [E_local, ...]: one draw per global expert
             expert_param.copy_(_normal(expert_param.shape, param_std, init_seed(seed, name, offset + local)))

@@ -16,6 +16,9 @@ that differ only by the order in which the same fp32 terms are rounded.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 # Rows per chunk: a chunk's fp32 logits (rows x vocab x 4 bytes) stay in the last-level cache, and
 # the chunk's GEMM has enough rows to run near the rate of the whole one: 256 rows of an 8192-word
@@ -81,3 +84,27 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T:
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_TD.dtype
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(h_TD.to(dtype), weight_VD.to(dtype), targets_T)
+
+
+def vocab_parallel_cross_entropy(logits_Tv: torch.Tensor, targets_T: torch.Tensor, mesh) -> torch.Tensor:
+    """Per-token cross-entropy [T] (fp32, the same on every rank) of logits split over the vocabulary:
+    this rank's columns [T, V / tp] of the LM head over the tensor-parallel `mesh`. DTensor's loss_parallel
+    reduces the log-sum-exp and the target logits over the ranks; the [T, V] logits are never gathered."""
+    logits = DTensor.from_local(logits_Tv.float(), mesh, [Shard(1)], run_check=False)  # [T, V] over tp ranks
+    # The targets as a DTensor too: the backward runs outside the loss_parallel context, where DTensor's
+    # nll_loss backward would not accept a plain tensor beside the DTensor gradient.
+    targets = DTensor.from_local(targets_T, mesh, [Replicate()], run_check=False)
+    with loss_parallel():
+        return F.cross_entropy(logits, targets, reduction="none").to_local()
+
+
+def head_cross_entropy(head: torch.nn.Linear, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [B, S] of the LM head `head` applied to `h_BSD`: fused (linear_cross_entropy),
+    or vocab-parallel when tensor parallelism split the head (its weight is a DTensor; the module then
+    returns this rank's logits [B, S, V / tp])."""
+    if isinstance(head.weight, DTensor):
+        logits_BSv = head(h_BSD)
+        loss_T = vocab_parallel_cross_entropy(logits_BSv.flatten(0, 1), targets_BS.reshape(-1), head.weight.device_mesh)
+    else:
+        loss_T = linear_cross_entropy(h_BSD.flatten(0, 1), head.weight, targets_BS.reshape(-1))
+    return loss_T.view_as(targets_BS)

@@ -12,7 +12,7 @@ from optimus.config import ConfigError, ModelConfig
 from optimus.kernels import KernelUnavailable
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
-from optimus.model.loss import linear_cross_entropy
+from optimus.model.loss import head_cross_entropy
 from optimus.model.mlp import SwiGLU
 from optimus.model.moe.layer import MoE
 from optimus.model.moe.stats import RouterStats
@@ -107,9 +107,8 @@ class Transformer(nn.Module):
             return h_BSD
         h_BSD = self.norm(h_BSD)
         if targets_BS is not None:
-            loss_T = linear_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.reshape(-1))
-            return loss_T.view_as(targets_BS)
-        return self.lm_head(h_BSD)  # [B, S, V]
+            return head_cross_entropy(self.lm_head, h_BSD, targets_BS)
+        return self.lm_head(h_BSD)  # [B, S, V]; under tensor parallelism this rank's [B, S, V / tp]
 
     def init_weights(self, seed: int | torch.Generator = 0) -> None:
         """Initialise every parameter from `seed` (a Generator stands for its initial seed): see optimus.model.init."""

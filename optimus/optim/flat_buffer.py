@@ -27,17 +27,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from optimus.parallel.tensor_parallel import like_parameter, local_tensor
 
 
 @dataclass
 class ParamSlot:
     name: str
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter  # what autograd fills (.grad) and hooks see; a DTensor under tensor parallelism
+    local: torch.Tensor  # the elements this rank holds of it (the parameter itself unless a DTensor)
     start: int  # range [start, end) in the flat buffer
     end: int
     weight_decay: bool  # matrices and embeddings decay; norms and biases (1-D) do not
     global_offset: int  # index of this rank's first element in the full parameter (experts: all E experts)
     global_shape: tuple[int, ...]
+    cols: tuple[int, int] | None = None  # a block of columns of the full parameter (optimus.optim.state_ranges)
 
 
 @dataclass
@@ -70,7 +75,11 @@ class OwnedRange:
     shard_lo: int
     shard_hi: int
     global_shape: tuple[int, ...]
+    cols: tuple[int, int] | None = None  # [global_lo, global_hi) index this block of columns (state_ranges)
 
+
+# Where a rank's part of a parameter sits in the whole: (offset, whole shape, block of columns or None).
+GlobalPlace = tuple[int, tuple[int, ...], "tuple[int, int] | None"]
 
 ALIGN_BYTES = 128  # every rank's slice of a bucket starts on a 128-byte boundary
 
@@ -118,11 +127,12 @@ class FlatParams:
         world: int,
         rank: int,
         bucket_numel: int,
-        global_offsets: dict[str, tuple[int, tuple[int, ...]]] | None = None,
+        global_offsets: dict[str, GlobalPlace] | None = None,
     ):
-        """`global_offsets[name]` = (first element in the full parameter, full shape); default: the local tensor."""
+        """`global_offsets[name]` = (first element in the full parameter, or in its block of columns; full shape;
+        the block, or None), see optimus.optim.state_ranges; default: the local tensor is the whole parameter."""
         self.world, self.rank = world, rank
-        params = [p for _, p in named_params]
+        params = [local_tensor(p) for _, p in named_params]
         self.dtype = params[0].dtype if params else torch.float32
         self.device = params[0].device if params else torch.device("cpu")
         if any(p.dtype != self.dtype or p.device != self.device for p in params):
@@ -130,9 +140,10 @@ class FlatParams:
         global_offsets = global_offsets or {}
         self.slots: list[ParamSlot] = []
         offset = 0
-        for name, p in flat_order(named_params):
-            g_off, g_shape = global_offsets.get(name, (0, tuple(p.shape)))
-            self.slots.append(ParamSlot(name, p, offset, offset + p.numel(), p.dim() >= 2, g_off, g_shape))
+        for (name, param), p in flat_order(list(zip(named_params, params))):
+            g_off, g_shape, cols = global_offsets.get(name, (0, tuple(p.shape), None))
+            slot = ParamSlot(name, param, p, offset, offset + p.numel(), p.dim() >= 2, g_off, g_shape, cols)
+            self.slots.append(slot)
             offset += p.numel()
         self.numel = offset  # real elements
         es = params[0].element_size() if params else 4
@@ -154,12 +165,12 @@ class FlatParams:
         """The buffer the parameters already live in when it has this layout (see allocate_flat), else None."""
         if not self.slots or self.device.type == "meta":
             return None
-        first = self.slots[0].param
+        first = self.slots[0].local
         storage, base = first.untyped_storage(), first.storage_offset()
         if storage.nbytes() < (base + self.padded_numel) * first.element_size():
             return None
         for s in self.slots:
-            p = s.param
+            p = s.local
             same = p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == base + s.start
             if not (same and p.is_contiguous()):
                 return None
@@ -170,9 +181,13 @@ class FlatParams:
         """A new buffer holding the parameters; each original is released as soon as it is copied."""
         buffer = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)  # [N_pad]
         for s in self.slots:
-            view = buffer[s.start : s.end].view_as(s.param)
-            view.copy_(s.param)
-            s.param.data = view  # the parameter now lives in the flat buffer
+            view = buffer[s.start : s.end].view_as(s.local)
+            view.copy_(s.local)
+            if isinstance(s.param, DTensor):  # the same DTensor object, its local slice now in the flat buffer
+                torch.utils.swap_tensors(s.param, like_parameter(s.param, view))
+            else:
+                s.param.data = view  # the parameter now lives in the flat buffer
+            s.local = view
         return buffer
 
     @property
@@ -228,6 +243,6 @@ class FlatParams:
                 if a < b:
                     g = s.global_offset + a - s.start
                     ranges.append(
-                        OwnedRange(s.name, g, g + b - a, shard_lo + a - lo, shard_lo + b - lo, s.global_shape)
+                        OwnedRange(s.name, g, g + b - a, shard_lo + a - lo, shard_lo + b - lo, s.global_shape, s.cols)
                     )
         return ranges

@@ -38,9 +38,11 @@ import torch.distributed as dist
 from optimus.config import SHARDING_SCHEMES, TORCH_DTYPES, OptimConfig
 from optimus.model.counts import expert_offsets
 from optimus.optim.adamw import AdamWHyper, adamw_update
-from optimus.optim.flat_buffer import FlatParams, padded_numel
+from optimus.optim.flat_buffer import FlatParams, GlobalPlace, padded_numel
 from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
+from optimus.optim.state_ranges import StateRange, copy_overlap, range_key
 from optimus.parallel import ParallelState
+from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad, tp_global_offsets, tp_grad_roles
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,11 +51,13 @@ SCHEMES = SHARDING_SCHEMES  # the values of optim.sharding that name a scheme (a
 MASTER_BYTES, MOMENT_BYTES = 4, 8  # per owned element: fp32 master copy; two fp32 Adam moments
 
 
-def shard_worlds(scheme: str, world: int, dp: int) -> dict[str, int]:
-    """How many ranks split each group's optimizer state (see the table above)."""
+def shard_worlds(scheme: str, world: int, dp: int, tp: int = 1) -> dict[str, int]:
+    """How many ranks split each group's optimizer state (see the table above). With tp > 1 a dense element
+    has world / tp replicas (the dense data-parallel ranks), which both sharding schemes split it over."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SCHEMES}")
-    return {"dense": {"none": 1, "standard": dp, "ep_aware": world}[scheme], "expert": 1 if scheme == "none" else dp}
+    dense = {"none": 1, "standard": dp if tp == 1 else world // tp, "ep_aware": world // tp}[scheme]
+    return {"dense": dense, "expert": 1 if scheme == "none" else dp}
 
 
 @dataclass
@@ -93,10 +97,19 @@ def group_state_bytes(
 
 
 def rank_state_bytes(
-    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int, zero: int
+    scheme: str,
+    dense: int,
+    expert_local: int,
+    world: int,
+    dp: int,
+    param_size: int,
+    grad_size: int,
+    zero: int,
+    tp: int = 1,
 ) -> StateBytes:
-    """Bytes of a rank with `dense` and `expert_local` parameter elements: what `optimus plan` and run_info report."""
-    worlds = shard_worlds(scheme, world, dp)
+    """Bytes of a rank with `dense` and `expert_local` parameter elements (`dense`: what this tp rank holds):
+    what `optimus plan` and run_info report."""
+    worlds = shard_worlds(scheme, world, dp, tp)
     total = StateBytes()
     for numel, shard_world in ((dense, worlds["dense"]), (expert_local, worlds["expert"])):
         total = total + group_state_bytes(numel, shard_world, param_size, grad_size, zero)
@@ -116,28 +129,34 @@ class GroupComm:
 
 
 def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
-    worlds = shard_worlds(scheme, ps.world_size, ps.dp)
+    worlds = shard_worlds(scheme, ps.world_size, ps.dp, ps.tp)
     if scheme == "none":
-        dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
         expert = GroupComm(None, 1, 0, ps.edp_group, ps.dp, ps.dp_rank == 0)
+    else:
+        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
+    if ps.tp > 1:  # a dense slice's replicas: the data-parallel ranks with this tp rank (optimus.parallel.state)
+        if scheme == "none":
+            dense = GroupComm(None, 1, 0, ps.dense_dp_group, ps.data_parallel, ps.data_rank == 0)
+        else:
+            dense = GroupComm(ps.dense_dp_group, ps.data_parallel, ps.data_rank)
+    elif scheme == "none":
+        dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
     elif scheme == "standard":
         dense = GroupComm(ps.edp_group, ps.dp, ps.dp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
-        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
     else:
         dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
-        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
     assert (dense.shard_world, expert.shard_world) == (worlds["dense"], worlds["expert"])
     return {"dense": dense, "expert": expert}
 
 
-def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, GlobalPlace]:
     """Expert params: (first element in the tensor of all E experts, full shape)."""
     first_expert = expert_offsets(model)
     out = {}
     for name in names:
         param = model.get_parameter(name)
         per_expert = param[0].numel() if param.dim() else 1
-        out[name] = (first_expert[name] * per_expert, (param.shape[0] * ep, *param.shape[1:]))
+        out[name] = (first_expert[name] * per_expert, (param.shape[0] * ep, *param.shape[1:]), None)
     return out
 
 
@@ -151,18 +170,33 @@ def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.P
     }
 
 
+@dataclass
+class TensorParallelGrads:
+    """tp > 1, the dense group: the TP group and each parameter's role there (optimus.parallel.tensor_parallel:
+    split slices are complete, partial gradients are summed over the TP group, replicated ones are counted
+    once in the norm)."""
+
+    group: Any
+    rank: int
+    roles: dict[str, str]
+
+
 class ShardGroup:
     """One parameter group: flat params, gradient buffers, fp32 master shard and AdamW moments."""
 
-    def __init__(self, named, comm: GroupComm, bucket_bytes: int, max_numel: int, zero: int, grad_dtype, offsets):
-        self.comm, self.zero = comm, zero
+    def __init__(
+        self, named, comm: GroupComm, bucket_bytes: int, max_numel: int, zero: int, grad_dtype, offsets, tp=None
+    ):
+        """`tp`: a TensorParallelGrads for the dense group of a tensor-parallel model, else None."""
+        self.comm, self.zero, self.tp = comm, zero, tp
         es = named[0][1].element_size()
         self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, min(max_numel, bucket_bytes // es), offsets)
         flat, dev = self.flat, self.flat.device
         self.grad_dtype = grad_dtype
-        # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype,
-        # hooks move every micro-batch's gradient into our buffers instead.
-        self.grads_by_hook = grad_dtype != flat.dtype
+        # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype, or
+        # are DTensors (tensor parallelism), hooks move every micro-batch's gradient into our buffers instead.
+        self.grads_by_hook = grad_dtype != flat.dtype or tp is not None
+        self.tp_partial = [tp is not None and tp.roles.get(s.name) == PARTIAL for s in flat.slots]
         self.full_grad = None
         if zero == 1:
             self.full_grad = torch.zeros(flat.padded_numel, dtype=grad_dtype, device=dev)  # [N_pad]
@@ -222,6 +256,8 @@ class ShardGroup:
         s = self.flat.slots[slot_idx]
         self.packed[slot_idx] = True
         earlier = self.partial.pop(slot_idx, None)
+        if self.tp_partial[slot_idx]:  # this rank's share of a sum over the tp ranks: complete it first
+            grad, earlier = self.sum_over_tp(slot_idx, grad, earlier), None
         for bi, b in enumerate(self.flat.buckets):
             if s.end <= b.start or s.start >= b.end:
                 continue
@@ -239,6 +275,26 @@ class ShardGroup:
             if earlier is not None:
                 dst.add_(earlier[lo - s.start : hi - s.start])
             self.left[bi] -= 1
+
+    def sum_over_tp(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> torch.Tensor:
+        """ZeRO-2: a partial slot's gradient of the step (this micro-batch's + earlier ones'), summed over tp."""
+        s = self.flat.slots[slot_idx]
+        total = torch.zeros(s.end - s.start, dtype=self.grad_dtype, device=self.flat.device)  # [numel]
+        for part in (grad, earlier):
+            if part is not None:
+                total.add_(part.reshape(-1))
+        dist.all_reduce(total, group=self.tp.group)
+        return total
+
+    def reduce_partials_over_tp(self) -> None:
+        """ZeRO-1: sum the partial slots' accumulated gradients over the tp ranks, in one all-reduce."""
+        slots = [s for s, partial in zip(self.flat.slots, self.tp_partial) if partial]
+        if not slots:
+            return
+        joined = torch.cat([self.full_grad[s.start : s.end] for s in slots])
+        dist.all_reduce(joined, group=self.tp.group)
+        for s, summed in zip(slots, joined.split([s.end - s.start for s in slots])):
+            self.full_grad[s.start : s.end].copy_(summed)
 
     def launch_ready(self, force: bool = False) -> None:
         """Start reductions of finished buckets, strictly in bucket order so every rank issues the same sequence."""
@@ -267,13 +323,15 @@ class ShardGroup:
             # Grads the hooks did not see (parameters unused in the last micro-batch).
             for i, s in enumerate(self.flat.slots):
                 if not self.packed[i]:
-                    self.pack(i, s.param.grad)
+                    self.pack(i, local_grad(s.param))
                     s.param.grad = None
         elif self.grads_by_hook:
             for i, s in enumerate(self.flat.slots):  # a .grad set by hand rather than by backward
                 if s.param.grad is not None:
-                    self.accumulate(i, s.param.grad)
+                    self.accumulate(i, local_grad(s.param))
                     s.param.grad = None
+            if self.tp is not None:
+                self.reduce_partials_over_tp()
         else:
             for s in self.flat.slots:  # someone replaced or dropped a .grad view: bring it back into the buffer
                 view = self.full_grad[s.start : s.end].view_as(s.param)
@@ -305,6 +363,9 @@ class ShardGroup:
         """fp64 squared norm of the owned shard of the summed gradient (zero where a peer counts it)."""
         if not self.comm.counts_in_norm:
             return torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        if self.tp is not None and self.tp.rank > 0:  # tp rank 0 counts what the tp ranks share
+            own = [r for r in self.flat.owned_ranges if self.tp.roles.get(r.name) == SPLIT]
+            return sum_of_squares([self.grad_shard[r.shard_lo : r.shard_hi] for r in own], self.flat.device)
         return sum_of_squares([self.grad_shard], self.flat.device)
 
     def update(self, lr: float, step: int, grad_scale: float, h: AdamWHyper) -> None:
@@ -361,13 +422,19 @@ class ShardedAdamW:
         bucket_bytes = int(cfg.bucket_mb * 2**20) if cfg.zero == 2 else 2**62  # ZeRO-1: only the size limit cuts
         grad_dtype = TORCH_DTYPES[cfg.grad_dtype]
         self.groups: dict[str, ShardGroup] = {}
+        tp = TensorParallelGrads(ps.tp_group, ps.tp_rank, tp_grad_roles(model)) if ps.tp > 1 else None
         for kind, params in by_kind.items():
             if not params:
                 continue
-            offsets = expert_global_offsets(model, [n for n, _ in params], ps.ep) if kind == "expert" else None
+            names = [n for n, _ in params]
+            if kind == "expert":
+                offsets = expert_global_offsets(model, names, ps.ep)
+            else:
+                offsets = tp_global_offsets(model, names) if tp else None
             self.groups[kind] = ShardGroup(
-                params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, grad_dtype, offsets
-            )
+                params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, grad_dtype, offsets,
+                tp if kind == "dense" else None,
+            )  # fmt: skip
         for group in self.groups.values():
             if group.zero == 2 or group.grads_by_hook:
                 for i, s in enumerate(group.flat.slots):
@@ -375,16 +442,17 @@ class ShardedAdamW:
 
     def _hook(self, group: ShardGroup, slot_idx: int):
         def hook(param: torch.Tensor) -> None:
+            grad = local_grad(param)  # a DTensor's: this rank's slice (or share)
             if group.zero == 1:  # grads_by_hook: every micro-batch adds into the full buffer
-                group.accumulate(slot_idx, param.grad)
+                group.accumulate(slot_idx, grad)
                 param.grad = None
             elif not self.last_micro_batch:
                 if group.grads_by_hook:
-                    group.accumulate_partial(slot_idx, param.grad)
+                    group.accumulate_partial(slot_idx, grad)
                     param.grad = None
                 # else autograd keeps accumulating in .grad; only the last micro-batch reduces
             else:
-                group.pack(slot_idx, param.grad)
+                group.pack(slot_idx, grad)
                 param.grad = None  # ZeRO-2 keeps only the owned shard
                 group.launch_ready()
 
@@ -400,7 +468,7 @@ class ShardedAdamW:
 
     def step(self, lr: float) -> float:
         """Reduce, clip and apply the gradients; returns the pre-clip global norm (no update if it is not finite)."""
-        groups, world = list(self.groups.values()), self.ps.world_size
+        groups, world = list(self.groups.values()), self.ps.data_parallel  # the global batch's replicas
         timed = self.timed
         with timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
             for group in groups:
@@ -430,7 +498,8 @@ class ShardedAdamW:
         return total.rounded()
 
     def state_dict(self) -> dict:
-        """Moments (and fp32 master) of every owned range, keyed "name[lo:hi]" in the full parameter's flat index.
+        """Moments (and fp32 master) of every owned range, keyed "name[lo:hi]" in the full parameter's flat index
+        (or "name[lo:hi]@cols[a:b]" in a block of its columns, optimus.optim.state_ranges).
 
         The tensors are views of the live state (a checkpoint writer copies or writes them before the next step).
         """
@@ -438,13 +507,13 @@ class ShardedAdamW:
         for g in self.groups.values():
             for r in g.flat.owned_ranges:
                 entry = {
-                    "name": r.name, "lo": r.global_lo, "hi": r.global_hi, "shape": list(r.global_shape),
+                    "name": r.name, "lo": r.global_lo, "hi": r.global_hi, "shape": list(r.global_shape), "cols": r.cols,
                     "exp_avg": g.exp_avg[r.shard_lo : r.shard_hi],
                     "exp_avg_sq": g.exp_avg_sq[r.shard_lo : r.shard_hi],
                 }  # fmt: skip
                 if g.master is not None:
                     entry["master"] = g.master[r.shard_lo : r.shard_hi]
-                shards[f"{r.name}[{r.global_lo}:{r.global_hi}]"] = entry
+                shards[range_key(r.name, r.global_lo, r.global_hi, r.cols)] = entry
         return {"step": self.step_count, "scheme": self.scheme, "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
@@ -456,18 +525,13 @@ class ShardedAdamW:
             if g.master is not None:
                 g.refresh_master()  # for ranges saved without a master copy (an fp32 run)
             for r in g.flat.owned_ranges:
-                covered = 0
+                mine, covered = StateRange(r.global_lo, r.global_hi, r.global_shape, r.cols), 0
                 for e in by_name.get(r.name, []):
-                    lo, hi = max(r.global_lo, e["lo"]), min(r.global_hi, e["hi"])
-                    if lo >= hi:
-                        continue
-                    dst = slice(r.shard_lo + lo - r.global_lo, r.shard_lo + hi - r.global_lo)
-                    src = slice(lo - e["lo"], hi - e["lo"])
-                    g.exp_avg[dst].copy_(e["exp_avg"][src])
-                    g.exp_avg_sq[dst].copy_(e["exp_avg_sq"][src])
-                    if g.master is not None and "master" in e:
-                        g.master[dst].copy_(e["master"][src])
-                    covered += hi - lo
+                    saved = StateRange(e["lo"], e["hi"], r.global_shape, e.get("cols"))
+                    for kind in ("exp_avg", "exp_avg_sq", "master"):
+                        if kind != "master" or (g.master is not None and "master" in e):
+                            n = copy_overlap(getattr(g, kind)[r.shard_lo : r.shard_hi], mine, e[kind], saved)
+                    covered += n
                 if covered != r.global_hi - r.global_lo:
                     raise ValueError(
                         f"the optimizer state does not cover elements [{r.global_lo}, {r.global_hi}) of {r.name}: "

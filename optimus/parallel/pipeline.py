@@ -179,6 +179,11 @@ def merge_stages(stages: list[Transformer]) -> Transformer:
         for name in ("embed", "norm", "lm_head"):
             if getattr(stage, name) is not None:
                 setattr(merged, name, getattr(stage, name))
+    # The whole model's module order (embedding first): with one stage per rank the parameters are then listed
+    # in the stage's own order, the order of its flat buffer, which the optimizer adopts instead of copying.
+    merged._modules = {
+        name: merged._modules[name] for name in ("embed", "layers", "norm", "lm_head") if name in merged._modules
+    }
     if tied_head_copy(merged):
         # The head's weight is a copy of the embedding (tie_embeddings), which the first stage's optimizer
         # trains: held here as a buffer, it is saved and loaded under its name but not optimised twice.
@@ -193,17 +198,24 @@ def tied_head_copy(model: Transformer) -> bool:
     return model.cfg.tie_embeddings and model.lm_head is not None and model.embed is None
 
 
-def stage_io_meta(stage: Transformer, micro_batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_io_meta(
+    stage: Transformer, micro_batch: int, seq_len: int, ps: ParallelState
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Shapes and dtypes of a stage's input and output for one micro-batch, on the meta device: given to
-    PipelineStage so that it infers nothing at run time (inference would run the routers an extra time)."""
+    PipelineStage so that it infers nothing at run time (inference would run the routers an extra time).
+    Under tensor parallelism a rank passes on its part of the residual stream (ps.residual_seq_len) and the
+    last stage gives its vocabulary columns, V / tp."""
     dtype = next(stage.parameters()).dtype  # the residual stream's and the logits' dtype: the parameters'
+    positions = ps.residual_seq_len(seq_len)
     with torch.device("meta"):
         if stage.embed is not None:
             inputs = torch.empty(micro_batch, seq_len, dtype=torch.long)  # [B, S] tokens
         else:
-            inputs = torch.empty(micro_batch, seq_len, stage.cfg.dim, dtype=dtype, requires_grad=True)  # [B, S, D]
-        width = stage.vocab_size if stage.lm_head is not None else stage.cfg.dim
-        outputs = torch.empty(micro_batch, seq_len, width, dtype=dtype, requires_grad=True)  # [B, S, V or D]
+            inputs = torch.empty(micro_batch, positions, stage.cfg.dim, dtype=dtype, requires_grad=True)  # [B, s, D]
+        if stage.lm_head is not None:
+            outputs = torch.empty(micro_batch, seq_len, stage.vocab_size // ps.tp, dtype=dtype, requires_grad=True)
+        else:
+            outputs = torch.empty(micro_batch, positions, stage.cfg.dim, dtype=dtype, requires_grad=True)
     return inputs, outputs
 
 
@@ -253,13 +265,14 @@ class Pipeline:
     ):
         self.stages, self.stage_indices, self.n_stages = stages, stage_indices, n_stages
         self.group = ps.pp_group
+        self.residual_seq_len = ps.residual_seq_len  # what a rank passes between stages (sequence parallelism)
         self.before_backward: Callable[[bool], None] = lambda is_last: None
         self.timers = None  # profile.timers (optimus.train.timers.Timers), set by the trainer
         self.device = device
         self.stage_seconds = dict.fromkeys(stage_indices, 0.0)
         pipeline_stages = []
         for stage, index in zip(stages, stage_indices):
-            inputs, outputs = stage_io_meta(stage, micro_batch, seq_len)
+            inputs, outputs = stage_io_meta(stage, micro_batch, seq_len, ps)
             pipeline_stages.append(
                 TimedStage(
                     self, stage, index, n_stages, device, input_args=inputs, output_args=outputs, group=self.group
@@ -349,7 +362,8 @@ class Pipeline:
             stage = self.stages[self.stage_indices.index(index)]
             if index > 0:
                 dtype = next(stage.parameters()).dtype  # the residual stream's dtype: the parameters'
-                h = torch.empty(*inputs_BS.shape, stage.cfg.dim, dtype=dtype, device=inputs_BS.device)  # [B, S, D]
+                B, S = inputs_BS.shape
+                h = torch.empty(B, self.residual_seq_len(S), stage.cfg.dim, dtype=dtype, device=inputs_BS.device)
                 dist.recv(h, src=dist.get_global_rank(self.group, (index - 1) % pp))
             h = stage(h, targets_BS) if index == self.n_stages - 1 else stage(h)
             if index < self.n_stages - 1:

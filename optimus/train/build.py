@@ -24,6 +24,7 @@ from optimus.model.init import init_parameters
 from optimus.model.moe.experts import expert_range
 from optimus.optim.flat_buffer import allocate_flat
 from optimus.optim.sharded import param_groups
+from optimus.parallel.tensor_parallel import apply_tensor_parallel, like_parameter, local_tensor
 from optimus.train.precision import cast_parameters
 
 
@@ -37,18 +38,24 @@ def build_model(
     param_dtype: torch.dtype = torch.float32,
     seed: int = 0,
     pad_world: int = 1,
+    tp_mesh=None,
+    sp: bool = True,
     **stage,
 ) -> Transformer:
     """The model EP rank `ep_rank` of `ep` holds: every dense parameter and experts [ep_rank * E/ep, ...).
 
     `pad_world`: the ranks that share this model's optimizer (the stage's world size); the parameters'
     flat buffers are padded for it, so the optimizer adopts them whatever its sharding scheme.
+    `tp_mesh` (a 1-D DeviceMesh, tp > 1): split the dense layers over it (optimus.parallel.tensor_parallel),
+    with sequence parallelism when `sp`; the rank then allocates only its slices.
     """
     with torch.device("meta"):
         model = Transformer(cfg, kernels=kernels, **stage)  # stage: layer_ids / embed / head of a pipeline stage
     for moe in model.moe_layers:
         moe.experts.keep_experts(*expert_range(moe.router.n_experts, ep, ep_rank))
     cast_parameters(model, param_dtype)  # on meta: changes the dtype that is allocated, copies nothing
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, sp)  # on meta: DTensor parameters with meta slices
     materialise(model, device, pad_world)
     model.tie_weights()
     init_parameters(model, cfg, seed)  # draws in fp32 on the CPU, copies into each parameter's dtype and device
@@ -61,13 +68,13 @@ def materialise(model: nn.Module, device: torch.device | str, pad_world: int) ->
     on_device: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its parameter on the device
     for named in param_groups(model).values():
         if named:
-            views = allocate_flat([p for _, p in named], pad_world, device)
-            on_device.update({id(p): nn.Parameter(v, requires_grad=True) for (_, p), v in zip(named, views)})
+            views = allocate_flat([local_tensor(p) for _, p in named], pad_world, device)
+            on_device.update({id(p): like_parameter(p, v) for (_, p), v in zip(named, views)})
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 if id(p) not in on_device:  # frozen parameters (not in any optimizer group)
-                    on_device[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    on_device[id(p)] = like_parameter(p, torch.empty_like(local_tensor(p), device=device))
                 module._parameters[name] = on_device[id(p)]  # a parameter shared by two modules stays shared
         for name, b in module._buffers.items():
             if b is not None:

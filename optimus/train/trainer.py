@@ -25,6 +25,7 @@ from tqdm import tqdm
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps, validate
 from optimus.data import BatchLoader, build_data, eval_batches
 from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token, moe_layer_ids
+from optimus.model.loss import vocab_parallel_cross_entropy
 from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
@@ -91,8 +92,11 @@ def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusCo
         return model(inputs_BS, targets_BS).mean()  # the head's cross-entropy, fused (optimus.model.loss)
 
 
-def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy, in fp32, of the logits against the next tokens."""
+def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp_mesh=None) -> torch.Tensor:
+    """Mean cross-entropy, in fp32, of the logits against the next tokens; with `tp_mesh` (tensor parallelism)
+    the logits are this rank's vocabulary columns [B, S, V / tp]."""
+    if tp_mesh is not None:
+        return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), targets_BS.reshape(-1), tp_mesh).mean()
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1))
 
 
@@ -112,10 +116,11 @@ class Trainer:
         self.platform = detect_platform(cfg.machine, local_rank)
         if self.platform.device_type != "cpu":
             torch.get_device_module(self.platform.device_type).set_device(self.platform.device)
-        self.ps: ParallelState = build_parallel_state(cfg.parallel.ep, cfg.parallel.timeout_s, cfg.parallel.pp)
+        p = cfg.parallel
+        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp)
         validate(cfg, self.ps.world_size)
         cfg.train.dtype = resolve_dtype(cfg.train.dtype, self.platform.device_type)  # recorded in config.yaml
-        self.accum = grad_accum_steps(cfg, self.ps.stage_size)  # micro-batches per rank and step
+        self.accum = grad_accum_steps(cfg, self.ps.data_parallel)  # micro-batches per rank and step
         self.run_dir = resolve_run_dir(cfg, self.ps)
         self.device = self.platform.device
 
@@ -159,20 +164,15 @@ class Trainer:
         p = cfg.profile
         self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
 
-        t, ps = cfg.train, self.ps.stage()  # every pipeline stage reads the same data
+        # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
+        t, data_rank, data_world = cfg.train, self.ps.data_rank, self.ps.data_parallel
         self.loader = BatchLoader(
-            self.data.train,
-            t.global_batch,
-            t.micro_batch,
-            ps.rank,
-            ps.world_size,
-            t.seed,
-            prefetch=cfg.data.prefetch,
+            self.data.train, t.global_batch, t.micro_batch, data_rank, data_world, t.seed, prefetch=cfg.data.prefetch
         )
         # A fixed held-out set of sequences, the same in every layout (see eval_batches).
         self.eval_batches = [
             (batch.to(self.device), weight.to(self.device, torch.float64))
-            for batch, weight in eval_batches(self.data.val, t.eval_sequences, t.micro_batch, ps.rank, ps.world_size)
+            for batch, weight in eval_batches(self.data.val, t.eval_sequences, t.micro_batch, data_rank, data_world)
         ]
         self.eval_tokens = min(t.eval_sequences, len(self.data.val)) * t.seq_len
         self.step = 0
@@ -204,6 +204,8 @@ class Trainer:
             param_dtype=param_dtype(cfg.train.dtype),
             seed=cfg.train.seed,
             pad_world=ps.world_size,  # the optimizer adopts the parameters' flat buffers instead of copying them
+            tp_mesh=ps.tp_mesh,
+            sp=cfg.parallel.sp,
             **stage,
         )
         parallelize_model(model, ps, cfg.parallel)
@@ -227,7 +229,7 @@ class Trainer:
     def _pipeline_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch, as the schedule back-propagates it; keeps the LM loss."""
         with self.pipeline.timed(self.pipeline.n_stages - 1, "forward"):  # the last stage's work
-            lm_loss = next_token_loss(logits_BSV, targets_BS)
+            lm_loss = next_token_loss(logits_BSV, targets_BS, self.ps.tp_mesh)
         self.pipeline_lm_losses.append(lm_loss.detach())
         return lm_loss / self.accum
 
@@ -277,6 +279,8 @@ class Trainer:
         flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested)
         if ps.pp_rank > 0:
             flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
+        # The tp ranks of a group hold the same LM loss and each a 1/tp share's router losses: their mean
+        # over the group is the micro-batch's, so the sums are averaged over all of a stage's ranks.
         if ps.is_distributed:
             dist.all_reduce(flags)
             if counts_LE is not None:
@@ -318,6 +322,8 @@ class Trainer:
         forward = self.model if self.pipeline is None else self.pipeline.forward
         for batch, weight in self.eval_batches:
             total += eval_loss_sum(forward, batch, weight, self.cfg, self.platform)
+        if self.ps.tp_rank > 0:
+            total.zero_()  # the tp ranks of a group evaluate the same sequences: count them once
         if self.ps.is_distributed:
             dist.all_reduce(total)
         return total.item() / self.eval_tokens
@@ -340,7 +346,8 @@ class Trainer:
             "params_expert": counts.expert,
             "flops_per_token": self.flops_per_token,
             "layout": {
-                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "ep": self.ps.ep, "accum": self.accum,
+                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "ep": self.ps.ep, "tp": self.ps.tp,
+                "accum": self.accum,
             },
             "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},
             "device": {

@@ -79,7 +79,7 @@ def test_ep_layouts_match_single_process(tmp_path, corpus_file, single_threaded)
         info = json.loads((run_dir / "run_info.json").read_text())
         world = 4 if extra else 1
         ep = {"nproc=1": 1, "nproc=4 ep=2 alltoall": 2, "nproc=4 ep=4 allgather": 4}[layout]
-        assert info["layout"] == {"world": world, "pp": 1, "dp": world // ep, "ep": ep, "accum": 4 // world}
+        assert info["layout"] == {"world": world, "pp": 1, "dp": world // ep, "ep": ep, "tp": 1, "accum": 4 // world}
         # Parameter counts are of the whole model, whatever slice of experts a rank holds.
         assert info["params"] == json.loads((tmp_path / "run0" / "run_info.json").read_text())["params"]
 

@@ -41,7 +41,7 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
     assert metrics[-1]["val_loss"] < metrics[19]["val_loss"]
 
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "ep": 1, "accum": 2}
+    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "ep": 1, "tp": 1, "accum": 2}
     assert info["params"]["total"] == info["params"]["dense"] + info["params"]["expert"]
     assert info["params_dense"] == info["params"]["dense"]
     rank0 = info["per_rank"][0]

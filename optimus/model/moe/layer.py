@@ -32,6 +32,10 @@ class MoE(nn.Module):
         self.n_moe_layers = n_moe_layers
         self.router_loss_coefs = router_loss_coefs(cfg)
         self.stats: RouterStats | None = None
+        # The share of each micro-batch's tokens this rank routes: 1 / tp under tensor parallelism, which
+        # routes a different slice of the sequence on each tp rank (set from outside, optimus.parallel). The
+        # router losses are means over the routed tokens, so each slice's count for that share of the whole.
+        self.router_loss_share = 1.0
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -42,7 +46,7 @@ class MoE(nn.Module):
         losses = (routing.aux_loss, routing.z_loss, routing.seq_aux_loss)
         if self.stats is not None and self.training:
             self.stats.record(self.layer_idx, *losses, routing.tokens_per_expert_E)
-        grad_scale = self.stats.grad_scale if self.stats is not None else 1.0
+        grad_scale = (self.stats.grad_scale if self.stats is not None else 1.0) * self.router_loss_share
         y_TD = attach_router_loss(y_TD, losses, self.router_loss_coefs, grad_scale, self.n_moe_layers)
         return y_TD.view_as(x_BSD)
 

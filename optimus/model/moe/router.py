@@ -110,8 +110,9 @@ class Router(nn.Module):
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.aux_loss_scope = cfg.aux_loss_scope
         self.with_seq_aux_loss = cfg.seq_aux_loss_coef > 0
-        # Process group over which aux_loss_scope=global sums the expert counts; set by the code that
-        # lays the model out (optimus.parallel), None = this rank's micro-batch only.
+        # Process group over which the expert counts are summed; set by the code that lays the model out
+        # (optimus.parallel): the data-parallel ranks for aux_loss_scope=global, the tensor-parallel ranks
+        # (which route parts of one micro-batch) for micro_batch. None = the tokens routed here only.
         self.balance_group = None
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         # Selection bias for the sigmoid router; a buffer so the optimizer never touches it.
@@ -159,10 +160,10 @@ class Router(nn.Module):
         return Routing(expert_idx_TK, weight_TK, keep_TK, aux_loss, z_loss, seq_aux_loss, tokens_per_expert_E)
 
     def _balance_loss(self, tokens_per_expert_E: torch.Tensor, n_tokens: int, probs_TE: torch.Tensor) -> torch.Tensor:
-        """E * sum_e f_e P_e with f_e = choices of e / tokens, counted over `balance_group` when global."""
+        """E * sum_e f_e P_e with f_e = choices of e / tokens, counted over `balance_group`."""
         counts_E1 = torch.cat([tokens_per_expert_E, tokens_per_expert_E.new_tensor([n_tokens])])
-        # Only training steps balance globally: evaluation may run on some ranks only and needs no loss.
-        if self.aux_loss_scope == "global" and self.balance_group is not None and self.training:
+        # Only training steps count over a group: evaluation may run on some ranks only and needs no loss.
+        if self.balance_group is not None and self.training:
             dist.all_reduce(counts_E1, group=self.balance_group)  # counts carry no gradient
         fraction_E = counts_E1[:-1] / counts_E1[-1]
         return self.n_experts * (fraction_E * probs_TE.mean(dim=0)).sum()

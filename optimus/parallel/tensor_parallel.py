@@ -1,0 +1,235 @@
+"""Tensor and sequence parallelism, applied to a model (or a pipeline stage) from outside with DTensor.
+
+`apply_tensor_parallel` gives every block `parallelize_module` plans over the TP mesh
+(a run of `tp` consecutive ranks that share one batch):
+
+    module                 split over tp                          input -> output (sp on | sp off)
+    embed                  vocabulary rows (RowwiseParallel)      tokens -> Shard(1) | Replicate
+    attn_norm, ffn_norm    - (SequenceParallel with sp)           Shard(1) -> Shard(1)
+    attn                   heads: wq/wk/wv columns, wo rows       all-gathers the sequence with sp;
+                                                                  wo reduce-scatters (sp) or all-reduces
+    attn.q_norm/k_norm     - (QK-norm "full": the projection is   q/k all-gathered, normalised whole,
+                           split, its norm is over all of it)     sliced back to this rank's heads
+    dense ffn (SwiGLU)     w1/w3 columns, w2 rows                 as attention
+    MoE ffn                - (parallel folding: the experts are   routes this rank's 1/tp of the
+                           spread over ep, tp ranks among them)   sequence; sp off: all-gathers after
+    norm                   - (SequenceParallel with sp)
+    lm_head                vocabulary rows (ColwiseParallel)      -> logits [B, S, V/tp] on each rank;
+                                                                  optimus.model.loss takes the
+                                                                  vocab-parallel cross-entropy
+
+GQA keeps whole KV heads per rank (config.validate_tensor_parallel refuses a tp that does not
+divide n_kv_heads). The router, shared experts and routed experts are not split: under TP the
+ranks of a TP group take part in expert parallelism (MoE layers see the stage's dp x tp ranks as
+edp x ep; optimus.parallel.state), each routing a different 1/tp of the sequence, so every token
+is routed exactly once.
+
+Gradients: a split parameter's gradient is its slice's, complete; a replicated one (`tp_grad_roles`)
+is either the same on every tp rank ("replicated": norms without sp, the gathered QK-norm) or this
+rank's share of a sum over the tp ranks ("partial": norms under sp, whose rank saw 1/tp of the
+tokens; the router and shared experts, which routed 1/tp of them; per-head QK-norms, which saw
+1/tp of the heads). The optimizer sums the partial ones over the TP group before it reduces over
+the data-parallel ranks, and counts replicated elements once in the gradient norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from optimus.model.attention import Attention
+from optimus.model.counts import expert_offsets
+from optimus.model.mlp import SwiGLU
+from optimus.model.moe.layer import MoE
+
+SPLIT, PARTIAL, REPLICATED = "split", "partial", "replicated"  # tp_grad_roles' values
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: its local shard (sharing storage) when `t` is a DTensor, else `t`."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of `param.grad`: a split parameter's slice (DTensor can produce the gradient of one in
+    another layout, e.g. the embedding's as a partial sum, which is then reduce-scattered into slices), a
+    replicated one's local value (for a partial role: this rank's share, summed by the optimizer)."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != param.placements and any(p.is_shard() for p in param.placements):
+        grad = grad.redistribute(placements=param.placements)
+    return grad.to_local()
+
+
+def like_parameter(param: torch.Tensor, local: torch.Tensor) -> nn.Parameter:
+    """A parameter laid out as `param` (a DTensor's mesh, placements and global shape) whose storage is `local`."""
+    if isinstance(param, DTensor):
+        local = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+class _ReplicateParams(ParallelStyle):
+    """The module's parameters become Replicate DTensors; inputs and outputs are handled by the styles around it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+        return module
+
+
+def _residual(sp: bool):
+    """How the residual stream is laid out between blocks: 1/tp of the sequence (sp) or all of it."""
+    return Shard(1) if sp else Replicate()
+
+
+def _gather_sequence() -> PrepareModuleInput:
+    """Sequence parallelism: attention and dense FFNs take the whole sequence (each rank its heads/columns)."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+
+
+def _attention_plan(attn: Attention, sp: bool) -> dict[str, ParallelStyle | tuple[ParallelStyle, ...]]:
+    full_qk_norm = attn.qk_norm == "full"
+    plan: dict[str, ParallelStyle | tuple[ParallelStyle, ...]] = {
+        # Full-width QK-norm needs q and k as DTensors (split over columns) to gather them for the norm.
+        "wq": ColwiseParallel(use_local_output=not full_qk_norm),
+        "wk": ColwiseParallel(use_local_output=not full_qk_norm),
+        "wv": ColwiseParallel(),
+        "wo": RowwiseParallel(output_layouts=_residual(sp)),
+    }
+    if sp:
+        plan[""] = _gather_sequence()
+    if full_qk_norm:
+        # The norm is over the whole projection: gather q (k), normalise it whole on every rank, keep this
+        # rank's heads. Costs an all-gather of q and k per layer; the weight stays whole (its grad is too).
+        for norm in ("q_norm", "k_norm"):
+            plan[norm] = (
+                _ReplicateParams(),
+                PrepareModuleInput(
+                    input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_output=False
+                ),
+                PrepareModuleOutput(
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True
+                ),
+            )
+    return plan
+
+
+def _ffn_plan(ffn: nn.Module, sp: bool) -> dict[str, ParallelStyle | tuple[ParallelStyle, ...]]:
+    if isinstance(ffn, SwiGLU):
+        plan: dict[str, ParallelStyle | tuple[ParallelStyle, ...]] = {
+            "w1": ColwiseParallel(),
+            "w3": ColwiseParallel(),
+            "w2": RowwiseParallel(output_layouts=_residual(sp)),
+        }
+        if sp:
+            plan[""] = _gather_sequence()
+        return plan
+    assert isinstance(ffn, MoE)
+    # Each rank routes its 1/tp of the sequence: with sp that is what it holds, without it a slice of its copy.
+    route_share = PrepareModuleInput(
+        input_layouts=(_residual(sp),), desired_input_layouts=(Shard(1),), use_local_output=True
+    )
+    if sp:
+        return {"": route_share}
+    return {"": (route_share, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))}
+
+
+def _fold_moe(moe: MoE, mesh: DeviceMesh) -> None:
+    """The tp ranks route parts of one micro-batch: its router losses are the mean over them (each counts for
+    1/tp of the whole), and its expert counts the sum (micro-batch balancing; global balancing sums over all)."""
+    moe.router_loss_share = 1.0 / mesh.size()
+    if moe.router.aux_loss_scope == "micro_batch":
+        moe.router.balance_group = mesh.get_group()
+
+
+def _apply(module: nn.Module, mesh: DeviceMesh, prefix: str, plan: dict) -> None:
+    """parallelize_module for each entry of `plan`: submodule path ("" = the module) -> style or styles."""
+    for key, styles in plan.items():
+        path = ".".join(p for p in (prefix, key) if p)
+        for style in styles if isinstance(styles, tuple) else (styles,):
+            parallelize_module(module.get_submodule(path), mesh, style)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:
+    """Split `model` (a Transformer or a pipeline stage of one, on any device, meta included) over `mesh`."""
+    if getattr(model, "embed", None) is not None:
+        _apply(model, mesh, "embed", {"": RowwiseParallel(input_layouts=Replicate(), output_layouts=_residual(sp))})
+    for name, block in model.layers.items():
+        prefix = f"layers.{name}"
+        if sp:
+            _apply(model, mesh, prefix, {"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        _apply(model, mesh, f"{prefix}.attn", _attention_plan(block.attn, sp))
+        _apply(model, mesh, f"{prefix}.ffn", _ffn_plan(block.ffn, sp))
+        if block.is_moe:
+            _fold_moe(block.ffn, mesh)
+    if getattr(model, "lm_head", None) is not None:
+        if sp:
+            _apply(model, mesh, "norm", {"": SequenceParallel()})
+        head = ColwiseParallel(input_layouts=_residual(sp), output_layouts=Shard(-1), use_local_output=True)
+        _apply(model, mesh, "lm_head", {"": head})
+    return model
+
+
+def tp_grad_roles(model: nn.Module) -> dict[str, str]:
+    """name -> SPLIT | PARTIAL | REPLICATED for every trainable non-expert parameter of a model that
+    `apply_tensor_parallel` split (see the module docstring); routed experts are expert parallelism's."""
+    experts = expert_offsets(model)
+    in_moe = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, MoE) for p, _ in m.named_parameters()}
+    head_norms = {
+        f"{n}.{norm}.{p}"
+        for n, m in model.named_modules()
+        if isinstance(m, Attention) and m.qk_norm == "head"
+        for norm in ("q_norm", "k_norm")
+        for p, _ in getattr(m, norm).named_parameters()
+    }
+    roles = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad or name in experts:
+            continue
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+            roles[name] = SPLIT
+        elif isinstance(param, DTensor):  # replicated by SequenceParallel (partial) or for the gathered QK-norm
+            roles[name] = REPLICATED if name.endswith(("q_norm.weight", "k_norm.weight")) else PARTIAL
+        else:
+            roles[name] = PARTIAL if name in in_moe or name in head_norms else REPLICATED
+    return roles
+
+
+def tp_global_offsets(model: nn.Module, names: list[str]) -> dict[str, tuple[int, tuple[int, ...], tuple | None]]:
+    """For the split parameters among `names`, where this rank's slice sits in the whole parameter, as the
+    optimizer's state is keyed (optimus.optim.state_ranges): a block of rows (Shard(0)) is the range that
+    starts at its first element; a block of columns (Shard(1), RowwiseParallel's) is its own block."""
+    out = {}
+    for name in names:
+        param = model.get_parameter(name)
+        if not isinstance(param, DTensor):
+            continue
+        (placement,) = param.placements  # a 1-D mesh
+        if not placement.is_shard():
+            continue
+        local, rank = local_tensor(param), param.device_mesh.get_local_rank()
+        if placement.dim == 0:
+            out[name] = (rank * local.numel(), tuple(param.shape), None)
+        else:
+            assert placement.dim == 1 and param.dim() == 2, f"{name}: only matrices are split along columns"
+            width = local.shape[1]
+            out[name] = (0, tuple(param.shape), (rank * width, (rank + 1) * width))
+    return out
