@@ -42,9 +42,9 @@ from optimus.optim.flat_buffer import FlatParams, GlobalPlace, padded_numel
 from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
 from optimus.optim.state_ranges import StateRange, copy_overlap, range_key
 from optimus.parallel import ParallelState
+from optimus.parallel.collectives import reduce_scatter_sum
 from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad, tp_global_offsets, tp_grad_roles
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SCHEMES = SHARDING_SCHEMES  # the values of optim.sharding that name a scheme (all but auto)
@@ -316,7 +316,7 @@ class ShardGroup:
             return
         if c.pre_world > 1:  # the standard scheme's all-reduce over EP, before the DP reduce-scatter
             dist.all_reduce(src, group=c.pre_group)
-        self.works.append((_reduce_scatter(out, src, group=c.shard_group, async_op=True), src, None))
+        self.works.append((reduce_scatter_sum(out, src, c.shard_group, async_op=True), src, None))
 
     def finish_reduction(self) -> None:
         if self.zero == 2:

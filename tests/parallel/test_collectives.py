@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.parallel.collectives import all_gather, all_gather_sizes, all_to_all, all_to_all_counts, reduce_scatter
+from optimus.parallel.collectives import (
+    all_gather,
+    all_gather_sizes,
+    all_to_all,
+    all_to_all_counts,
+    reduce_scatter,
+    reduce_scatter_sum,
+)
 from tests.distributed import DistributedTestError, run_distributed
 
 D = 3
@@ -102,6 +109,26 @@ def test_all_gather_and_reduce_scatter_are_adjoint(world):
 @pytest.mark.slow
 def test_collectives_on_subgroups():
     run_distributed(check_subgroup, 4)
+
+
+def _summed_blocks() -> list[bool]:
+    """reduce_scatter_sum, waited at once and in flight beside another, against the sum of every rank's input."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.randn(world * 6, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    expected = torch.stack(inputs).sum(0).view(world, 6)[rank]
+    out_sync, out_a, out_b = torch.empty(6), torch.empty(6), torch.empty(6)
+    reduce_scatter_sum(out_sync, inputs[rank].clone(), dist.group.WORLD)
+    first = reduce_scatter_sum(out_a, inputs[rank].clone(), dist.group.WORLD, async_op=True)
+    second = reduce_scatter_sum(out_b, 2 * inputs[rank], dist.group.WORLD, async_op=True)
+    second.wait()
+    first.wait()
+    return [torch.allclose(out, want) for out, want in ((out_sync, expected), (out_a, expected), (out_b, 2 * expected))]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_sum_is_this_ranks_block_of_the_sum(world):
+    """On gloo the optimizer's and the all-gather dispatcher's reduce-scatter is an all-to-all and a local sum."""
+    assert all(all(ok) for ok in run_distributed(_summed_blocks, world))
 
 
 def _indivisible() -> None:

@@ -85,17 +85,22 @@ def record_collective_dtypes():
     forward and backward."""
     import optimus.parallel.collectives as collectives
 
-    sent, originals = [], {}
-    wires = {"all_to_all_single": 1, "_all_gather_tensor": 1, "_reduce_scatter_tensor": 1}  # which arg is sent
+    sent, originals, inside = [], {}, []
+    wires = {"all_to_all_single": 1, "_all_gather_tensor": 1, "reduce_scatter_sum": 1}  # which arg is sent
     for name, arg in wires.items():
         holder = dist if name == "all_to_all_single" else collectives
         originals[name] = (holder, real := getattr(holder, name))
 
         def recording(*args, real=real, name=name, arg=arg, **kwargs):
             x = args[arg]
-            if x.is_floating_point() and x.dim() == 2 and x.shape[1] == D:  # token rows, not routing weights
+            # Token rows, not routing weights; a reduce-scatter's own exchange (gloo) counts as the reduce-scatter.
+            if x.is_floating_point() and x.dim() == 2 and x.shape[1] == D and not inside:
                 sent.append((name, x.dtype))
-            return real(*args, **kwargs)
+            inside.append(name)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                inside.pop()
 
         setattr(holder, name, recording)
     try:
@@ -149,7 +154,7 @@ def check_moe_layer(case: dict) -> dict:
         # sums over ranks (reduce-scatter) travel in fp32, so that they are rounded once
         assert sent, sent
         for name, dtype in sent:
-            assert dtype == (torch.float32 if name == "_reduce_scatter_tensor" else torch.bfloat16), sent
+            assert dtype == (torch.float32 if name == "reduce_scatter_sum" else torch.bfloat16), sent
     mine = ref[rank]
     torch.testing.assert_close(y, mine["y"], **tol)
     torch.testing.assert_close(x.grad, mine["x_grad"], **tol)
