@@ -136,9 +136,17 @@ def recipe_table() -> list[dict]:
 
 
 def markdown(measured: list[dict], recipes: list[dict]) -> str:
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith("avx512")})
     lines = [
+        f"Command: `python benchmarks/optimizer.py`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{os.cpu_count()} cores ({' '.join(flags) or 'no AVX-512'}), load {os.getloadavg()[0]:.2f} at the end.",
+        "",
         f"## Measured: world {WORLD} (gloo, CPU), fp32 parameters, {BENCH_MODEL.n_layers}L d{BENCH_MODEL.dim} "
         f"E{BENCH_MODEL.moe.n_experts}, micro-batch {MICRO_BATCH}x{SEQ}; max over ranks, median over steps",
+        "",
+        "The train step is the comparison between schemes: the optimizer step counts only what is left of the",
+        "gradient reduction when the backward ends, and `standard` runs its EP all-reduce of dense gradients",
+        "inside the backward (synchronously, before its DP reduce-scatter), so part of its cost is not in that column.",
         "",
         "| EP x DP | scheme | ZeRO | optim state / rank (MB) | formula (MB) | optimizer step (ms) | train step (ms) |",
         "|---|---|---|---|---|---|---|",

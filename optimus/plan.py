@@ -36,8 +36,9 @@ head all-gather and keep), else 0:
                                  gathered, G); the ffn norm's output counts as the FFN's input below
     attention     G + (3 D + 2 D_kv) a / TP + 4 n_heads / TP + Q   its gathered input; q/k/v and output of
                                  SDPA with its fp32 log-sum-exp, out-projection input, split by heads;
-                                 Q: q/k before and after QK-norm, (2 D + 2 D_kv) a, / TP for qk_norm=head,
-                                 whole for qk_norm=full (gathered to be normalised), 0 without QK-norm
+                                 Q: q/k before and after QK-norm, (2 D + 2 D_kv) a, / TP for qk_norm=head;
+                                 for qk_norm=full at TP > 1 (D + D_kv)(4 + a) / TP + 8 (q/k kept in fp32
+                                 before the width-split norm, two fp32 inverse norms); 0 without QK-norm
                                  (D_kv = n_kv_heads x head_dim)
     dense FFN     4 F_dense a / TP + G + O   gate and up outputs, SiLU output, their product, split by
                                  columns, and its input (gathered with sequence parallelism)
@@ -56,17 +57,22 @@ head all-gather and keep), else 0:
                                  never gathered) the fp32 log-probabilities of its columns, 4 V / TP
 
 The peak is the larger of: everything kept (plus, for the plain head, the logits' gradient, (4 V + a V) / TP in
-bf16) as the backward starts, and, for each block, what it and the blocks before it keep plus its largest
-recomputed region, alive again during its backward, and two gradients: the residual stream's (D a r) and the
-region's input's (D a; 2 D a in all without TP).
+bf16; for the fused head its working memory, fused_head_work_bytes: one chunk's logits in its forward,
+C V (4 + a) in bf16 and 4 C V in fp32 for C = optimus.model.loss.chunk_rows(V) rows, or its backward's
+gradients V D a + 2 t D a, whichever is larger) as the backward starts, and, for each block, what it and the
+blocks before it keep plus its largest recomputed region, alive again during its backward, and two gradients:
+the residual stream's (D a r) and the region's input's (D a; 2 D a in all without TP).
 train.activation_checkpointing (optimus/train/activation_checkpointing.py) removes parts:
 selective drops attention (recomputing one layer's; its gathered input G is the recomputation's input and
 stays); full keeps only the input (D a r) of a dense block and drops attention (G stays), the expert SwiGLU
 and shared experts of an MoE block (the norms, router and exchanged rows stay, since the exchange is never
 re-run). Under expert parallelism each rank computes K x t / TP routed rows on average (balanced routing; the
 busiest rank holds `expert_load_imbalance` times more). Not included: allocator fragmentation and cached
-blocks, collective buffers (the TP all-gathers' and reduce-scatters' included), temporaries of the optimizer
-step, and the different buffers of the Triton kernels.
+blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), collective buffers (the TP
+all-gathers' and reduce-scatters', ZeRO-2's staging buckets and gloo's receive buffers: they are allocated as
+the backward frees activations, which keeps them below the peak without checkpointing but not with it),
+temporaries of the optimizer step (after the backward, below the peak), and the different buffers of the
+Triton kernels. docs/MEMORY.md measures what these add to a CPU run's resident peak.
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ from optimus.model import (
     moe_layer_ids,
     padded_vocab_size,
 )
+from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
 from optimus.parallel.pipeline import (
     PartCounts,
@@ -139,6 +146,8 @@ def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
 
     def split(block: torch.nn.Module) -> int:
         attention = sum(getattr(block.attn, name).weight.numel() for name in ("wq", "wk", "wv", "wo"))
+        if block.attn.qk_norm == "full":  # its weights are split like the q and k columns they scale
+            attention += block.attn.q_norm.weight.numel() + block.attn.k_norm.weight.numel()
         return attention + (0 if block.is_moe else sum(p.numel() for p in block.ffn.parameters()))
 
     return [split(b) for b in model.layers.values()], model.embed.weight.numel(), model.lm_head.weight.numel()
@@ -210,8 +219,11 @@ def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> 
     # a norm's output, kept by the projections it feeds; with sequence parallelism they keep it gathered instead
     # (an MoE layer keeps only its share of the tokens: "moe_input")
     norm_output = 0 if gathered else d * a
-    # q and k before and after QK-norm: per head split like the heads; "full" normalises them gathered, whole
-    qk_norm = {"none": 0, "head": 1 / tp, "full": 1}[qk] * (2 * d + 2 * d_kv) * a
+    # q and k before and after QK-norm, split like the heads. "full" under tp (optimus.parallel.tensor_parallel's
+    # width-split norm) keeps q and k in fp32 before the norm and each token's two inverse norms (fp32)
+    qk_norm = {"none": 0, "head": (2 * d + 2 * d_kv) * a / tp, "full": (2 * d + 2 * d_kv) * a}[qk]
+    if qk == "full" and tp > 1:
+        qk_norm = (d + d_kv) * (4 + a) / tp + 2 * 4
     return {
         # both pre-norms' input and normalised input, and the attention norm's output
         "norms": 4 * d * a * residual + norm_output,
@@ -258,6 +270,7 @@ def activation_bytes(
     fused_head: bool = True,
     tp: int = 1,
     sp: bool = True,
+    head_work: bool = False,
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
@@ -265,7 +278,9 @@ def activation_bytes(
     head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. `fused_head`:
     the head's cross-entropy is optimus.model.loss's fused one (pp = 1, tp = 1), else the plain one on full
     logits (the last pipeline stage) or the vocabulary-parallel one on V/tp of them (tp > 1). `tp` > 1: one
-    rank of a tensor-parallel group, with sequence parallelism when `sp`."""
+    rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also count the fused
+    cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler books it to the
+    head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it out."""
     part = _layer_activations(m, act_bytes, tp, sp)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
@@ -283,13 +298,30 @@ def activation_bytes(
     # in bf16; the fused head kept it already); block i is recomputed once the blocks after it and the
     # head have freed theirs, while the residual stream's gradient and the region's are alive.
     logits_grad = vocab * (4 + (act_bytes if act_bytes != 4 else 0)) if head and not fused_head else 0
-    peak = kept + logits_grad
+    tokens = micro_batch * seq_len
+    # the fused cross-entropy's working memory (it runs on a whole head: tp = 1)
+    work = fused_head_work_bytes(m, tokens, act_bytes) if head_work and head and fused_head and tp == 1 else 0
+    peak = tokens * (kept + logits_grad) + work
     below = 0
     for block_kept, block_recomputed in blocks:
         below += block_kept
         if block_recomputed:
-            peak = max(peak, below + block_recomputed + part["grads"])
-    return round(micro_batch * seq_len * (waiting + peak))
+            peak = max(peak, tokens * (below + block_recomputed + part["grads"]))
+    return round(tokens * waiting + peak)
+
+
+def fused_head_work_bytes(m: ModelConfig, tokens: int, act_bytes: int) -> int:
+    """Bytes the fused cross-entropy (optimus.model.loss) holds beyond what it keeps for the backward, at their
+    largest, while everything else is kept: in its forward one chunk of fp32 logits (and, in a 16-bit run, the
+    chunk's GEMM output it is copied from); in its backward the head weight's gradient [V, D] and the hidden
+    states' gradient and scaled copy [T, D] in the compute dtype (in a 16-bit run, while the scaled copy is
+    made, the hidden states' gradient beside an fp32 copy of the hidden states and its fp32 product)."""
+    vocab, d, a = padded_vocab_size(m.vocab_size), m.dim, act_bytes
+    rows = min(chunk_rows(vocab), tokens)
+    forward = rows * vocab * (4 + (a if a != 4 else 0))
+    backward = vocab * d * a + 2 * tokens * d * a
+    rounded_from_fp32 = (a + 2 * 4) * tokens * d if a != 4 else 0
+    return max(forward, backward, rounded_from_fp32)
 
 
 @dataclass
@@ -329,7 +361,7 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
     # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1) on a whole head (tp = 1)
     fused = p.pp == 1 and p.tp == 1
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
-             "tp": p.tp, "sp": p.sp}  # fmt: skip
+             "tp": p.tp, "sp": p.sp, "head_work": True}  # fmt: skip
     act = {
         "micro_batch": t.micro_batch,
         "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "none", **where),

@@ -294,23 +294,46 @@ def share_cpu_threads(local_world_size: int) -> int:
 
 
 # glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
-def keep_cpu_allocations() -> bool:
-    """Make glibc keep freed memory for reuse instead of handing it back to the OS.
-
-    By default every tensor above a few MB is its own mmap, and every free returns it,
-    so each training step page-faults its activations in afresh: on a 2-core CPU the
-    expert path spent up to half its time in the kernel zeroing pages (benchmarks/moe_layer.py
-    S2: 37% -> 84% of the dense GEMM rate). The cost is that the process keeps its peak
-    footprint, as it would on a GPU with PyTorch's caching allocator. Returns whether it applied
-    (only glibc has mallopt; elsewhere this does nothing).
-    """
+def _glibc():
+    """glibc as a ctypes library, or None (another C library, or no libc.so.6)."""
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") else None
+
+
+def keep_cpu_allocations() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the OS, in one heap.
+
+    By default every tensor above a few MB is its own mmap, and every free returns it,
+    so each training step page-faults its activations in afresh: on a 2-core CPU the
+    expert path spent up to half its time in the kernel zeroing pages (benchmarks/moe_layer.py
+    S2: 37% -> 84% of the dense GEMM rate). The cost is that the process keeps its peak
+    footprint, as it would on a GPU with PyTorch's caching allocator. Every thread also shares
+    the main heap (one arena): the collective library's and the data loader's threads would
+    otherwise each grow a heap of their own, whose freed blocks no other thread can reuse (about
+    30 MiB per rank of a multi-process run, benchmarks/memory.py). Returns whether it applied
+    (only glibc has mallopt; elsewhere this does nothing).
+    """
+    libc = _glibc()
+    if libc is None:
         return False
-    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1))
+    return all([bool(libc.mallopt(param, value)) for param, value in settings])
+
+
+def release_free_cpu_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), keeping the heap's layout.
+
+    For after a pass whose allocations the training step does not repeat (an evaluation): the
+    step reuses the holes it can, and the pages of the others would otherwise stay resident
+    for the whole run (keep_cpu_allocations never returns them). A page handed back costs
+    one page fault when it is used again. Returns whether glibc released any memory."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
-from optimus.model import Transformer, count_params, flops_per_token
+from optimus.model import Transformer, count_params, flops_per_token, padded_vocab_size
+from optimus.model.loss import linear_cross_entropy
 from optimus.optim import ShardedAdamW, rank_state_bytes
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
 from optimus.parallel.tensor_parallel import local_tensor
-from optimus.plan import activation_bytes, make_plan
+from optimus.plan import activation_bytes, fused_head_work_bytes, make_plan
 from optimus.train.activation_checkpointing import apply_activation_checkpointing
 from optimus.train.build import build_model
 from optimus.train.trainer import Trainer
@@ -169,6 +172,7 @@ def test_activation_bytes_by_hand():
     dense, moe = norms + attn + 4 * ffn * a, norms + attn + router + rows + experts + shared
     # the fused cross-entropy keeps the logits' gradient in bf16; the plain one logits and fp32 log-probs
     head = {True: 3 * d * a + v * a + 16, False: 3 * d * a + v * (a + 4) + 16}
+    assert t * v * (4 + a) > max(v * d * a + 2 * t * d * a, 10 * t * d)  # the fused head's forward chunk is largest
     for fused in (True, False):
         kept = {  # one dense block, then two MoE blocks
             "none": dense + 2 * moe + head[fused],
@@ -176,12 +180,67 @@ def test_activation_bytes_by_hand():
             "full": d * a + 2 * (norms + router + rows) + head[fused],
         }
         # the plain head's backward starts with the logits' gradient (fp32 and its bf16 cast), larger here than
-        # any recomputed region; the fused head's kept bytes exceed every block's recomputed region
+        # any recomputed region; the fused head's kept bytes exceed every block's recomputed region, and its
+        # largest work is its forward's chunk of t rows: fp32 logits and their bf16 GEMM output (above its
+        # backward's [v, d] and two [t, d] bf16 gradients, and the 2 + 4 + 4 bytes per [t, d] element of the
+        # scaled copy's making)
         logits_grad = 0 if fused else v * (4 + a)
+        head_work = t * v * (4 + a) if fused else 0
         for mode, per_token in kept.items():
             got = activation_bytes(SMALL, 2, 16, a, mode, recompute=False, fused_head=fused)
             assert got == t * per_token, (mode, fused)
-            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused) == t * (per_token + logits_grad), mode
+            peak = t * (per_token + logits_grad) + head_work
+            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused, head_work=True) == peak, mode
+            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused) == peak - head_work, mode
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The bytes of the tensors that ops made under this mode and that are still alive, op by op, and their peak
+    (a storage counts until it is freed, whichever tensors view it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.alive = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.alive -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        held = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}  # views, in-place
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            new = storage is not None and storage.nbytes() and storage.data_ptr() not in held
+            if new and storage.data_ptr() not in self.sizes:
+                self.sizes[storage.data_ptr()] = storage.nbytes()
+                self.alive += storage.nbytes()
+                weakref.finalize(storage, self._freed, storage.data_ptr())
+        self.peak = max(self.peak, self.alive)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_head_work_is_what_the_cross_entropy_allocates(dtype):
+    """The fused cross-entropy's working memory beyond what it keeps for the backward (fp32: its backward's
+    gradients; bf16: its forward's chunk of logits) against the live tensors its forward and backward make,
+    tracked op by op, within 5%."""
+    m = ModelConfig(dim=256, vocab_size=8192)
+    tokens, vocab = 1024, padded_vocab_size(m.vocab_size)  # 4 chunks of rows
+    gen = torch.Generator().manual_seed(0)
+    h_TD = torch.randn(tokens, m.dim, generator=gen).to(dtype).requires_grad_()
+    weight_VD = (0.02 * torch.randn(vocab, m.dim, generator=gen)).to(dtype).requires_grad_()
+    targets_T = torch.randint(0, m.vocab_size, (tokens,), generator=gen)
+    with LiveTensorBytes() as live:
+        loss_T = linear_cross_entropy(h_TD, weight_VD, targets_T)
+        kept = live.alive  # the logits' gradient it keeps for the backward, and the loss
+        forward_work = live.peak - kept
+        live.peak = 0
+        loss_T.sum().backward()
+        backward_work = live.peak - kept
+    measured = max(forward_work, backward_work)
+    assert fused_head_work_bytes(m, tokens, dtype.itemsize) == pytest.approx(measured, rel=0.05)
 
 
 def test_flops_and_fit(tmp_path):
@@ -228,12 +287,14 @@ def tp_cfg(model: ModelConfig, tp: int, sp: bool = True, **train) -> OptimusConf
 
 @pytest.mark.parametrize("model", [DENSE, SMALL], ids=["dense", "moe"])
 def test_tensor_parallel_splits_attention_dense_ffn_embedding_and_head(model):
-    """Per device, tp = 2 holds half of q/k/v/out, the dense SwiGLU, the embedding and the LM head (counted by
-    hand from the shapes) and all of the rest; the optimizer state follows: the owned shard of the dense group
-    is (split / tp + replicated) / (world / tp)."""
+    """Per device, tp = 2 holds half of q/k/v/out (and full QK-norms), the dense SwiGLU, the embedding and the LM
+    head (counted by hand from the shapes) and all of the rest; the optimizer state follows: the owned shard of
+    the dense group is (split / tp + replicated) / (world / tp)."""
     d, d_kv, v = model.dim, model.n_kv_heads * model.dim // model.n_heads, 512  # vocab 500 pads to 512
     n_dense = model.first_k_dense if model.moe.n_experts else model.n_layers
     split = model.n_layers * (2 * d * d + 2 * d * d_kv) + n_dense * 3 * d * model.ffn_dim + 2 * v * d
+    if model.qk_norm == "full":  # the q/k norm weights are split like the q/k columns
+        split += model.n_layers * (d + d_kv)
     counts = count_params(Transformer(model, kernels="torch"), model)
     whole = make_plan(tp_cfg(model, 1), 4)
     halved = make_plan(tp_cfg(model, 2), 4)
@@ -288,15 +349,16 @@ def test_tensor_parallel_activation_bytes_by_hand(sp):
     assert activation_bytes(model, 2, 16, a, "full", tp=tp, sp=sp) == round(t * max(kept["full"], *recomputed))
 
 
-@pytest.mark.parametrize("qk_norm,share", [("head", 1 / 2), ("full", 1)])
-def test_tensor_parallel_qk_norm_activations(qk_norm, share):
-    """q and k before and after QK-norm, 2 D + 2 D_kv per token and layer: split with the heads for a per-head
-    norm, whole for the full-width norm (tensor parallelism gathers q and k to normalise them)."""
+@pytest.mark.parametrize("qk_norm", ["head", "full"])
+def test_tensor_parallel_qk_norm_activations(qk_norm):
+    """q and k before and after QK-norm, split with the heads: 2 D + 2 D_kv values per token and layer over tp
+    for a per-head norm; for the full-width norm q and k before it in fp32 and two fp32 inverse norms per token."""
     d, d_kv, a, t = 64, 32, 2, 2 * 16
     plain = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
     normed = ModelConfig(**{**SMALL.__dict__, "qk_norm": qk_norm})
     extra = [activation_bytes(m, 2, 16, a, "none", recompute=False, tp=2) for m in (normed, plain)]
-    assert extra[0] - extra[1] == round(t * SMALL.n_layers * (2 * d + 2 * d_kv) * a * share)
+    per_token = (2 * d + 2 * d_kv) * a / 2 if qk_norm == "head" else (d + d_kv) * (4 + a) / 2 + 8
+    assert extra[0] - extra[1] == round(t * SMALL.n_layers * per_token)
 
 
 def test_tensor_parallel_at_tp_1_changes_nothing():
@@ -388,6 +450,8 @@ TP_MODELS = {
                          moe=MoEConfig(n_experts=0)),
     "moe": ModelConfig(n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256, first_k_dense=1,
                        qk_norm="none", moe=MoEConfig(n_experts=8, top_k=2, expert_dim=96, n_shared_experts=1)),
+    "dense, full QK-norm": ModelConfig(n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256,
+                                       qk_norm="full", moe=MoEConfig(n_experts=0)),
 }  # fmt: skip
 
 

@@ -204,3 +204,32 @@ def test_kept_cpu_allocations_are_not_mmapped():
 
     assert mmapped_bytes("default") >= 64 * 2**20  # glibc's default: a large block is its own mmap
     assert mmapped_bytes("keep") == 0  # kept: it comes from the heap, which is not trimmed
+
+
+_RESIDENT_DROP_AFTER_RELEASE = """
+import torch
+from optimus.platform import keep_cpu_allocations, proc_bytes, release_free_cpu_memory
+
+assert keep_cpu_allocations()
+big = torch.ones(16 * 2**20)  # 64 MB, touched, from the heap
+pin = torch.ones(1024)  # allocated above it: the heap cannot shrink from its top
+del big
+before = proc_bytes("/proc/self/status", "VmRSS")
+released = release_free_cpu_memory()
+print(int(released), before - proc_bytes("/proc/self/status", "VmRSS"))
+"""
+
+
+def test_released_free_cpu_memory_leaves_the_resident_set():
+    """A freed 64 MB block inside the kept heap stays resident until release_free_cpu_memory hands it back."""
+    import subprocess
+
+    if plat.proc_bytes("/proc/self/status", "VmRSS") is None:
+        pytest.skip("needs /proc (Linux)")
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_DROP_AFTER_RELEASE], capture_output=True, text=True)
+    if out.returncode and "AssertionError" in out.stderr:
+        pytest.skip("needs glibc (mallopt, malloc_trim)")
+    out.check_returncode()
+    released, dropped = map(int, out.stdout.split())
+    assert released == 1
+    assert dropped >= 48 * 2**20

@@ -56,6 +56,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs_CV = exp_CV.div_(sum_C1)
                 probs_CV.scatter_add_(1, targets_C1, probs_CV.new_full((end - start, 1), -1.0))
                 grad_TV[start:end] = probs_CV
+                del probs_CV
+            del logits_CV, shifted_CV, exp_CV  # free this chunk before the next one's GEMM: one alive, not two
         if grad_TV is not None:
             ctx.save_for_backward(h_TD, weight_VD, grad_TV)
         return loss_T

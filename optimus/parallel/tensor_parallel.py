@@ -8,8 +8,8 @@
     attn_norm, ffn_norm    - (SequenceParallel with sp)           Shard(1) -> Shard(1)
     attn                   heads: wq/wk/wv columns, wo rows       all-gathers the sequence with sp;
                                                                   wo reduce-scatters (sp) or all-reduces
-    attn.q_norm/k_norm     - (QK-norm "full": the projection is   q/k all-gathered, normalised whole,
-                           split, its norm is over all of it)     sliced back to this rank's heads
+    attn.q_norm/k_norm     weight split like q/k's columns        (QK-norm "full": over the whole projection)
+                                                                  sums of squares all-reduced per token
     dense ffn (SwiGLU)     w1/w3 columns, w2 rows                 as attention
     MoE ffn                - (parallel folding: the experts are   routes this rank's 1/tp of the
                            spread over ep, tp ranks among them)   sequence; sp off: all-gathers after
@@ -25,11 +25,11 @@ edp x ep; optimus.parallel.state), each routing a different 1/tp of the sequence
 is routed exactly once.
 
 Gradients: a split parameter's gradient is its slice's, complete; a replicated one (`tp_grad_roles`)
-is either the same on every tp rank ("replicated": norms without sp, the gathered QK-norm) or this
-rank's share of a sum over the tp ranks ("partial": norms under sp, whose rank saw 1/tp of the
-tokens; the router and shared experts, which routed 1/tp of them; per-head QK-norms, which saw
-1/tp of the heads). The optimizer sums the partial ones over the TP group before it reduces over
-the data-parallel ranks, and counts replicated elements once in the gradient norm.
+is either the same on every tp rank ("replicated": norms without sp) or this rank's share of a sum
+over the tp ranks ("partial": norms under sp, whose rank saw 1/tp of the tokens; the router and
+shared experts, which routed 1/tp of them; per-head QK-norms, which saw 1/tp of the heads). The
+optimizer sums the partial ones over the TP group before it reduces over the data-parallel ranks,
+and counts replicated elements once in the gradient norm.
 """
 
 from __future__ import annotations
@@ -85,13 +85,24 @@ def like_parameter(param: torch.Tensor, local: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=param.requires_grad)
 
 
-class _ReplicateParams(ParallelStyle):
-    """The module's parameters become Replicate DTensors; inputs and outputs are handled by the styles around it."""
+class _WidthShardedRMSNorm(ParallelStyle):
+    """An RMSNorm over a width that tensor parallelism split (QK-norm "full": the whole q or k projection, whose
+    columns are this rank's heads): the weight is split like the columns, each rank sums the squares of its
+    columns, one all-reduce of a value per token completes the sum, and each rank normalises its columns.
+    Takes the column-split DTensor the projection gives, returns this rank's columns as a plain tensor."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+        weight = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter("weight", nn.Parameter(weight, module.weight.requires_grad))
+        width, eps = module.normalized_shape[0], module.eps
+
+        def forward(x: DTensor) -> torch.Tensor:  # [B, S, W] split over W
+            x32 = x.float()
+            sum_sq = x32.square().sum(dim=-1, keepdim=True).redistribute(placements=[Replicate()])  # [B, S, 1]
+            normed = (x32 * torch.rsqrt(sum_sq / width + eps)).to(x.dtype)
+            return (normed * module.weight).to_local()
+
+        module.forward = forward
         return module
 
 
@@ -108,7 +119,7 @@ def _gather_sequence() -> PrepareModuleInput:
 def _attention_plan(attn: Attention, sp: bool) -> dict[str, ParallelStyle | tuple[ParallelStyle, ...]]:
     full_qk_norm = attn.qk_norm == "full"
     plan: dict[str, ParallelStyle | tuple[ParallelStyle, ...]] = {
-        # Full-width QK-norm needs q and k as DTensors (split over columns) to gather them for the norm.
+        # Full-width QK-norm takes q and k as DTensors (split over columns) to normalise them across ranks.
         "wq": ColwiseParallel(use_local_output=not full_qk_norm),
         "wk": ColwiseParallel(use_local_output=not full_qk_norm),
         "wv": ColwiseParallel(),
@@ -116,19 +127,8 @@ def _attention_plan(attn: Attention, sp: bool) -> dict[str, ParallelStyle | tupl
     }
     if sp:
         plan[""] = _gather_sequence()
-    if full_qk_norm:
-        # The norm is over the whole projection: gather q (k), normalise it whole on every rank, keep this
-        # rank's heads. Costs an all-gather of q and k per layer; the weight stays whole (its grad is too).
-        for norm in ("q_norm", "k_norm"):
-            plan[norm] = (
-                _ReplicateParams(),
-                PrepareModuleInput(
-                    input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_output=False
-                ),
-                PrepareModuleOutput(
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True
-                ),
-            )
+    if full_qk_norm:  # the norm is over the whole projection, which is split: see _WidthShardedRMSNorm
+        plan["q_norm"], plan["k_norm"] = _WidthShardedRMSNorm(), _WidthShardedRMSNorm()
     return plan
 
 
@@ -206,8 +206,8 @@ def tp_grad_roles(model: nn.Module) -> dict[str, str]:
             continue
         if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
             roles[name] = SPLIT
-        elif isinstance(param, DTensor):  # replicated by SequenceParallel (partial) or for the gathered QK-norm
-            roles[name] = REPLICATED if name.endswith(("q_norm.weight", "k_norm.weight")) else PARTIAL
+        elif isinstance(param, DTensor):  # replicated by SequenceParallel: each rank saw its part of the sequence
+            roles[name] = PARTIAL
         else:
             roles[name] = PARTIAL if name in in_moe or name in head_norms else REPLICATED
     return roles

@@ -35,6 +35,7 @@ from optimus.platform import (
     detect_platform,
     peak_flops_per_device,
     peak_memory_bytes,
+    release_free_cpu_memory,
     resolve_dtype,
     synchronize,
 )
@@ -322,6 +323,8 @@ class Trainer:
         forward = self.model if self.pipeline is None else self.pipeline.forward
         for batch, weight in self.eval_batches:
             total += eval_loss_sum(forward, batch, weight, self.cfg, self.platform)
+        if self.platform.device_type == "cpu":  # the step does not reuse all of the pass's holes: unmap them
+            release_free_cpu_memory()
         if self.ps.tp_rank > 0:
             total.zero_()  # the tp ranks of a group evaluate the same sequences: count them once
         if self.ps.is_distributed:
