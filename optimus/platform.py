@@ -258,19 +258,27 @@ def proc_bytes(path: str, field: str) -> int | None:
     return None
 
 
+_highest_resident = 0  # the largest peak_resident_bytes() has returned in this process
+
+
 def peak_resident_bytes() -> int:
-    """This process's peak resident set size.
+    """This process's peak resident set size, never less than an earlier answer.
 
     Linux: VmHWM, the peak of this process image alone; getrusage's ru_maxrss would also carry the
-    peak of the process that forked it (a launcher, a test runner) across fork and exec.
+    peak of the process that forked it (a launcher, a test runner) across fork and exec. The kernel
+    keeps resident counts per thread and folds them in lazily, and it records the high-water mark
+    when memory is unmapped (release_free_cpu_memory), so a later VmHWM can read a few hundred kB
+    below an earlier one: the running maximum keeps "the peak so far" monotone.
     """
+    global _highest_resident
     peak = proc_bytes("/proc/self/status", "VmHWM")
-    if peak is not None:
-        return peak
-    import resource
+    if peak is None:
+        import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kilobytes
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kilobytes
+    _highest_resident = max(_highest_resident, peak)
+    return _highest_resident
 
 
 def peak_memory_bytes(platform: Platform) -> int:

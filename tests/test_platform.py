@@ -233,3 +233,12 @@ def test_released_free_cpu_memory_leaves_the_resident_set():
     released, dropped = map(int, out.stdout.split())
     assert released == 1
     assert dropped >= 48 * 2**20
+
+
+def test_peak_resident_bytes_never_goes_down(monkeypatch):
+    """VmHWM can read a little lower after memory is unmapped (the kernel folds per-thread counts in lazily):
+    the peak reported so far stays the largest seen."""
+    readings = iter([500 * 2**20, 499 * 2**20, 510 * 2**20])
+    monkeypatch.setattr(plat, "_highest_resident", 0)
+    monkeypatch.setattr(plat, "proc_bytes", lambda path, field: next(readings))
+    assert [plat.peak_resident_bytes() for _ in range(3)] == [500 * 2**20, 500 * 2**20, 510 * 2**20]
