@@ -65,6 +65,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def single_threaded(monkeypatch):
+    """One intra-op thread per rank for multi-process runs: 4 ranks share 2 cores (children inherit it)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path_factory, monkeypatch):
     """Tokenizers and token caches of tests go to a per-session temp dir, never the user's cache."""

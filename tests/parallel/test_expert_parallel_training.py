@@ -19,6 +19,7 @@ import pytest
 
 from optimus.cli import main
 from tests.conftest import TINY_MODEL
+from tests.trajectories import read_metrics
 
 STEPS = 5
 COMMON = [
@@ -42,10 +43,6 @@ COMMON = [
 ]
 
 
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def assert_same_trajectory(metrics: list[dict], reference: list[dict], layout: str) -> None:
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), layout
     for m, ref in zip(metrics, reference):
@@ -55,12 +52,6 @@ def assert_same_trajectory(metrics: list[dict], reference: list[dict], layout: s
         assert ("val_loss" in m) == ("val_loss" in ref), layout
         if "val_loss" in ref:  # the same held-out sequences, whatever the layout and micro-batch
             assert m["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), f"{layout}: step {m['step']} val_loss"
-
-
-@pytest.fixture
-def single_threaded(monkeypatch):
-    # 4 ranks share 2 cores here: one intra-op thread each avoids oversubscription (children inherit it).
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @pytest.mark.slow

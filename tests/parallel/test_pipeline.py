@@ -19,6 +19,7 @@ from optimus.model import padded_vocab_size
 from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes
 from optimus.parallel.state import ParallelState, edp_group_ranks, pp_group_ranks, stage_group_ranks
 from tests.conftest import TINY_MODEL
+from tests.trajectories import assert_same_trajectory, read_metrics
 
 STEPS = 8
 COMMON = [
@@ -122,15 +123,6 @@ def test_pipeline_layouts_that_cannot_run_are_config_errors(overrides, message):
         validate(cfg, 4)
 
 
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def single_threaded(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks share 2 cores
-
-
 @pytest.mark.slow
 def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_threaded):
     data = ["data=text", f"data.path={corpus_file}"]
@@ -166,17 +158,9 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
     assert len({round(m["loss"], 6) for m in reference}) == STEPS  # the loss moves: the comparison means something
     worst = {}
     for layout, run in metrics.items():
-        assert [m["step"] for m in run] == list(range(1, STEPS + 1)), layout
-        for m, ref in zip(run, reference):
-            for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "expert_load_imbalance"):
-                assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{layout}: step {m['step']} {key}"
-            assert ("val_loss" in m) == ("val_loss" in ref), layout
-            if "val_loss" in ref:
-                assert m["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), f"{layout}: val_loss"
+        worst[layout] = assert_same_trajectory(run, reference, layout)
         if "profile.timers=true" in runs[layout]:  # every stage's forward + backward time, from every stage
             assert all(len(m["stage_time_s"]) == 4 and min(m["stage_time_s"]) > 0 for m in run), layout
-        pairs = list(zip(run, reference))
-        worst[layout] = {k: max(abs(m[k] - r[k]) / abs(r[k]) for m, r in pairs) for k in ("loss", "grad_norm")}
     print("max relative differences per layout:", worst)
 
 

@@ -23,6 +23,7 @@ from optimus.optim.state_ranges import StateRange, copy_overlap, covered
 from optimus.parallel.state import ParallelState, build_parallel_state, dense_dp_group_ranks, tp_group_ranks
 from tests.distributed import run_distributed
 from tests.parallel.test_pipeline import COMMON
+from tests.trajectories import assert_same_trajectory, read_metrics
 
 STEPS = 8
 ORACLE = [k for k in COMMON if not k.startswith("optim.lr=")] + ["optim.lr=5e-3"]
@@ -155,26 +156,6 @@ def test_split_model_matches_one_process(sp, qk_norm, dense_first):
 
 
 # ---- the oracle ---------------------------------------------------------------------------------
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_trajectory(run: list[dict], reference: list[dict], layout: str) -> dict:
-    assert [m["step"] for m in run] == [m["step"] for m in reference], layout
-    for m, ref in zip(run, reference):
-        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "expert_load_imbalance"):
-            assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{layout}: step {m['step']} {key}"
-        assert ("val_loss" in m) == ("val_loss" in ref), layout
-        if "val_loss" in ref:
-            assert m["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), f"{layout}: val_loss"
-    return {k: max(abs(m[k] - r[k]) / abs(r[k]) for m, r in zip(run, reference)) for k in ("loss", "grad_norm")}
-
-
-@pytest.fixture
-def single_threaded(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks share 2 cores
 
 
 @pytest.mark.slow
