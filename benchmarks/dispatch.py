@@ -1,9 +1,10 @@
-"""Expert-parallel token dispatch on this machine: bytes each rank sends and dispatch + combine time.
+"""Expert-parallel token dispatch on this machine: bytes each rank sends, dispatch + combine time, overlap.
 
     python benchmarks/dispatch.py [--tokens 4096] [--dim 512] [--experts 16] [--top-k 2] [--ranks 2 4]
+    python benchmarks/dispatch.py --parts overlap [--overlap-tokens 2048] [--overlap-dim 256] [--expert-dim 64]
 
-For each dispatcher (alltoall, allgather) and EP size, one MoE layer's dispatch and
-combine run on gloo ranks started by optimus.ranks.spawn_local (the path of
+Part `movement`: for each dispatcher (alltoall, allgather) and EP size, one MoE layer's
+dispatch and combine run on gloo ranks started by optimus.ranks.spawn_local (the path of
 `optimus train parallel.nproc=N`). The experts are the identity, so the time is the
 token movement alone (permute, collectives, regroup, combine); the local dispatcher
 at 1 rank is the baseline. Bytes are counted at the collectives, per rank, for one
@@ -16,8 +17,19 @@ forward pass of one layer on one micro-batch (the backward sends the same again)
     dedup     2 x (distinct (token, remote rank) pairs) x dim x bytes: the floor
               if a token is sent once per destination rank and combined there
 
+Part `overlap`: how much of the all-to-all exchange the overlapped dispatcher hides
+(parallel.ep_overlap_chunks, shared experts computed while tokens travel), on
+`--overlap-ranks` gloo ranks with real grouped SwiGLU experts and one shared expert,
+forward + backward of one layer. Timed: the four row exchanges alone (out and back,
+forward and backward), the local experts alone, the shared expert alone, the serial
+paths (one chunk, shared experts after the exchange as before the overlap existed)
+and the overlapped ones; hidden = (serial - overlapped) / exchange. The variants run
+in turn within every round (the order rotating), each round's time is the slowest
+rank's, and the figures are medians over rounds.
+
 Routing is a real softmax router with random weights (roughly balanced). Results
-are printed as a table and written to benchmarks/results/dispatch_cpu.json.
+are printed as tables and written to benchmarks/results/dispatch_cpu.json (a part not
+run keeps what the file held).
 """
 
 from __future__ import annotations
@@ -37,7 +49,9 @@ import torch.nn as nn
 import optimus.parallel.collectives as coll
 from optimus.config import MoEConfig
 from optimus.kernels import get_backend
+from optimus.model.mlp import SwiGLU
 from optimus.model.moe.dispatch import LocalDispatcher
+from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Router
 from optimus.parallel.allgather_dispatch import AllGatherDispatcher
 from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
@@ -116,13 +130,7 @@ def timed(fn, iters: int) -> float:
 
 def bench_rank(args: argparse.Namespace, dispatcher_name: str) -> dict:
     """Body of one rank (also run alone for the local baseline)."""
-    from optimus.ranks import discover, init_process_group
-
-    torch.set_num_threads(1)
-    info = discover()
-    if info.world_size > 1:
-        init_process_group(info, "gloo", torch.device("cpu"), timeout_s=300)
-    ep, rank = info.world_size, info.rank
+    ep, rank = init_rank()
     dtype = getattr(torch, args.dtype)
     n_local = args.experts // ep
     torch.manual_seed(0)
@@ -172,6 +180,140 @@ def bench_rank(args: argparse.Namespace, dispatcher_name: str) -> dict:
     return result
 
 
+def init_rank():
+    """(world size, rank) inside a spawned rank, with the gloo group up; one thread per rank."""
+    from optimus.ranks import discover, init_process_group
+
+    torch.set_num_threads(1)
+    info = discover()
+    if info.world_size > 1:
+        init_process_group(info, "gloo", torch.device("cpu"), timeout_s=300)
+    return info.world_size, info.rank
+
+
+def overlap_variants(args: argparse.Namespace, ep: int, rank: int) -> dict:
+    """{name: fn running one forward + backward}, every variant on the same tokens, routing and weights."""
+    n_local = args.experts // ep
+    torch.manual_seed(0)
+    router = Router(args.overlap_dim, MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_dim=1))
+    experts = GroupedExperts(n_local, args.overlap_dim, args.expert_dim, kernels="torch")
+    shared = SwiGLU(args.overlap_dim, args.expert_dim)
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.normal_(0, args.overlap_dim**-0.5)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x_TD = torch.randn(args.overlap_tokens, args.overlap_dim, generator=gen).requires_grad_(True)
+    grad_TD = torch.randn(args.overlap_tokens, args.overlap_dim, generator=gen)
+    with torch.no_grad():
+        routing = router(x_TD)
+    one, two = (AllToAllDispatcher(dist.group.WORLD, ep, rank, n_local, chunks=c) for c in (1, 2))
+
+    # The exchanges and the experts alone, on the rows the one-chunk path sends and receives.
+    (chunk,) = one.plan(routing)
+    x_AD = experts.kernels.permute(x_TD.detach(), chunk.assign.token_idx_A).requires_grad_(True)
+    with torch.no_grad():
+        x_RD = coll.all_to_all(x_AD, chunk.recv_rows, chunk.send_rows, dist.group.WORLD).requires_grad_(True)
+
+    def exchange():
+        rows = coll.all_to_all(x_AD, chunk.recv_rows, chunk.send_rows, dist.group.WORLD)
+        coll.all_to_all(rows, chunk.send_rows, chunk.recv_rows, dist.group.WORLD).backward(x_AD.detach())
+
+    def layer(dispatcher, with_shared, overlap):
+        def run():
+            if not with_shared:
+                y_TD = dispatcher(x_TD, routing, experts)
+            elif overlap:
+                y_TD = dispatcher(x_TD, routing, experts, shared=shared)
+            else:  # the MoE layer before the overlap: shared experts after the routed ones
+                y_TD = dispatcher(x_TD, routing, experts) + shared(x_TD)
+            y_TD.backward(grad_TD)
+
+        return run
+
+    with torch.no_grad():  # the overlapped paths compute what the serial one does
+        serial_TD = one(x_TD, routing, experts) + shared(x_TD)
+        torch.testing.assert_close(two(x_TD, routing, experts, shared=shared), serial_TD, rtol=1e-5, atol=1e-5)
+    return {
+        "exchange": exchange,
+        "experts": lambda: one.run_local_experts(experts, x_RD, chunk.recv_counts_PL).backward(x_RD.detach()),
+        "shared": lambda: shared(x_TD).backward(grad_TD),
+        "serial": layer(one, False, False),
+        "chunks=2": layer(two, False, True),
+        "serial+shared": layer(one, True, False),
+        "shared, chunks=1": layer(one, True, True),
+        "shared, chunks=2": layer(two, True, True),
+    }
+
+
+# (configuration, its serial variant, its overlapped variant)
+OVERLAP_CONFIGS = [
+    ("routed experts, 2 chunks", "serial", "chunks=2"),
+    ("+ shared expert, 1 chunk", "serial+shared", "shared, chunks=1"),
+    ("+ shared expert, 2 chunks", "serial+shared", "shared, chunks=2"),
+]
+
+
+def bench_overlap_rank(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds of every variant in every round, on this rank."""
+    ep, rank = init_rank()
+    variants = overlap_variants(args, ep, rank)
+    for fn in variants.values():
+        for _ in range(args.warmup):
+            fn()
+    names, times = list(variants), {name: [] for name in variants}
+    for i in range(args.iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order every round
+            dist.barrier()
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    return times
+
+
+def summarize_overlap(ep: int, per_rank: list[dict[str, list[float]]]) -> dict:
+    """Median over rounds of the slowest rank's time, per variant; hidden fraction per configuration, from
+    the medians and, as a measure of the noise, its quartiles over the rounds (each round's own ratio)."""
+    rounds = {name: [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))] for name in per_rank[0]}
+    ms = {name: 1e3 * statistics.median(times) for name, times in rounds.items()}
+    configs = []
+    for config, serial, overlapped in OVERLAP_CONFIGS:
+        per_round = [(s - o) / e for s, o, e in zip(rounds[serial], rounds[overlapped], rounds["exchange"])]
+        q1, _, q3 = statistics.quantiles(per_round, n=4)
+        configs.append(
+            {"config": config, "serial_ms": ms[serial], "overlapped_ms": ms[overlapped],
+             "hidden": (ms[serial] - ms[overlapped]) / ms["exchange"], "hidden_quartiles": [q1, q3]}
+        )  # fmt: skip
+    return {"ranks": ep, "variants_ms": ms, "configs": configs}
+
+
+def print_overlap(result: dict) -> None:
+    ms = result["variants_ms"]
+    print(
+        f"{result['ranks']} ranks, forward + backward, ms (median of the slowest rank): exchange alone "
+        f"{ms['exchange']:.2f}, routed experts alone {ms['experts']:.2f}, shared expert alone {ms['shared']:.2f}\n"
+    )
+    print(f"{'configuration':<28} {'serial ms':>10} {'overlapped ms':>14} {'hidden':>7} {'per round, q1-q3':>17}")
+    print("-" * 80)
+    for c in result["configs"]:
+        q1, q3 = c["hidden_quartiles"]
+        print(
+            f"{c['config']:<28} {c['serial_ms']:>10.2f} {c['overlapped_ms']:>14.2f} {c['hidden']:>7.2f} "
+            f"{f'{q1:.2f} to {q3:.2f}':>17}"
+        )
+
+
+def machine() -> dict:
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith("avx512")})
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "avx512": flags,
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+    }
+
+
 def summarize(dispatcher: str, ep: int, per_rank: list[dict]) -> dict:
     mean = lambda key: statistics.mean(r[key] for r in per_rank)
     row = {"dispatcher": dispatcher, "ranks": ep}
@@ -204,20 +346,8 @@ def print_table(rows: list[dict]) -> None:
         print(" ".join(f"{fmt(r):{a}{width}}" for (_, width, fmt), a in zip(COLUMNS, align)))
 
 
-def main() -> None:
+def run_movement(args: argparse.Namespace) -> dict:
     from optimus.ranks import spawn_local
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch")
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dispatch_cpu.json"))
-    args = p.parse_args()
 
     rows = [summarize("local", 1, [bench_rank(args, "local")])]
     for ep in args.ranks:
@@ -229,17 +359,53 @@ def main() -> None:
         f"top-{args.top_k}, {args.dtype}; bytes sent per rank in the forward pass (backward: the same again)\n"
     )
     print_table(rows)
-    out = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-        },
-        "setup": {k: getattr(args, k) for k in ("tokens", "dim", "experts", "top_k", "dtype", "warmup", "iters")},
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    keys = ("tokens", "dim", "experts", "top_k", "dtype", "warmup", "iters")
+    return {"setup": {k: getattr(args, k) for k in keys}, "rows": rows}
+
+
+def run_overlap(args: argparse.Namespace) -> dict:
+    from optimus.ranks import spawn_local
+
+    results = []
+    for ep in args.overlap_ranks:
+        per_rank = spawn_local(ep, bench_overlap_rank, (args,))
+        results.append(summarize_overlap(ep, [per_rank[r] for r in sorted(per_rank)]))
+        print(
+            f"\nOverlap: {args.overlap_tokens} tokens/rank, dim {args.overlap_dim}, {args.experts} experts of "
+            f"{args.expert_dim}, top-{args.top_k}, one shared expert, fp32; hidden = (serial - overlapped) / exchange"
+        )
+        print_overlap(results[-1])
+    keys = ("overlap_tokens", "overlap_dim", "expert_dim", "experts", "top_k", "warmup", "iters")
+    return {"setup": {k: getattr(args, k) for k in keys}, "results": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["movement", "overlap"], choices=["movement", "overlap"])
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--overlap-tokens", type=int, default=2048, help="tokens per rank (part overlap)")
+    p.add_argument("--overlap-dim", type=int, default=256, help="model dim (part overlap)")
+    p.add_argument("--expert-dim", type=int, default=64, help="hidden dim of each expert (part overlap)")
+    p.add_argument("--overlap-ranks", type=int, nargs="+", default=[4])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dispatch_cpu.json"))
+    args = p.parse_args()
+
+    out_path = Path(args.out)
+    out = json.loads(out_path.read_text()) if out_path.exists() else {}
+    out["machine"] = machine()
+    if "movement" in args.parts:
+        out.update(run_movement(args))
+    if "overlap" in args.parts:
+        out["overlap"] = run_overlap(args)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

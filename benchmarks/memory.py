@@ -30,6 +30,7 @@ from optimus.model import count_params_of_config
 from optimus.recipes import load_config
 
 MB, MIB = 1e6, 2**20
+SAMPLER = Path(__file__).resolve().parent / "heap_sampler"
 STEP = ["train.steps=1", "train.dtype=fp32", "logging.progress=false", "machine.peak_flops=1e12"]
 LAYOUTS = {  # name: overrides
     "1 process": ["train.micro_batch=8"],
@@ -54,15 +55,26 @@ def cpu_flags() -> str:
 
 
 def run(overrides: list[str], run_dir: Path) -> dict:
-    """One `optimus train` run; the busiest rank's figures from run_info.json."""
+    """One `optimus train` run; the busiest rank's figures from run_info.json, and from the heap sampler
+    (benchmarks/heap_sampler) the largest growth of the bytes in use over the ranks, with what the busiest
+    rank had paged in of the libraries' code at its resident peak."""
+    samples = run_dir / "heap_samples"
+    samples.mkdir(parents=True)
+    path = os.pathsep.join(filter(None, [str(SAMPLER), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OPTIMUS_HEAP_SAMPLES": str(samples), "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "optimus", "train", *STEP, *overrides, f"run.dir={run_dir}"]
-    subprocess.run(cmd, check=True, capture_output=True, env=os.environ)
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
     info = json.loads((run_dir / "run_info.json").read_text())
     busiest = max(info["per_rank"], key=lambda r: r["peak_memory_bytes"])
+    ranks = [json.loads(f.read_text()) for f in samples.glob("*.json")]
+    in_use = max(r["at_peak_in_use"]["in_use"] - r["before"]["in_use"] for r in ranks)
+    resident = max(ranks, key=lambda r: r["at_peak_rss"]["rss"])
     return {
         "peak_bytes": busiest["peak_memory_bytes"],
         "before_model_bytes": busiest["before_model_bytes"],
         "planned_bytes": info["planned_memory_bytes"],
+        "peak_in_use_growth_bytes": in_use,
+        "code_pages_growth_bytes": resident["at_peak_rss"]["file"] - resident["before"]["file"],
     }
 
 
@@ -91,7 +103,10 @@ def plan_vs_measured(tmp: Path) -> dict:
     for name, overrides in LAYOUTS.items():
         r = run(overrides, tmp / name.replace(" ", "_").replace(",", "").replace("=", ""))
         net = r["peak_bytes"] - r["before_model_bytes"]
-        out[name] = {**r, "overrides": overrides, "net_peak_bytes": net, "ratio": net / r["planned_bytes"]}
+        out[name] = {
+            **r, "overrides": overrides, "net_peak_bytes": net, "ratio": net / r["planned_bytes"],
+            "in_use_ratio": r["peak_in_use_growth_bytes"] / r["planned_bytes"],
+        }  # fmt: skip
     return out
 
 
@@ -109,13 +124,16 @@ def report(results: dict) -> str:
         ]
     if results.get("plan"):
         lines += [
-            "| layout | peak (MiB) | before the model (MiB) | peak - before (MiB) | optimus plan (MiB) | ratio |",
-            "|---|---|---|---|---|---|",
+            "| layout | peak (MiB) | before the model (MiB) | peak - before (MiB) | optimus plan (MiB) | ratio "
+            "| heap in use, growth (MiB) | ratio | code pages paged in (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in results["plan"].items():
             lines.append(
                 f"| {name} | {r['peak_bytes'] / MIB:.1f} | {r['before_model_bytes'] / MIB:.1f} | "
-                f"{r['net_peak_bytes'] / MIB:.1f} | {r['planned_bytes'] / MIB:.1f} | {r['ratio']:.3f} |"
+                f"{r['net_peak_bytes'] / MIB:.1f} | {r['planned_bytes'] / MIB:.1f} | {r['ratio']:.3f} | "
+                f"{r['peak_in_use_growth_bytes'] / MIB:.1f} | {r['in_use_ratio']:.3f} | "
+                f"{r['code_pages_growth_bytes'] / MIB:.1f} |"
             )
     return "\n".join(lines)
 

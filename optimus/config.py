@@ -98,6 +98,9 @@ class ParallelConfig:
     # layers per stage, in stage order (pp x pp_virtual counts); null = split by parameters, embedding and head included
     pp_layers: Any | None = None
     dispatcher: str = "alltoall"  # alltoall | allgather
+    # alltoall: slices of each micro-batch pipelined through the token exchange, so that one slice's experts
+    # run while another's tokens travel (2 overlaps them; 1 = one exchange, the shared experts still overlap it)
+    ep_overlap_chunks: int = 1
     # Tensor parallelism: the innermost rank dimension (world = pp x dp x tp), inside a node. Attention, dense
     # FFNs, the embedding and the LM head are split over the tp ranks; MoE layers fold them into expert
     # parallelism instead (their ranks count as ep x edp). See optimus/parallel/tensor_parallel.py.
@@ -312,6 +315,13 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
         )
     _positive(p.nproc, "parallel.nproc")
     _positive(p.ep, "parallel.ep")
+    if not (isinstance(p.ep_overlap_chunks, int) and p.ep_overlap_chunks >= 1):
+        raise ConfigError(f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} must be a whole number, 1 or more.")
+    if p.ep_overlap_chunks > 1 and p.dispatcher != "alltoall":
+        raise ConfigError(
+            f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} needs parallel.dispatcher=alltoall: set it to 1 "
+            f"with parallel.dispatcher={p.dispatcher}."
+        )
     fix = "choose a global batch that is a multiple of the micro batch."
     _divides(t.micro_batch, "train.micro_batch", t.global_batch, "train.global_batch", fix)
     validate_pipeline(cfg, world_size)

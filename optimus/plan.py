@@ -67,12 +67,15 @@ selective drops attention (recomputing one layer's; its gathered input G is the 
 stays); full keeps only the input (D a r) of a dense block and drops attention (G stays), the expert SwiGLU
 and shared experts of an MoE block (the norms, router and exchanged rows stay, since the exchange is never
 re-run). Under expert parallelism each rank computes K x t / TP routed rows on average (balanced routing; the
-busiest rank holds `expert_load_imbalance` times more). Not included: allocator fragmentation and cached
-blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), collective buffers (the TP
-all-gathers' and reduce-scatters', ZeRO-2's staging buckets and gloo's receive buffers: they are allocated as
-the backward frees activations, which keeps them below the peak without checkpointing but not with it),
-temporaries of the optimizer step (after the backward, below the peak), and the different buffers of the
-Triton kernels. docs/MEMORY.md measures what these add to a CPU run's resident peak.
+busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) adds its staged gradient
+buckets (optimus.optim.sharded.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
+per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
+the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
+one computed. Not included: allocator fragmentation
+and cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
+all-gathers' and reduce-scatters' buffers, temporaries of the optimizer step (after the backward, below the
+peak), and the different buffers of the Triton kernels. docs/MEMORY.md measures what these add to a CPU
+run's resident peak.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ from optimus.model import (
 )
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
+from optimus.optim.sharded import bucket_numel, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.parallel.pipeline import (
     PartCounts,
     in_flight_chunks,
@@ -135,6 +139,16 @@ def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world:
     that hold the same slices)."""
     es, gs, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.parallel
     return rank_state_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, cfg.optim.zero, p.tp)
+
+
+def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> tuple[int, int]:
+    """ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1), from the
+    optimizer's own bucket layout; the arguments are state_bytes'."""
+    if cfg.optim.zero != 2:
+        return 0, 0
+    es, gs, o, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.optim, cfg.parallel
+    bucket = bucket_numel(zero_bucket_bytes(o), o.max_collective_numel, es)
+    return rank_zero2_staging_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, bucket, p.tp)
 
 
 def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
@@ -271,6 +285,7 @@ def activation_bytes(
     tp: int = 1,
     sp: bool = True,
     head_work: bool = False,
+    staging: tuple[int, int] = (0, 0),
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
@@ -280,7 +295,8 @@ def activation_bytes(
     logits (the last pipeline stage) or the vocabulary-parallel one on V/tp of them (tp > 1). `tp` > 1: one
     rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also count the fused
     cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler books it to the
-    head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it out."""
+    head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it out. `staging`:
+    ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at its end)."""
     part = _layer_activations(m, act_bytes, tp, sp)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
@@ -302,11 +318,15 @@ def activation_bytes(
     # the fused cross-entropy's working memory (it runs on a whole head: tp = 1)
     work = fused_head_work_bytes(m, tokens, act_bytes) if head_work and head and fused_head and tp == 1 else 0
     peak = tokens * (kept + logits_grad) + work
+    during, at_end = staging
+    # the head's backward has freed what it kept; the staged gradients take its place
+    peak = max(peak, tokens * (kept - head_kept) + during)
     below = 0
     for block_kept, block_recomputed in blocks:
         below += block_kept
         if block_recomputed:
-            peak = max(peak, tokens * (below + block_recomputed + part["grads"]))
+            peak = max(peak, tokens * (below + block_recomputed + part["grads"]) + during)
+    peak = max(peak, at_end)  # this micro-batch's activations are gone; the last reductions are in flight
     return round(tokens * waiting + peak)
 
 
@@ -360,8 +380,12 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
     # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1) on a whole head (tp = 1)
     fused = p.pp == 1 and p.tp == 1
+    scheme = resolve_sharding(cfg.optim.sharding, stage_world)
+    staging = staging_bytes(cfg, scheme, dense, share.expert, stage_world)
+    if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
+        staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
-             "tp": p.tp, "sp": p.sp, "head_work": True}  # fmt: skip
+             "tp": p.tp, "sp": p.sp, "head_work": True, "staging": staging}  # fmt: skip
     act = {
         "micro_batch": t.micro_batch,
         "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "none", **where),
@@ -369,8 +393,9 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         "checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "full", **where),
         "configured": activation_bytes(m, t.micro_batch, t.seq_len, a, t.activation_checkpointing, **where),
         "configured_mode": t.activation_checkpointing,
+        "zero2_staging": staging,  # (during the backward, at its end)
     }
-    chosen = sum(state[resolve_sharding(cfg.optim.sharding, stage_world)][k] for k in STATE_KEYS)
+    chosen = sum(state[scheme][k] for k in STATE_KEYS)
     return {"state": state, "activations": act, "total": chosen + act["configured"], "share": share}
 
 
@@ -450,6 +475,12 @@ def _verdict_line(mode: str, mem: dict) -> str:
     return line
 
 
+def _staging_note(during: int, at_end: int) -> str:
+    if not at_end:
+        return ""
+    return f" (with ZeRO-2's staged gradients: {_gib(during)} in the backward, {_gib(at_end)} at its end)"
+
+
 def _layer_ranges(layers: list[int]) -> str:
     """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
     runs: list[list[int]] = []
@@ -508,7 +539,8 @@ def format_plan(plan: Plan) -> str:
         "",
         ("activations of the busiest pipeline rank (its micro-batches in flight, " if plan.stages else "activations ")
         + f"per micro-batch of {act['micro_batch']} sequences), train.activation_checkpointing="
-        f"none {_gib(act['no_checkpointing'])}, selective {_gib(act['selective'])}, full {_gib(act['checkpointing'])}",
+        f"none {_gib(act['no_checkpointing'])}, selective {_gib(act['selective'])}, full {_gib(act['checkpointing'])}"
+        + _staging_note(*act["zero2_staging"]),
         _verdict_line(act["configured_mode"], mem),
         "  (not counted: the runtime's context and collective buffers, allocator caching and fragmentation, "
         "routing imbalance; docs/MEMORY.md)",

@@ -34,9 +34,13 @@ def chunk_rows(vocab_size: int) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, grad_enabled: bool
+    ) -> torch.Tensor:
         T, V = h_TD.shape[0], weight_VD.shape[0]
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # needs_input_grad says only whether the inputs require grad, also under no_grad (an evaluation):
+        # the caller's grad mode decides whether the [T, V] gradient is worth making.
+        needs_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
         # d loss_t / d logits_t for a unit incoming gradient, in the compute dtype
         grad_TV = torch.empty(T, V, dtype=h_TD.dtype, device=h_TD.device) if needs_grad else None
@@ -72,7 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             scaled_h_TD = (h_TD.float() * scale_T1).to(h_TD.dtype)
             grad_weight = torch.mm(grad_TV.t(), scaled_h_TD).to(weight_VD.dtype)  # [V, D]
-        return grad_h, grad_weight, None
+        return grad_h, grad_weight, None, None
 
 
 def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,7 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T:
     device_type = h_TD.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_TD.dtype
     with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(h_TD.to(dtype), weight_VD.to(dtype), targets_T)
+        return _LinearCrossEntropy.apply(h_TD.to(dtype), weight_VD.to(dtype), targets_T, torch.is_grad_enabled())
 
 
 def vocab_parallel_cross_entropy(logits_Tv: torch.Tensor, targets_T: torch.Tensor, mesh) -> torch.Tensor:

@@ -98,6 +98,18 @@ def padded_numel(numel: int, world: int, element_size: int) -> int:
     return round_up(numel, shard_unit(world, element_size)) if numel else 0
 
 
+def bucket_step(bucket_numel: int, world: int, element_size: int) -> int:
+    """Elements in every bucket but the last: `bucket_numel` rounded down to whole aligned slices."""
+    unit = shard_unit(world, element_size)
+    return max(unit, bucket_numel // unit * unit)
+
+
+def bucket_sizes(numel: int, world: int, element_size: int, bucket_numel: int) -> list[int]:
+    """Elements in each bucket of a group of `numel` real elements (the buckets FlatParams cuts)."""
+    padded, step = padded_numel(numel, world, element_size), bucket_step(bucket_numel, world, element_size)
+    return [min(step, padded - lo) for lo in range(0, padded, step)]
+
+
 def flat_order(items: list) -> list:
     """A group's parameters in flat-buffer order (reverse model order): backward fills the buckets front to back."""
     return list(reversed(items))
@@ -147,10 +159,9 @@ class FlatParams:
             offset += p.numel()
         self.numel = offset  # real elements
         es = params[0].element_size() if params else 4
-        unit = shard_unit(world, es)
         self.padded_numel = padded_numel(offset, world, es)
         self.shard_numel = self.padded_numel // world
-        step = max(unit, bucket_numel // unit * unit)
+        step = bucket_step(bucket_numel, world, es)
         self.buckets = [
             Bucket(lo, min(lo + step, self.padded_numel), lo // world) for lo in range(0, self.padded_numel, step)
         ]

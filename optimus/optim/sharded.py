@@ -21,8 +21,11 @@ the two Adam moments are always fp32.
 ZeRO-1 keeps a full gradient buffer (with grad_dtype = parameter dtype, the
 parameters' .grad are views into it; otherwise hooks add every micro-batch's grad
 into it) and reduces in step(). ZeRO-2 reduces each bucket from
-post-accumulate-grad hooks during the backward of the last micro-batch (async,
-waited on in step()) and keeps only the owned gradient shard between steps.
+post-accumulate-grad hooks during the backward of the last micro-batch (async)
+and keeps only the owned gradient shard between steps. A group has at most
+BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the
+oldest and frees its staging copy, so the staged gradients never grow to the
+whole gradient that ZeRO-2 exists not to hold (zero2_staging_bytes counts them).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from optimus.config import SHARDING_SCHEMES, TORCH_DTYPES, OptimConfig
 from optimus.model.counts import expert_offsets
 from optimus.optim.adamw import AdamWHyper, adamw_update
-from optimus.optim.flat_buffer import FlatParams, GlobalPlace, padded_numel
+from optimus.optim.flat_buffer import FlatParams, GlobalPlace, bucket_sizes, padded_numel
 from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
 from optimus.optim.state_ranges import StateRange, copy_overlap, range_key
 from optimus.parallel import ParallelState
@@ -49,6 +52,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 SCHEMES = SHARDING_SCHEMES  # the values of optim.sharding that name a scheme (all but auto)
 MASTER_BYTES, MOMENT_BYTES = 4, 8  # per owned element: fp32 master copy; two fp32 Adam moments
+# Reductions of one group launched and not yet finished. Two keep the network busy while the backward packs the
+# next bucket; more would only hold more staged gradients.
+BUCKETS_IN_FLIGHT = 2
 
 
 def shard_worlds(scheme: str, world: int, dp: int, tp: int = 1) -> dict[str, int]:
@@ -94,6 +100,46 @@ def group_state_bytes(
     if padded:
         out.padding_bytes = out.total - group_state_bytes(numel, shard_world, param_size, grad_size, zero, False).total
     return out
+
+
+def zero_bucket_bytes(cfg: OptimConfig) -> int:
+    """Bytes of parameters per bucket: `optim.bucket_mb` under ZeRO-2; ZeRO-1 reduces in step(), where only
+    the collective size limit cuts a group."""
+    return int(cfg.bucket_mb * 2**20) if cfg.zero == 2 else 2**62
+
+
+def bucket_numel(bucket_bytes: int, max_numel: int, param_size: int) -> int:
+    """Elements per gradient bucket (`optim.bucket_mb` under ZeRO-2, capped by `optim.max_collective_numel`)."""
+    return min(max_numel, bucket_bytes // param_size)
+
+
+def zero2_staging_bytes(numel: int, shard_world: int, param_size: int, grad_size: int, bucket: int) -> tuple[int, int]:
+    """ZeRO-2: the most bytes of one group's staged gradient buckets alive at once (during the last backward,
+    at its end). During it: two buckets being packed (a bucket is reduced as soon as it is complete, but a
+    parameter's gradient can arrive before that of a smaller one laid out before it, in the previous bucket)
+    and BUCKETS_IN_FLIGHT launched ones. At its end, until step() waits: the last BUCKETS_IN_FLIGHT launched.
+    A launched bucket holds the receive buffer of its size that gloo's reduce-scatter needs
+    (optimus.parallel.collectives; counted on every backend)."""
+    sizes = bucket_sizes(numel, shard_world, param_size, bucket)
+    bucket_bytes = max(sizes, default=0) * grad_size
+    packing = min(len(sizes), 2)
+    launched = min(len(sizes) - packing, BUCKETS_IN_FLIGHT)
+    return (packing + 2 * launched) * bucket_bytes, 2 * min(len(sizes), BUCKETS_IN_FLIGHT) * bucket_bytes
+
+
+def rank_zero2_staging_bytes(
+    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int,
+    bucket: int, tp: int = 1,
+) -> tuple[int, int]:  # fmt: skip
+    """zero2_staging_bytes of a rank's two groups (the arguments of rank_state_bytes), summed: both are alive
+    in the backward (the dense group's from the head's gradient on, the experts' from the last MoE layer's)
+    and at its end."""
+    worlds = shard_worlds(scheme, world, dp, tp)
+    per_group = [
+        zero2_staging_bytes(numel, worlds[kind], param_size, grad_size, bucket)
+        for numel, kind in ((dense, "dense"), (expert_local, "expert"))
+    ]
+    return sum(during for during, _ in per_group), sum(end for _, end in per_group)
 
 
 def rank_state_bytes(
@@ -189,8 +235,8 @@ class ShardGroup:
     ):
         """`tp`: a TensorParallelGrads for the dense group of a tensor-parallel model, else None."""
         self.comm, self.zero, self.tp = comm, zero, tp
-        es = named[0][1].element_size()
-        self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, min(max_numel, bucket_bytes // es), offsets)
+        bucket = bucket_numel(bucket_bytes, max_numel, named[0][1].element_size())
+        self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, bucket, offsets)
         flat, dev = self.flat, self.flat.device
         self.grad_dtype = grad_dtype
         # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype, or
@@ -275,6 +321,8 @@ class ShardGroup:
             if earlier is not None:
                 dst.add_(earlier[lo - s.start : hi - s.start])
             self.left[bi] -= 1
+            if self.left[bi] == 0:  # reduce it before staging the next: a large parameter spans many buckets
+                self.launch_ready()
 
     def sum_over_tp(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> torch.Tensor:
         """ZeRO-2: a partial slot's gradient of the step (this micro-batch's + earlier ones'), summed over tp."""
@@ -304,6 +352,15 @@ class ShardGroup:
             src = self.full_grad[b.start : b.end] if self.zero == 1 else self.staging.pop(bi)
             self.launch(src, self.flat.shard_view(self.grad_shard, b))
             self.next_launch += 1
+            while len(self.works) > BUCKETS_IN_FLIGHT:
+                self.finish_oldest()
+
+    def finish_oldest(self) -> None:
+        """Wait for the oldest reduction in flight and drop its buffers (ZeRO-2: the staged bucket)."""
+        work, src, copy_to = self.works.pop(0)
+        work.wait()
+        if copy_to is not None:
+            copy_to.copy_(src)
 
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
         c = self.comm
@@ -340,11 +397,8 @@ class ShardGroup:
                 elif s.param.grad.data_ptr() != view.data_ptr():
                     view.copy_(s.param.grad)
         self.launch_ready(force=True)
-        for work, src, copy_to in self.works:
-            work.wait()
-            if copy_to is not None:
-                copy_to.copy_(src)
-        self.works.clear()
+        while self.works:
+            self.finish_oldest()
 
     def zero_grad(self) -> None:
         if self.zero == 1:
@@ -419,7 +473,7 @@ class ShardedAdamW:
         self.timed = timers or (lambda name: nullcontext())
         by_kind = param_groups(model)
         comms = group_comms(ps, scheme)
-        bucket_bytes = int(cfg.bucket_mb * 2**20) if cfg.zero == 2 else 2**62  # ZeRO-1: only the size limit cuts
+        bucket_bytes = zero_bucket_bytes(cfg)
         grad_dtype = TORCH_DTYPES[cfg.grad_dtype]
         self.groups: dict[str, ShardGroup] = {}
         tp = TensorParallelGrads(ps.tp_group, ps.tp_rank, tp_grad_roles(model)) if ps.tp > 1 else None
@@ -452,9 +506,8 @@ class ShardedAdamW:
                     param.grad = None
                 # else autograd keeps accumulating in .grad; only the last micro-batch reduces
             else:
-                group.pack(slot_idx, grad)
+                group.pack(slot_idx, grad)  # launches the buckets it completes
                 param.grad = None  # ZeRO-2 keeps only the owned shard
-                group.launch_ready()
 
         return hook
 

@@ -21,7 +21,7 @@ import torch
 
 from optimus.config import ConfigError
 from optimus.kernels.dtypes import compute_dtype
-from optimus.model.moe.dispatch import run_experts
+from optimus.model.moe.dispatch import SharedExperts, add_shared, run_experts
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
 from optimus.parallel.collectives import all_gather, all_gather_sizes, reduce_scatter
@@ -53,8 +53,11 @@ class AllGatherDispatcher(EPDispatcher):
                 "use the same train.micro_batch and train.seq_len everywhere, or parallel.dispatcher=alltoall."
             )
 
-    def __call__(self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+    def __call__(
+        self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts, shared: SharedExperts | None = None
+    ) -> torch.Tensor:
         self.check_layer(experts)
+        x_in_TD = x_TD
         n_tokens, top_k = routing.expert_idx_TK.shape
         with self.timed("dispatch_comm"):
             self._check_equal_tokens(n_tokens, x_TD.device)
@@ -79,4 +82,6 @@ class AllGatherDispatcher(EPDispatcher):
         y_AD = run_experts(experts, x_AD, counts_L)
         partial_ND = kernels.combine(y_AD, token_idx_A, weight_NK.reshape(-1)[flat_pos_A], x_ND.shape[0])
         with self.timed("combine_comm"):
-            return reduce_scatter(partial_ND, self.group)
+            y_TD = reduce_scatter(partial_ND, self.group)
+        # The collectives here are synchronous: nothing to overlap the shared experts with.
+        return add_shared(y_TD, x_in_TD, shared)

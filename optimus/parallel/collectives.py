@@ -5,7 +5,9 @@ Each forward collective has the adjoint collective as its backward:
     all_to_all (splits in -> out)   <->  all_to_all (splits out -> in)
     all_gather (concatenate ranks)  <->  reduce_scatter (sum, keep own block)
 
-so autograd carries gradients back across ranks. Every rank of the group must
+so autograd carries gradients back across ranks. The all-to-all also comes split in
+two (`all_to_all_start`, then `.wait()`), so that compute placed in between overlaps
+the exchange, in the forward and in the backward. Every rank of the group must
 run the same sequence of collectives, forward and backward; the dispatchers
 guarantee that by calling each one unconditionally, even with zero rows.
 
@@ -63,33 +65,97 @@ def all_gather_sizes(n: int, device: torch.device, group) -> list[int]:
     return out.tolist()
 
 
-def _all_to_all_rows(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
-    # Checked here so that a caller's mistake is not reported as a communication failure.
-    size = group_size(group)
-    if len(in_rows) != size or len(out_rows) != size or sum(in_rows) != x_ND.shape[0]:
-        raise ValueError(
-            f"all_to_all splits {in_rows} -> {out_rows} do not fit {x_ND.shape[0]} rows on a group of {size} ranks."
-        )
-    out_MD = x_ND.new_empty((sum(out_rows), *x_ND.shape[1:]))
-    with _explained("all_to_all of token rows", group):
-        dist.all_to_all_single(out_MD, x_ND.contiguous(), out_rows, in_rows, group=group)
-    return out_MD
+class _RowExchange:
+    """One all_to_all of token rows, launched asynchronously; `wait()` returns the received rows."""
+
+    def __init__(self, x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group):
+        # Checked here so that a caller's mistake is not reported as a communication failure.
+        size = group_size(group)
+        if len(in_rows) != size or len(out_rows) != size or sum(in_rows) != x_ND.shape[0]:
+            raise ValueError(
+                f"all_to_all splits {in_rows} -> {out_rows} do not fit {x_ND.shape[0]} rows on a group of {size} ranks."
+            )
+        self.group = group
+        self.x_ND = x_ND.contiguous()  # held until wait(): the exchange reads it meanwhile
+        self.out_MD = x_ND.new_empty((sum(out_rows), *x_ND.shape[1:]))
+        with _explained("all_to_all of token rows", group):
+            self.work = dist.all_to_all_single(self.out_MD, self.x_ND, out_rows, in_rows, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        with _explained("all_to_all of token rows", self.group):
+            self.work.wait()
+        self.x_ND = None
+        return self.out_MD
 
 
-class _AllToAll(torch.autograd.Function):
+class _Link:
+    """What the two halves of a split all_to_all share: the splits, and the exchange in flight in each direction."""
+
+    def __init__(self, out_rows: list[int], in_rows: list[int], group):
+        self.out_rows, self.in_rows, self.group = out_rows, in_rows, group
+        self.forward: _RowExchange | None = None  # the rows, launched by _Start.forward
+        self.backward: _RowExchange | None = None  # their gradient, launched by _Wait.backward
+
+
+class _Start(torch.autograd.Function):
+    """Launches the exchange; its output is an empty token that only ties _Wait to it in the graph."""
+
     @staticmethod
-    def forward(ctx, x_ND, out_rows, in_rows, group):
-        ctx.out_rows, ctx.in_rows, ctx.group = out_rows, in_rows, group
-        return _all_to_all_rows(x_ND, out_rows, in_rows, group)
+    def forward(ctx, x_ND, link):
+        link.forward = _RowExchange(x_ND, link.out_rows, link.in_rows, link.group)
+        ctx.link = link
+        return x_ND.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_token):
+        return ctx.link.backward.wait(), None
+
+
+class _Wait(torch.autograd.Function):
+    """Completes the exchange; its backward launches the gradient's reverse exchange, which _Start's completes."""
+
+    @staticmethod
+    def forward(ctx, token, link):
+        if link.forward is None:
+            raise RuntimeError("this all_to_all was already waited for: call wait() once.")
+        rows_MD = link.forward.wait()
+        link.forward = None  # the receive buffer now belongs to the caller
+        ctx.link = link
+        return rows_MD
 
     @staticmethod
     def backward(ctx, grad_MD):
-        return _all_to_all_rows(grad_MD, ctx.in_rows, ctx.out_rows, ctx.group), None, None, None
+        link = ctx.link
+        link.backward = _RowExchange(grad_MD, link.in_rows, link.out_rows, link.group)
+        return grad_MD.new_zeros(0), None
+
+
+class PendingRows:
+    """The rows of an all_to_all in flight (see `all_to_all_start`); `wait()` returns them, once."""
+
+    def __init__(self, token: torch.Tensor, link: _Link):
+        self._token, self._link = token, link
+
+    def wait(self) -> torch.Tensor:
+        return _Wait.apply(self._token, self._link)
+
+
+def all_to_all_start(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> PendingRows:
+    """Launch `all_to_all` (same splits) and return at once; compute placed before `.wait()` overlaps it.
+
+    Differentiable, with the same overlap in the backward: `wait`'s backward launches the reverse
+    exchange of the gradient and `all_to_all_start`'s backward waits for it. The autograd engine runs
+    the ready node created last first, so the backward of whatever was computed between start and
+    wait in the forward runs while that reverse exchange is in flight (tests/parallel/test_exchange_overlap.py
+    checks the order). `x_ND` must not be modified before `wait()`.
+    """
+    link = _Link(list(out_rows), list(in_rows), group)
+    return PendingRows(_Start.apply(x_ND, link), link)
 
 
 def all_to_all(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
     """Send rows `in_rows[j]` (consecutive blocks of x) to rank j; receive `out_rows[j]` rows from rank j."""
-    return _AllToAll.apply(x_ND, list(out_rows), list(in_rows), group)
+    return all_to_all_start(x_ND, out_rows, in_rows, group).wait()
 
 
 class _SummedExchange:

@@ -51,7 +51,9 @@ def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConf
     if not moe_layers:
         experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
     dispatcher_cls = DISPATCHER_CLASSES[cfg.dispatcher]
+    # validate() has checked that only the all-to-all dispatcher is asked for chunks.
+    options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
-        moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local)
+        moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, **options)
     return model

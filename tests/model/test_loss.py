@@ -96,3 +96,16 @@ def test_model_with_targets_matches_cross_entropy_of_its_logits(tie):
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
     for a, b in zip(fused_grads, plain_grads):
         assert_relative_error(a, b)
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("grad_enabled", [False, True])
+def test_logit_gradient_is_made_only_under_grad_mode(grad_enabled):
+    """An evaluation runs under no_grad with parameters that require grad: it must not make the [T, V]
+    gradient of the logits (the training forward does, for its backward)."""
+    h, weight, targets = inputs(T=256, V=512)
+    with torch.profiler.profile(profile_memory=True) as prof, torch.set_grad_enabled(grad_enabled):
+        linear_cross_entropy(h, weight, targets)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    logits_grad_bytes = 256 * 512 * 4
+    assert (largest >= logits_grad_bytes) == grad_enabled, largest

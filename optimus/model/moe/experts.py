@@ -28,8 +28,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.n_experts = n_experts
         self.expert_offset = 0
-        self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
+        # w2 is registered first: the backward hands out w13's gradient first (its input order), and the
+        # optimizer lays parameters out in reverse registration order so that gradients fill its buckets
+        # front to back, each reduced as soon as it is complete (optimus.optim.flat_buffer.flat_order).
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
         self.kernels = get_backend(kernels)
 
     def keep_experts(self, start: int, end: int) -> None:

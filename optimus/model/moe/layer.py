@@ -40,9 +40,8 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD, seq_len=x_BSD.shape[1])
-        y_TD = self.dispatcher(x_TD, routing, self.experts).to(x_BSD.dtype)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+        # The dispatcher adds the shared experts' output: an expert-parallel one computes it while tokens travel.
+        y_TD = self.dispatcher(x_TD, routing, self.experts, shared=self.shared)
         losses = (routing.aux_loss, routing.z_loss, routing.seq_aux_loss)
         if self.stats is not None and self.training:
             self.stats.record(self.layer_idx, *losses, routing.tokens_per_expert_E)
