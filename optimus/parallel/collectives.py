@@ -108,7 +108,12 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_token):
-        return ctx.link.backward.wait(), None
+        # The graph (and its ctx attributes) lives until the loss is dropped, after the whole backward: let go
+        # of the exchange here, or every layer's received gradient rows would stay alive until then.
+        link, ctx.link = ctx.link, None
+        grad_ND = link.backward.wait()
+        link.backward = None
+        return grad_ND, None
 
 
 class _Wait(torch.autograd.Function):
@@ -125,7 +130,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_MD):
-        link = ctx.link
+        link, ctx.link = ctx.link, None  # _Start's ctx holds it until the reverse exchange completes
         link.backward = _RowExchange(grad_MD, link.in_rows, link.out_rows, link.group)
         return grad_MD.new_zeros(0), None
 

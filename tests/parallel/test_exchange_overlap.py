@@ -117,6 +117,8 @@ def check_start_wait_order() -> None:
     torch.testing.assert_close(y, torch.cat([block(j, rank, seed=0) for j in range(world)]), rtol=0, atol=0)
     torch.testing.assert_close(x.grad, torch.cat([block(rank, j, seed=1) for j in range(world)]), rtol=0, atol=0)
     assert w.grad.item() == 3.0
+    # Nothing of either exchange is held once the backward is done, though the loss (and so the graph) lives on.
+    assert pending._link.forward is None and pending._link.backward is None
     with pytest.raises(RuntimeError, match="already waited"):
         pending.wait()
 
