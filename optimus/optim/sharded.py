@@ -123,7 +123,7 @@ def zero2_staging_bytes(numel: int, shard_world: int, param_size: int, grad_size
     sizes = bucket_sizes(numel, shard_world, param_size, bucket)
     bucket_bytes = max(sizes, default=0) * grad_size
     packing = min(len(sizes), 2)
-    launched = min(len(sizes) - packing, BUCKETS_IN_FLIGHT)
+    launched = min(len(sizes) - 1, BUCKETS_IN_FLIGHT)  # every bucket but the last is launched while one is packed
     return (packing + 2 * launched) * bucket_bytes, 2 * min(len(sizes), BUCKETS_IN_FLIGHT) * bucket_bytes
 
 
@@ -349,11 +349,11 @@ class ShardGroup:
         while self.next_launch < len(self.flat.buckets) and (force or self.left[self.next_launch] == 0):
             bi = self.next_launch
             b = self.flat.buckets[bi]
+            while len(self.works) >= BUCKETS_IN_FLIGHT:  # make room first: never more than that many in flight
+                self.finish_oldest()
             src = self.full_grad[b.start : b.end] if self.zero == 1 else self.staging.pop(bi)
             self.launch(src, self.flat.shard_view(self.grad_shard, b))
             self.next_launch += 1
-            while len(self.works) > BUCKETS_IN_FLIGHT:
-                self.finish_oldest()
 
     def finish_oldest(self) -> None:
         """Wait for the oldest reduction in flight and drop its buffers (ZeRO-2: the staged bucket)."""

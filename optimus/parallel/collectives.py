@@ -97,6 +97,15 @@ class _Link:
         self.backward: _RowExchange | None = None  # their gradient, launched by _Wait.backward
 
 
+def _once(link: _Link | None) -> _Link:
+    if link is None:
+        raise RuntimeError(
+            "the backward of a split all_to_all runs once: do not backward through it a second time "
+            "(retain_graph=True); run the forward again instead."
+        )
+    return link
+
+
 class _Start(torch.autograd.Function):
     """Launches the exchange; its output is an empty token that only ties _Wait to it in the graph."""
 
@@ -110,7 +119,7 @@ class _Start(torch.autograd.Function):
     def backward(ctx, grad_token):
         # The graph (and its ctx attributes) lives until the loss is dropped, after the whole backward: let go
         # of the exchange here, or every layer's received gradient rows would stay alive until then.
-        link, ctx.link = ctx.link, None
+        link, ctx.link = _once(ctx.link), None
         grad_ND = link.backward.wait()
         link.backward = None
         return grad_ND, None
@@ -130,7 +139,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_MD):
-        link, ctx.link = ctx.link, None  # _Start's ctx holds it until the reverse exchange completes
+        link, ctx.link = _once(ctx.link), None  # _Start's ctx holds it until the reverse exchange completes
         link.backward = _RowExchange(grad_MD, link.in_rows, link.out_rows, link.group)
         return grad_MD.new_zeros(0), None
 
@@ -152,7 +161,8 @@ def all_to_all_start(x_ND: torch.Tensor, out_rows: list[int], in_rows: list[int]
     exchange of the gradient and `all_to_all_start`'s backward waits for it. The autograd engine runs
     the ready node created last first, so the backward of whatever was computed between start and
     wait in the forward runs while that reverse exchange is in flight (tests/parallel/test_exchange_overlap.py
-    checks the order). `x_ND` must not be modified before `wait()`.
+    checks the order). `x_ND` must not be modified before `wait()`, and the backward runs once (the exchange
+    is let go of as soon as it is used, not kept for a second backward through a retained graph).
     """
     link = _Link(list(out_rows), list(in_rows), group)
     return PendingRows(_Start.apply(x_ND, link), link)

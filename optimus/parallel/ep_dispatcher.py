@@ -1,6 +1,6 @@
 """What the expert-parallel dispatchers share: their place in the EP group, the layer check and phase timing.
 
-A dispatcher is called as `dispatcher(x_TD, routing, experts) -> y_TD` (optimus.model.moe.dispatch)
+A dispatcher is called as `dispatcher(x_TD, routing, experts, shared=None) -> y_TD` (optimus.model.moe.dispatch)
 by the MoE layers of one rank, whose experts are this rank's block of `n_local` experts.
 """
 

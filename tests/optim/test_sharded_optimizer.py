@@ -397,20 +397,21 @@ def staged_peaks(bucket_mb: float) -> dict[str, tuple[int, int, int]]:
     model = new_model()
     opt = ShardedAdamW(model, optim_cfg(2, bucket_mb=bucket_mb), ps, GRAD_CLIP, "ep_aware")
     peaks = dict.fromkeys(opt.groups, 0)
-    launch_ready = sharded.ShardGroup.launch_ready
+    launch = sharded.ShardGroup.launch
 
-    def watched(group, force=False):
-        launch_ready(group, force)
+    def watched(group, src, out):  # right after each launch, when the most is in flight
+        launch(group, src, out)
+        assert len(group.works) <= sharded.BUCKETS_IN_FLIGHT
         staged = sum(t.numel() for t in group.staging.values()) + sum(2 * src.numel() for _, src, _ in group.works)
         kind = next(k for k, g in opt.groups.items() if g is group)
         peaks[kind] = max(peaks[kind], staged * 4)
 
-    sharded.ShardGroup.launch_ready = watched
+    sharded.ShardGroup.launch = watched
     try:
         loss_of(model, batches()[0, ps.rank], 1).backward()
         opt.step(1e-3)
     finally:
-        sharded.ShardGroup.launch_ready = launch_ready
+        sharded.ShardGroup.launch = launch
     bucket = lambda g: sharded.bucket_numel(int(bucket_mb * 2**20), 2**62, 4)  # noqa: E731
     return {
         kind: (peaks[kind], max(sharded.zero2_staging_bytes(g.flat.numel, g.comm.shard_world, 4, 4, bucket(g))),

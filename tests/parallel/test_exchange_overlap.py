@@ -121,6 +121,11 @@ def check_start_wait_order() -> None:
     assert pending._link.forward is None and pending._link.backward is None
     with pytest.raises(RuntimeError, match="already waited"):
         pending.wait()
+    # A second backward through a retained graph is refused with a message, before any rank sends anything.
+    again = all_to_all_start(x, out_rows, in_rows, None).wait().sum()
+    again.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        again.backward()
 
 
 @pytest.mark.slow
