@@ -28,7 +28,10 @@ Methods (rows):
                 torch backend does there) and `dense_native` (torch's own 16-bit matmul, A/8 rows).
 
 bf16 means training's mixed precision: fp32 weights and activations under torch.autocast(bf16).
-Routing is random top-k (each token picks K distinct experts uniformly). Methods are timed
+Routing is random top-k (each token picks K distinct experts uniformly), drawn anew for every
+iteration, warm-up included, as a training step routes anew: the experts' row counts change from
+one iteration to the next (on a CPU, oneDNN builds a kernel for each new 16-bit GEMM shape, which
+a benchmark repeating one routing never pays; `--same-routing` repeats one). Methods are timed
 round-robin (one iteration of each in turn, order rotated) so that load from other processes
 hits all of them alike; the figure is the median.
 """
@@ -75,23 +78,38 @@ def autocast(device: str, dtype: torch.dtype):
     return torch.autocast(device, dtype=dtype)
 
 
-def make_problem(s, device, gen):
-    """Routing, fp32 leaves and an output gradient for one shape."""
-    T, D, F, E, K = s["T"], s["D"], s["F"], s["E"], s["K"]
-    token_idx_A, weight_A, offsets_E = reference.random_routing(T, E, K, gen)
+class Routings:
+    """One routing per call, each drawn anew (the same one every call with `same`): (token_idx_A, weight_A
+    leaf, offsets_E)."""
+
+    def __init__(self, s, device, gen, same: bool):
+        self.s, self.device, self.gen, self.same, self.last = s, device, gen, same, None
+
+    def __call__(self):
+        if self.last is None or not self.same:
+            token_idx_A, weight_A, offsets_E = reference.random_routing(self.s["T"], self.s["E"], self.s["K"], self.gen)
+            weight_A = weight_A.to(self.device).requires_grad_()
+            self.last = token_idx_A.to(self.device), weight_A, offsets_E.to(self.device)
+        return self.last
+
+
+def make_problem(s, device, gen, same_routing):
+    """Routings, fp32 leaves and an output gradient for one shape."""
+    T, D, F, E = s["T"], s["D"], s["F"], s["E"]
+    routings = Routings(s, device, gen, same_routing)
     x_TD = torch.randn(T, D, generator=gen).to(device).requires_grad_()
     w13_EDF2 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(device).requires_grad_()
     w2_EFD = (torch.randn(E, F, D, generator=gen) / F**0.5).to(device).requires_grad_()
-    weight_A = weight_A.to(device).requires_grad_()
     dout_TD = torch.randn(T, D, generator=gen).to(device)
-    return x_TD, token_idx_A.to(device), weight_A, w13_EDF2, w2_EFD, offsets_E.to(device), dout_TD
+    return x_TD, routings, w13_EDF2, w2_EFD, dout_TD
 
 
-def make_ops_step(ops, s, dtype, device, gen):
+def make_ops_step(ops, s, dtype, device, gen, same_routing):
     """permute -> expert_swiglu_mlp -> combine, forward+backward."""
-    x_TD, token_idx_A, weight_A, w13, w2, offsets_E, dout_TD = make_problem(s, device, gen)
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing)
 
     def step():
+        token_idx_A, weight_A, offsets_E = routings()
         with autocast(device, dtype):
             x_AD = ops.permute(x_TD, token_idx_A)
             y_AD = ops.expert_swiglu_mlp(x_AD, w13, w2, offsets_E)
@@ -101,16 +119,16 @@ def make_ops_step(ops, s, dtype, device, gen):
     return step
 
 
-def make_loop_step(s, dtype, device, gen):
+def make_loop_step(s, dtype, device, gen, same_routing):
     """The plain per-expert loop, each expert's weights separate leaves (an nn.ModuleList of experts)."""
-    x_TD, token_idx_A, weight_A, w13, w2, offsets_E, dout_TD = make_problem(s, device, gen)
-    counts = torch.diff(offsets_E.cpu(), prepend=torch.zeros(1, dtype=offsets_E.dtype)).tolist()
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing)
     w13_list = [w.detach().clone().requires_grad_() for w in w13]
     w2_list = [w.detach().clone().requires_grad_() for w in w2]
-    leaves = (x_TD, weight_A, *w13_list, *w2_list)
     n_ffn = s["F"]
 
     def step():
+        token_idx_A, weight_A, offsets_E = routings()
+        counts = torch.diff(offsets_E.cpu(), prepend=torch.zeros(1, dtype=offsets_E.dtype)).tolist()
         with autocast(device, dtype):
             ys = []
             for x_RD, w13_e, w2_e in zip(x_TD[token_idx_A].split(counts), w13_list, w2_list):
@@ -118,7 +136,7 @@ def make_loop_step(s, dtype, device, gen):
                 ys.append((F.silu(h_RF2[:, :n_ffn]) * h_RF2[:, n_ffn:]) @ w2_e)
             y_AD = torch.cat(ys) * weight_A.unsqueeze(1)
             out_TD = y_AD.new_zeros(s["T"], s["D"]).index_add(0, token_idx_A, y_AD)
-        torch.autograd.grad(out_TD, leaves, dout_TD.to(out_TD.dtype))
+        torch.autograd.grad(out_TD, (x_TD, weight_A, *w13_list, *w2_list), dout_TD.to(out_TD.dtype))
 
     return step
 
@@ -143,7 +161,7 @@ def make_dense_step(s, dtype, device, gen, native: bool, row_fraction: int = 1):
     return step
 
 
-def make_moe_step(s, dtype, device, gen):
+def make_moe_step(s, dtype, device, gen, same_routing):
     from optimus.config import MoEConfig
     from optimus.model.moe import layer
 
@@ -158,8 +176,12 @@ def make_moe_step(s, dtype, device, gen):
     x = torch.randn(1, T, D, generator=gen).to(device).requires_grad_()
     dout = torch.randn(1, T, D, generator=gen).to(device)
     params = [x, *moe.parameters()]
+    router_weight = moe.router.gate.weight if hasattr(moe.router, "gate") else None
 
     def step():
+        if router_weight is not None and not same_routing:  # a training step's update: the routing changes
+            with torch.no_grad():
+                router_weight.normal_(std=0.02, generator=gen)
         with autocast(device, dtype):
             y = moe(x)
         loss_terms = (y * dout.to(y.dtype)).float().sum()
@@ -185,21 +207,21 @@ def time_round_robin(steps: dict, iters: int, warmup: int, clock=time.perf_count
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def case_steps(s, dtype, device, with_reference):
+def case_steps(s, dtype, device, with_reference, same_routing=False):
     """The methods to time for one shape and dtype, and the row fraction each one computes."""
     gen = torch.Generator().manual_seed(0)
     torch_ops = get_backend("torch")
     steps = {
-        "optimus": make_ops_step(torch_ops, s, dtype, device, gen),
-        "loop": make_loop_step(s, dtype, device, gen),
-        "moe_layer": make_moe_step(s, dtype, device, gen),
+        "optimus": make_ops_step(torch_ops, s, dtype, device, gen, same_routing),
+        "loop": make_loop_step(s, dtype, device, gen, same_routing),
+        "moe_layer": make_moe_step(s, dtype, device, gen, same_routing),
         "dense": make_dense_step(s, dtype, device, gen, native=False),
     }
     scale = {}
     if device != "cpu":
-        steps["triton"] = make_ops_step(get_backend("triton"), s, dtype, device, gen)
+        steps["triton"] = make_ops_step(get_backend("triton"), s, dtype, device, gen, same_routing)
     if with_reference:
-        steps["reference"] = make_ops_step(reference, s, dtype, device, gen)
+        steps["reference"] = make_ops_step(reference, s, dtype, device, gen, same_routing)
     if math_dtype(dtype, torch.device(device)) != dtype:
         steps["dense_native"] = make_dense_step(s, dtype, device, gen, native=True, row_fraction=8)
         scale["dense_native"] = 8
@@ -208,7 +230,7 @@ def case_steps(s, dtype, device, with_reference):
 
 def run_case(name, s, dtype_name, args):
     flops = expert_flops(**s)
-    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference)
+    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference, args.same_routing)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     medians = time_round_robin(steps, args.iters, args.warmup, clock)
     rows = {}
@@ -265,6 +287,7 @@ def parse_args():
     clock_help = "wall: elapsed time; cpu: this process's CPU time, steadier on a loaded machine with --threads 1"
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=clock_help)
     parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
+    parser.add_argument("--same-routing", action="store_true", help="repeat one routing in every iteration")
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.iters = ",".join(QUICK_SHAPES), 3
@@ -280,6 +303,7 @@ def main():
         torch.set_num_threads(args.threads)
     kept = args.device == "cpu" and not args.default_malloc and keep_cpu_allocations()
     meta = {**machine(), "command": " ".join(["python", *sys.argv]), "iters": args.iters, "clock": args.clock}
+    meta["routing"] = "the same in every iteration" if args.same_routing else "drawn anew for every iteration"
     meta["malloc_kept"] = kept
     meta["load_average_before"] = os.getloadavg()
     print(json.dumps(meta))

@@ -218,3 +218,55 @@ def test_import_does_not_need_triton():
         "assert 'triton' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---- 16-bit GEMMs on a CPU: row counts from a small set (oneDNN builds a kernel per shape) ----
+
+
+def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
+    counts = range(1, 8193)
+    rounded = [torch_backend.cached_rows(n) for n in counts]
+    assert all(n <= r <= n * 17 / 16 for n, r in zip(counts, rounded))
+    assert all(torch_backend.cached_rows(r) == r for r in rounded)  # a fixed point: the set is closed
+    assert rounded[:31] == list(range(1, 32))  # exact below 32 rows
+    assert len(set(rounded)) == 31 + 16 * 8 + 1  # 16 per octave from 32 to 8191, and 8192
+
+
+class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operand shapes of every mm and addmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm_.default):  # fmt: skip
+            self.shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype):
+    """Expert row counts that are not cached sizes (33, 100, 257, 47, ...), the first and last experts too: every
+    GEMM runs on cached row counts (windows borrowing neighbouring rows, a zero-padded tail for the weight
+    gradient) and the results equal exact per-expert GEMMs of the same 16-bit values up to their rounding."""
+    gen = torch.Generator().manual_seed(4)
+    counts = [33, 100, 0, 1, 257, 47, 69]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    bounds = [0, *offsets.tolist()]
+    x = torch.randn(sum(counts), 64, generator=gen).to(dtype)
+    w = (torch.randn(len(counts), 64, 96, generator=gen) / 8).to(dtype)
+    g = torch.randn(sum(counts), 96, generator=gen).to(dtype)
+    with _MatmulShapes() as seen:
+        y = torch_backend.grouped_mm(x, w, offsets, bounds)
+        dx = torch_backend.grouped_mm(g, w.transpose(1, 2), offsets, bounds)
+        dw = torch_backend.grouped_wgrad(x, g, offsets, bounds)
+    assert seen.shapes and all(torch_backend.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
+    x32, w32, g32 = x.float(), w.float(), g.float()
+    exact = [(x32[lo:hi] @ w32[e], g32[lo:hi] @ w32[e].t(), x32[lo:hi].t() @ g32[lo:hi])
+             for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]  # fmt: skip
+    assert_close_rel(y.float(), torch.cat([e[0] for e in exact]), 1e-2, "y")
+    assert_close_rel(dx.float(), torch.cat([e[1] for e in exact]), 1e-2, "dx")
+    assert_close_rel(dw.float(), torch.stack([e[2] for e in exact]), 1e-2, "dw")
+    assert dw[2].abs().max() == 0  # expert 2 has no rows
