@@ -1,6 +1,6 @@
 """Where one training step of the default `optimus train` spends its time, and its MFU.
 
-    python benchmarks/step_profile.py [--steps 6] [--warmup 3] [--top 25] [--out benchmarks/results/step_profile_cpu.md]
+    python benchmarks/step_profile.py [--steps 6] [--warmup 30] [--top 25] [--out benchmarks/results/step_profile_cpu.md]
         [KEY=VALUE ...]   # optimus train overrides, e.g. train.dtype=fp32
 
 Builds the Trainer exactly as `optimus train` does (same recipes, same CPU allocator and thread
@@ -8,7 +8,7 @@ settings), runs `--warmup` steps, times `--steps` steps with `profile.timers` on
 `--profile-steps` more under torch.profiler. Prints (and writes as Markdown) the MFU against the
 matmul probe, the profile.timers breakdown, the attention and FFN (for an MoE model: the expert path)
 of the blocks timed alone, the self CPU time of op groups and of the top ops, and with `--compare`
-this path against the previous loss and attention paths, round-robin in one process. On a shared
+this path against the previous one (expert GEMMs on exact row counts), round-robin in one process. On a shared
 CPU run it with OMP_NUM_THREADS=1 (see benchmarks/results/step_profile_cpu.md). Nothing is
 asserted: this is a measurement.
 """
@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from optimus.model import attention as attention_module
+from optimus.kernels import torch_backend
 from optimus.platform import cpu_matmul_probe, keep_cpu_allocations
 from optimus.recipes import load_config
-from optimus.train import trainer as trainer_module
-from optimus.train.trainer import Trainer, autocast_context, next_token_loss
+from optimus.train.trainer import Trainer, autocast_context
 
 # Op-name substrings -> group. First match wins; a profiler range (record_function) of the
 # model's modules is not used, since self CPU time of aten ops already sums to the step.
@@ -69,18 +68,8 @@ def build_trainer(overrides: list[str], run_dir: str) -> Trainer:
     return Trainer(cfg)
 
 
-FUSED_LOSS = trainer_module.micro_batch_loss
-
-
-def plain_loss(model, batch_BS1, cfg, platform):
-    """The loss before optimus.model.loss: [B, S, V] logits, copied to fp32, then F.cross_entropy."""
-    with autocast_context(cfg, platform):
-        return next_token_loss(model(batch_BS1[:, :-1]), batch_BS1[:, 1:])
-
-
-def timed_steps(trainer: Trainer, n: int, loss_fn=FUSED_LOSS) -> tuple[list[float], dict[str, float]]:
+def timed_steps(trainer: Trainer, n: int) -> tuple[list[float], dict[str, float]]:
     """Wall seconds of `n` steps and the mean profile.timers breakdown over them."""
-    trainer_module.micro_batch_loss = loss_fn
     times, phases = [], defaultdict(float)
     for _ in range(n):
         trainer.timers.pop_totals()
@@ -137,7 +126,9 @@ def component_seconds(trainer: Trainer, reps: int = 3) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=3)
+    # Long enough for oneDNN's kernel cache to hold the expert GEMMs' row counts (optimus.kernels.torch_backend
+    # .cached_rows): the first steps of a run build them.
+    parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="write the report as Markdown here")
@@ -146,9 +137,10 @@ def main() -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="then run ROUNDS round-robin rounds of a step of this path and of the previous one's variants "
-        "(plain fp32-logits cross-entropy, SDPA in the compute dtype, both)",
+        help="then run ROUNDS round-robin rounds of a block of --block steps of this path and of the previous "
+        "one (expert GEMMs on their exact row counts)",
     )
+    parser.add_argument("--block", type=int, default=6, help="steps per variant and round of --compare")
     args, overrides = parser.parse_known_args()
 
     keep_cpu_allocations()  # as `optimus train` does on a CPU
@@ -168,17 +160,14 @@ def main() -> None:
         probe_after = cpu_matmul_probe(torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
         ops = profile_steps(trainer, args.profile_steps)
         parts = component_seconds(trainer)
-        variants = {"now": [], "plain cross-entropy": [], "SDPA in bf16": [], "both (the previous path)": []}
-        fp32_head_dim = attention_module.CPU_FP32_ATTENTION_MAX_HEAD_DIM
+        variants = {"now": [], "exact expert rows (the previous path)": []}
+        cached = torch_backend._builds_kernel_per_shape
         for _ in range(args.compare):  # round-robin, so that load changes hit every variant alike
             for name, variant_times in variants.items():
-                plain = name.startswith(("plain", "both"))
-                attention_module.CPU_FP32_ATTENTION_MAX_HEAD_DIM = (
-                    0 if name.startswith(("SDPA", "both")) else fp32_head_dim
-                )
-                variant_times += timed_steps(trainer, 1, plain_loss if plain else FUSED_LOSS)[0]
-        attention_module.CPU_FP32_ATTENTION_MAX_HEAD_DIM = fp32_head_dim
-        trainer_module.micro_batch_loss = FUSED_LOSS
+                torch_backend._builds_kernel_per_shape = cached if name == "now" else lambda t: False
+                # The block's first step runs on the kernels the other variant left in the cache: not counted.
+                variant_times += timed_steps(trainer, args.block)[0][1:]
+        torch_backend._builds_kernel_per_shape = cached
         trainer.loader.close()
 
     step_s = statistics.median(times)
@@ -236,9 +225,12 @@ def main() -> None:
         )
     if args.compare:
         emit()
-        emit(f"## This path against the previous one, {args.compare} round-robin rounds of one step each")
+        emit(f"## This path against the previous one, {args.compare} round-robin rounds of {args.block} steps each")
         emit()
-        emit("plain cross-entropy: fp32 logits [B, S, V] and F.cross_entropy; SDPA in bf16: in the compute dtype")
+        emit(
+            "exact expert rows: 16-bit expert GEMMs on each expert's own row count, a new oneDNN kernel for each new "
+            "count (optimus.kernels.torch_backend.cached_rows); steps after the first of each block"
+        )
         emit()
         emit("| variant | median step ms | step / now | MFU (start-up probe) |")
         emit("|---|---|---|---|")

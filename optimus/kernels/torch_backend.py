@@ -78,15 +78,25 @@ def _builds_kernel_per_shape(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
 
 
-def _mm_rows(x_AK: torch.Tensor, w_KN: torch.Tensor, lo: int, hi: int, out_RN: torch.Tensor) -> None:
-    """out = x[lo:hi] @ w, computed on `cached_rows(hi - lo)` rows: the window borrows neighbouring rows of x
-    (their products are computed and dropped), so no row is copied or padded."""
-    rows = cached_rows(hi - lo)
-    if rows == hi - lo or rows > x_AK.shape[0]:
-        torch.mm(x_AK[lo:hi], w_KN, out=out_RN)
-        return
-    start = min(lo, x_AK.shape[0] - rows)  # the window [start, start + rows) holds [lo, hi)
-    out_RN.copy_(torch.mm(x_AK[start : start + rows], w_KN)[lo - start : hi - start])
+def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """grouped_mm with every GEMM on `cached_rows` rows: an expert's window runs past its own rows into the next
+    expert's (their products are computed and dropped), so no row of x is copied or padded. Experts go in order
+    and each writes its whole window: the next expert overwrites the rows it wrote beyond its own, and the last
+    one's go to spare rows past the output's end. A window that would read past x's end takes the rows before
+    its own instead, through a scratch output."""
+    n_rows, pairs = x_AK.shape[0], list(zip(bounds[:-1], bounds[1:]))
+    spare = max((cached_rows(hi - lo) - (hi - lo) for lo, hi in pairs if hi > lo), default=0)
+    y_AN = x_AK.new_empty(n_rows + spare, w_EKN.shape[2])  # [A + spare, N]
+    for e, (lo, hi) in enumerate(pairs):
+        rows = cached_rows(hi - lo) if hi > lo else 0
+        if rows > n_rows:  # fewer rows in all than the window: exact
+            torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
+        elif lo + rows <= n_rows:
+            torch.mm(x_AK[lo : lo + rows], w_EKN[e], out=y_AN[lo : lo + rows])
+        else:
+            start = n_rows - rows
+            y_AN[lo:hi] = torch.mm(x_AK[start:], w_EKN[e])[lo - start : hi - start]
+    return y_AN[:n_rows]
 
 
 def _wgrad_rows(x_KA: torch.Tensor, g_AN: torch.Tensor, lo: int, hi: int, out_KN: torch.Tensor) -> None:
@@ -105,15 +115,14 @@ def _wgrad_rows(x_KA: torch.Tensor, g_AN: torch.Tensor, lo: int, hi: int, out_KN
 
 def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]  -> [A, N]. `bounds` = [0] + offsets as Python ints."""
-    per_shape = _builds_kernel_per_shape(x_AK)
-    if not per_shape and _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
+    if _builds_kernel_per_shape(x_AK):
+        return _grouped_mm_cached_rows(x_AK, w_EKN, bounds)
+    if _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
         return torch._grouped_mm(x_AK, w_EKN, offsets_E)
     y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
     for e in range(w_EKN.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo and per_shape:
-            _mm_rows(x_AK, w_EKN[e], lo, hi, y_AN[lo:hi])
-        elif hi > lo:
+        if hi > lo:
             torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
     return y_AN
 
