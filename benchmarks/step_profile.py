@@ -1,7 +1,7 @@
 """Where one training step of the default `optimus train` spends its time, and its MFU.
 
-    python benchmarks/step_profile.py [--steps 6] [--warmup 30] [--top 25] [--out benchmarks/results/step_profile_cpu.md]
-        [KEY=VALUE ...]   # optimus train overrides, e.g. train.dtype=fp32
+    python benchmarks/step_profile.py [--steps 6] [--warmup 30] [--top 25] [--compare ROUNDS] [--block 6]
+        [--out benchmarks/results/step_profile_cpu.md] [KEY=VALUE ...]   # optimus train overrides
 
 Builds the Trainer exactly as `optimus train` does (same recipes, same CPU allocator and thread
 settings), runs `--warmup` steps, times `--steps` steps with `profile.timers` on, then runs
