@@ -11,6 +11,9 @@ class Optimizer(Protocol):
     def set_last_micro_batch(self, is_last: bool) -> None:
         """Called before each backward: whether it is the last one of this optimizer step."""
 
+    def grads_assigned(self, params) -> None:
+        """Called with parameters whose .grad was assigned, not accumulated by autograd (no hook fired)."""
+
     def step(self, lr: float) -> float:
         """Reduce, clip and apply this step's gradients; return the pre-clip global gradient norm."""
 

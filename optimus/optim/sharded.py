@@ -31,6 +31,7 @@ whole gradient that ZeRO-2 exists not to hold (zero2_staging_bytes counts them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Any
@@ -489,10 +490,12 @@ class ShardedAdamW:
                 params, comms[kind], bucket_bytes, cfg.max_collective_numel, cfg.zero, grad_dtype, offsets,
                 tp if kind == "dense" else None,
             )  # fmt: skip
+        self._hooks: dict[torch.Tensor, Callable[[torch.Tensor], None]] = {}  # parameter -> its gradient hook
         for group in self.groups.values():
             if group.zero == 2 or group.grads_by_hook:
                 for i, s in enumerate(group.flat.slots):
-                    s.param.register_post_accumulate_grad_hook(self._hook(group, i))
+                    self._hooks[s.param] = self._hook(group, i)
+                    s.param.register_post_accumulate_grad_hook(self._hooks[s.param])
 
     def _hook(self, group: ShardGroup, slot_idx: int):
         def hook(param: torch.Tensor) -> None:
@@ -514,6 +517,15 @@ class ShardedAdamW:
     def set_last_micro_batch(self, is_last: bool) -> None:
         """Tell ZeRO-2 whether the coming backward is the last of this optimizer step (it reduces then)."""
         self.last_micro_batch = is_last
+
+    def grads_assigned(self, params: Iterable[torch.Tensor]) -> None:
+        """Take the gradients that were assigned to `params`' .grad rather than accumulated by autograd, which
+        fires no post-accumulate-grad hook: torch's zero-bubble pipeline schedules assign the weight gradients
+        of their weight pass. Without this, ZeRO-2 would hold the whole gradient until step()."""
+        for param in params:
+            hook = self._hooks.get(param)
+            if hook is not None and param.grad is not None:
+                hook(param)
 
     def zero_grad(self) -> None:
         for group in self.groups.values():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -237,7 +237,10 @@ class TimedStage(PipelineStage):
         # complete once it has run, which is when ZeRO-2 reduces them.
         self.pipeline.before_backward(last_backward)
         with self.pipeline.timed(self.stage_index, "backward"):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward, **kwargs)
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward, **kwargs)
+        if backward_type == "weight":  # zero bubble's weight pass assigns .grad, which fires no gradient hook
+            self.pipeline.after_weight_backward(self.submod.parameters())
+        return result
 
 
 class Pipeline:
@@ -246,7 +249,8 @@ class Pipeline:
     `loss_fn(logits_BSV, targets_BS)` is called on the last stage once per micro-batch, in order;
     its backward drives the pipeline's (gradients are not rescaled by the schedule: the loss
     carries the 1 / micro-batches factor itself). The trainer sets `before_backward(is_last)`, called
-    before each of this rank's stage backwards (the optimizer's set_last_micro_batch), and `timers`
+    before each of this rank's stage backwards (the optimizer's set_last_micro_batch),
+    `after_weight_backward(params)` (the optimizer's grads_assigned), and `timers`
     (profile.timers), which time the stages' forwards and backwards; `stage_seconds` sums those per stage.
     """
 
@@ -267,6 +271,9 @@ class Pipeline:
         self.group = ps.pp_group
         self.residual_seq_len = ps.residual_seq_len  # what a rank passes between stages (sequence parallelism)
         self.before_backward: Callable[[bool], None] = lambda is_last: None
+        # Called with a stage's parameters after each weight pass of a zero-bubble schedule (the optimizer's
+        # grads_assigned): that pass assigns their .grad instead of accumulating it through autograd.
+        self.after_weight_backward: Callable[[Iterable[torch.Tensor]], None] = lambda params: None
         self.timers = None  # profile.timers (optimus.train.timers.Timers), set by the trainer
         self.device = device
         self.stage_seconds = dict.fromkeys(stage_indices, 0.0)

@@ -160,6 +160,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
         if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
             self.pipeline.before_backward = self.optimizer.set_last_micro_batch
+            self.pipeline.after_weight_backward = self.optimizer.grads_assigned
             self.pipeline.timers = self.timers
         attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
         p = cfg.profile

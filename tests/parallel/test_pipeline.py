@@ -220,3 +220,45 @@ def test_scaled_down_mula_recipes_train_at_their_pipeline_layout(model, layout, 
         for key in ("loss", "z_loss", "grad_norm", "expert_load_imbalance"):
             assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{model}: step {m['step']} {key}"
     assert run[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-6)
+
+
+def unpacked_at_step(overrides: list[str], cache: str) -> tuple[int, int]:
+    """One rank: one training step; (ZeRO-2 gradient slots the backward left for step() to pack, all slots)."""
+    import os
+
+    from optimus.optim import sharded
+    from optimus.train.trainer import Trainer
+
+    os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
+    trainer = Trainer(load_config(overrides))
+    left, finish = [], sharded.ShardGroup.finish_reduction
+
+    def counted(group):
+        left.append(sum(not packed for packed in group.packed))
+        finish(group)
+
+    sharded.ShardGroup.finish_reduction = counted
+    try:
+        trainer.train_step()
+    finally:
+        sharded.ShardGroup.finish_reduction = finish
+        trainer.loader.close()
+    return sum(left), sum(len(g.flat.slots) for g in trainer.optimizer.groups.values())
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zb"])
+def test_zero2_reduces_each_stage_during_its_backward(tmp_path, corpus_file, schedule):
+    """Zero bubble's weight pass assigns .grad, which fires no gradient hook: the pipeline hands those gradients
+    to the optimizer after each weight pass, so ZeRO-2 packs and reduces them during the backward, as with the
+    other schedules, instead of holding the whole gradient until step()."""
+    import os
+
+    from tests.distributed import run_distributed
+
+    overrides = [
+        *COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={tmp_path / 'run'}", "parallel.nproc=2",
+        "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.pp_virtual=2", "optim.zero=2",
+        "optim.bucket_mb=0.01",
+    ]  # fmt: skip
+    for left, slots in run_distributed(unpacked_at_step, 2, overrides, os.environ["OPTIMUS_CACHE"]):
+        assert slots > 0 and left == 0, (schedule, left, slots)
