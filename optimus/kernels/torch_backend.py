@@ -88,7 +88,9 @@ def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: lis
     spare = max((cached_rows(hi - lo) - (hi - lo) for lo, hi in pairs if hi > lo), default=0)
     y_AN = x_AK.new_empty(n_rows + spare, w_EKN.shape[2])  # [A + spare, N]
     for e, (lo, hi) in enumerate(pairs):
-        rows = cached_rows(hi - lo) if hi > lo else 0
+        if hi == lo:
+            continue
+        rows = cached_rows(hi - lo)
         if rows > n_rows:  # fewer rows in all than the window: exact
             torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
         elif lo + rows <= n_rows:
