@@ -101,18 +101,26 @@ def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: lis
     return y_AN[:n_rows]
 
 
-def _wgrad_rows(x_KA: torch.Tensor, g_AN: torch.Tensor, lo: int, hi: int, out_KN: torch.Tensor) -> None:
-    """out = x[:, lo:hi] @ g[lo:hi] as a sum over a cached row count and a tail zero-padded to one: rows are the
-    reduction here, so borrowed ones would add to the sum."""
-    step = _row_step(hi - lo)
-    tail = (hi - lo) % step  # the rows above the largest cached count: `hi - lo - tail` is one
-    torch.mm(x_KA[:, lo : hi - tail], g_AN[lo : hi - tail], out=out_KN)
-    if tail:
-        x_tail_PK = x_KA.new_zeros(step, x_KA.shape[0])
-        g_tail_PN = g_AN.new_zeros(step, g_AN.shape[1])
-        x_tail_PK[:tail].copy_(x_KA[:, hi - tail : hi].t())
-        g_tail_PN[:tail].copy_(g_AN[hi - tail : hi])
-        out_KN.addmm_(x_tail_PK.t(), g_tail_PN)
+def _grouped_wgrad_cached_rows(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """grouped_wgrad with every GEMM on a cached row count: rows are the reduction here, so a window may not
+    borrow other experts' rows (they would add to the sum). Each expert's rows split into the largest cached
+    count at or below them and a tail, zero-padded to one `_row_step`, whose product is added."""
+    x_KA = x_AK.t()
+    dw_EKN = x_AK.new_empty(len(bounds) - 1, x_AK.shape[1], g_AN.shape[1])  # [E, K, N]
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi == lo:
+            dw_EKN[e].zero_()
+            continue
+        step = _row_step(hi - lo)
+        tail = (hi - lo) % step  # `hi - lo - tail` is a cached count
+        torch.mm(x_KA[:, lo : hi - tail], g_AN[lo : hi - tail], out=dw_EKN[e])
+        if tail:
+            x_tail_PK = x_AK.new_zeros(step, x_AK.shape[1])
+            g_tail_PN = g_AN.new_zeros(step, g_AN.shape[1])
+            x_tail_PK[:tail].copy_(x_AK[hi - tail : hi])
+            g_tail_PN[:tail].copy_(g_AN[hi - tail : hi])
+            dw_EKN[e].addmm_(x_tail_PK.t(), g_tail_PN)
+    return dw_EKN
 
 
 def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -131,17 +139,16 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
 
 def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """dw[e] = x[rows of e]^T @ g[rows of e]  -> [E, K, N]; zero for experts without rows."""
+    if _builds_kernel_per_shape(x_AK):
+        return _grouped_wgrad_cached_rows(x_AK, g_AN, bounds)
     x_KA = x_AK.t()
-    per_shape = _builds_kernel_per_shape(x_AK)
-    if not per_shape and _use_grouped(offsets_E.shape[0], x_KA, g_AN):
+    if _use_grouped(offsets_E.shape[0], x_KA, g_AN):
         return torch._grouped_mm(x_KA, g_AN, offsets_E)
     n_experts = offsets_E.shape[0]
     dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])
     for e in range(n_experts):
         lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo and per_shape:
-            _wgrad_rows(x_KA, g_AN, lo, hi, dw_EKN[e])
-        elif hi > lo:
+        if hi > lo:
             torch.mm(x_KA[:, lo:hi], g_AN[lo:hi], out=dw_EKN[e])
         else:
             dw_EKN[e].zero_()
