@@ -27,7 +27,10 @@ Methods (rows):
                 the faster is the roofline: `dense` (16-bit-rounded operands, fp32 GEMM: what the
                 torch backend does there) and `dense_native` (torch's own 16-bit matmul, A/8 rows).
 
-bf16 means training's mixed precision: fp32 weights and activations under torch.autocast(bf16).
+bf16 means training's mixed precision as `optimus train` runs it with train.dtype=bf16: bf16 weights and
+activations under torch.autocast(bf16) (the fp32 master copy lives in the optimizer). `--fp32-params` keeps
+fp32 weights and activations under autocast instead, as the issue-22 table was measured: every method then
+also pays for casting its weights to bf16 and its weight gradients back every step.
 Routing is random top-k (each token picks K distinct experts uniformly), drawn anew for every
 iteration, warm-up included, as a training step routes anew: the experts' row counts change from
 one iteration to the next (on a CPU, oneDNN builds a kernel for each new 16-bit GEMM shape, which
@@ -93,20 +96,20 @@ class Routings:
         return self.last
 
 
-def make_problem(s, device, gen, same_routing):
-    """Routings, fp32 leaves and an output gradient for one shape."""
+def make_problem(s, device, gen, same_routing, param_dtype):
+    """Routings, leaves in `param_dtype` and an output gradient for one shape."""
     T, D, F, E = s["T"], s["D"], s["F"], s["E"]
     routings = Routings(s, device, gen, same_routing)
-    x_TD = torch.randn(T, D, generator=gen).to(device).requires_grad_()
-    w13_EDF2 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(device).requires_grad_()
-    w2_EFD = (torch.randn(E, F, D, generator=gen) / F**0.5).to(device).requires_grad_()
-    dout_TD = torch.randn(T, D, generator=gen).to(device)
+    x_TD = torch.randn(T, D, generator=gen).to(device, param_dtype).requires_grad_()
+    w13_EDF2 = (torch.randn(E, D, 2 * F, generator=gen) / D**0.5).to(device, param_dtype).requires_grad_()
+    w2_EFD = (torch.randn(E, F, D, generator=gen) / F**0.5).to(device, param_dtype).requires_grad_()
+    dout_TD = torch.randn(T, D, generator=gen).to(device, param_dtype)
     return x_TD, routings, w13_EDF2, w2_EFD, dout_TD
 
 
-def make_ops_step(ops, s, dtype, device, gen, same_routing):
+def make_ops_step(ops, s, dtype, device, gen, same_routing, param_dtype):
     """permute -> expert_swiglu_mlp -> combine, forward+backward."""
-    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing)
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
 
     def step():
         token_idx_A, weight_A, offsets_E = routings()
@@ -119,9 +122,9 @@ def make_ops_step(ops, s, dtype, device, gen, same_routing):
     return step
 
 
-def make_loop_step(s, dtype, device, gen, same_routing):
+def make_loop_step(s, dtype, device, gen, same_routing, param_dtype):
     """The plain per-expert loop, each expert's weights separate leaves (an nn.ModuleList of experts)."""
-    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing)
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
     w13_list = [w.detach().clone().requires_grad_() for w in w13]
     w2_list = [w.detach().clone().requires_grad_() for w in w2]
     n_ffn = s["F"]
@@ -141,13 +144,13 @@ def make_loop_step(s, dtype, device, gen, same_routing):
     return step
 
 
-def make_dense_step(s, dtype, device, gen, native: bool, row_fraction: int = 1):
+def make_dense_step(s, dtype, device, gen, param_dtype, native: bool, row_fraction: int = 1):
     """One dense [A, D] x [D, 3F] linear, fwd + bwd (dx, dW): the equal-FLOP GEMM roofline."""
     A = s["T"] * s["K"] // row_fraction
     D, N = s["D"], 3 * s["F"]
-    x = torch.randn(A, D, generator=gen).to(device).requires_grad_()
-    w = (torch.randn(D, N, generator=gen) / D**0.5).to(device).requires_grad_()
-    dy = torch.randn(A, N, generator=gen).to(device)
+    x = torch.randn(A, D, generator=gen).to(device, param_dtype).requires_grad_()
+    w = (torch.randn(D, N, generator=gen) / D**0.5).to(device, param_dtype).requires_grad_()
+    dy = torch.randn(A, N, generator=gen).to(device, param_dtype)
     math = math_dtype(dtype, torch.device(device))
 
     def step():
@@ -161,7 +164,7 @@ def make_dense_step(s, dtype, device, gen, native: bool, row_fraction: int = 1):
     return step
 
 
-def make_moe_step(s, dtype, device, gen, same_routing):
+def make_moe_step(s, dtype, device, gen, same_routing, param_dtype):
     from optimus.config import MoEConfig
     from optimus.model.moe import layer
 
@@ -169,12 +172,12 @@ def make_moe_step(s, dtype, device, gen, same_routing):
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     # Router losses weighted 1: their gradients ride on the backward of y.
     moe_cfg = MoEConfig(n_experts=E, top_k=K, expert_dim=F, aux_loss_coef=1.0, z_loss_coef=1.0)
-    moe = layer.MoE(D, moe_cfg, kernels="torch").to(device)
+    moe = layer.MoE(D, moe_cfg, kernels="torch").to(device, param_dtype)
     for p in moe.parameters():  # the layer leaves initialisation to the model
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(1, T, D, generator=gen).to(device).requires_grad_()
-    dout = torch.randn(1, T, D, generator=gen).to(device)
+    x = torch.randn(1, T, D, generator=gen).to(device, param_dtype).requires_grad_()
+    dout = torch.randn(1, T, D, generator=gen).to(device, param_dtype)
     params = [x, *moe.parameters()]
     router_weight = moe.router.gate.weight if hasattr(moe.router, "gate") else None
 
@@ -207,30 +210,32 @@ def time_round_robin(steps: dict, iters: int, warmup: int, clock=time.perf_count
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def case_steps(s, dtype, device, with_reference, same_routing=False):
+def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params=False):
     """The methods to time for one shape and dtype, and the row fraction each one computes."""
     gen = torch.Generator().manual_seed(0)
     torch_ops = get_backend("torch")
+    param_dtype = torch.float32 if fp32_params else dtype
+    common = (s, dtype, device, gen, same_routing, param_dtype)
     steps = {
-        "optimus": make_ops_step(torch_ops, s, dtype, device, gen, same_routing),
-        "loop": make_loop_step(s, dtype, device, gen, same_routing),
-        "moe_layer": make_moe_step(s, dtype, device, gen, same_routing),
-        "dense": make_dense_step(s, dtype, device, gen, native=False),
+        "optimus": make_ops_step(torch_ops, *common),
+        "loop": make_loop_step(*common),
+        "moe_layer": make_moe_step(*common),
+        "dense": make_dense_step(s, dtype, device, gen, param_dtype, native=False),
     }
     scale = {}
     if device != "cpu":
-        steps["triton"] = make_ops_step(get_backend("triton"), s, dtype, device, gen, same_routing)
+        steps["triton"] = make_ops_step(get_backend("triton"), *common)
     if with_reference:
-        steps["reference"] = make_ops_step(reference, s, dtype, device, gen, same_routing)
+        steps["reference"] = make_ops_step(reference, *common)
     if math_dtype(dtype, torch.device(device)) != dtype:
-        steps["dense_native"] = make_dense_step(s, dtype, device, gen, native=True, row_fraction=8)
+        steps["dense_native"] = make_dense_step(s, dtype, device, gen, param_dtype, native=True, row_fraction=8)
         scale["dense_native"] = 8
     return steps, scale
 
 
 def run_case(name, s, dtype_name, args):
     flops = expert_flops(**s)
-    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference, args.same_routing)
+    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference, args.same_routing, args.fp32_params)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     medians = time_round_robin(steps, args.iters, args.warmup, clock)
     rows = {}
@@ -288,6 +293,7 @@ def parse_args():
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=clock_help)
     parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
     parser.add_argument("--same-routing", action="store_true", help="repeat one routing in every iteration")
+    parser.add_argument("--fp32-params", action="store_true", help="fp32 weights, bf16 autocast (issue 22 table)")
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.iters = ",".join(QUICK_SHAPES), 3
@@ -305,6 +311,7 @@ def main():
     meta = {**machine(), "command": " ".join(["python", *sys.argv]), "iters": args.iters, "clock": args.clock}
     meta["routing"] = "the same in every iteration" if args.same_routing else "drawn anew for every iteration"
     meta["malloc_kept"] = kept
+    meta["params"] = "fp32" if args.fp32_params else "the compute dtype"
     meta["load_average_before"] = os.getloadavg()
     print(json.dumps(meta))
     print("figures: fraction of the roofline (a dense GEMM fwd+bwd of the same FLOPs)\n")

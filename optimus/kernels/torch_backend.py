@@ -2,11 +2,13 @@
 
 - permute / combine: `index_select` one way; the other way (a sum over each token's rows) is
   a CSR sparse x dense matmul on CPUs, `index_add_` elsewhere; no Python loop over tokens.
+  16-bit rows are widened to fp32 a block at a time, in cache.
 - expert MLP: one custom autograd.Function for the whole SwiGLU MLP; GEMMs are
   `torch._grouped_mm` (one call per GEMM for all experts, weight grads included) with a
   per-expert `torch.mm(out=)` loop when `_grouped_mm` is missing or strides are not 16-byte
   aligned. 16-bit GEMMs on a CPU run per expert on row counts from a small fixed set
-  (`cached_rows`), so that oneDNN's kernels for them stay cached from step to step.
+  (`cached_rows`), so that oneDNN's kernels for them stay cached from step to step, and
+  there the MLP runs one expert at a time (GEMM, SwiGLU, GEMM on rows still in cache).
   Forward saves x, h13 = x @ W13, silu(gate) and h, so backward runs no recomputation
   and only three elementwise passes (one of them `silu_backward`).
 - 16-bit compute on a CPU without 16-bit matmul units (see `dtypes.math_dtype`) rounds x,
@@ -19,7 +21,6 @@ import functools
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
 
@@ -78,48 +79,62 @@ def _builds_kernel_per_shape(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
 
 
+def _mm_window(a_AK: torch.Tensor, b_KN: torch.Tensor, out_AN: torch.Tensor, lo: int, hi: int) -> None:
+    """out[lo:hi] = a[lo:hi] @ b as one GEMM on `cached_rows(hi - lo)` rows. The window runs past row `hi` into
+    the next experts' rows (their products are computed and dropped), so no row of `a` is copied or padded: it
+    writes rows of `out` past `hi` too, which those experts overwrite when their turn comes (experts go in
+    order). A window that would read past a's end takes the rows before `lo` instead, through a scratch output."""
+    n_rows, rows = a_AK.shape[0], cached_rows(hi - lo)
+    if rows > n_rows:  # fewer rows in all than the window: exact
+        torch.mm(a_AK[lo:hi], b_KN, out=out_AN[lo:hi])
+    elif lo + rows <= n_rows:
+        torch.mm(a_AK[lo : lo + rows], b_KN, out=out_AN[lo : lo + rows])
+    else:
+        start = n_rows - rows
+        out_AN[lo:hi] = torch.mm(a_AK[start:], b_KN)[lo - start :]
+
+
+def _wgrad_rows(a_AK: torch.Tensor, g_AN: torch.Tensor, out_KN: torch.Tensor, lo: int, hi: int) -> None:
+    """out = a[lo:hi]^T @ g[lo:hi], the bulk on a cached row count. Rows are the reduction here, so the GEMM may
+    not borrow other experts' rows (they would add to the sum): the rows split into the largest cached count at
+    or below them and a tail of fewer than one `_row_step` rows, whose product is added. Tails come in fewer
+    sizes than a `_row_step` per octave, so their kernels stay cached too (a tail zero-padded to a whole step
+    measured 1.8x slower: it multiplies the zeros)."""
+    if hi == lo:
+        out_KN.zero_()
+        return
+    tail = (hi - lo) % _row_step(hi - lo)  # `hi - lo - tail` is a cached count
+    a_KA = a_AK.t()
+    torch.mm(a_KA[:, lo : hi - tail], g_AN[lo : hi - tail], out=out_KN)
+    if tail:
+        out_KN.addmm_(a_KA[:, hi - tail : hi], g_AN[hi - tail : hi])
+
+
+def _wgrad_window(a_AK: torch.Tensor, g_AN: torch.Tensor, out_KN: torch.Tensor, lo: int, hi: int) -> None:
+    """_wgrad_rows as one GEMM on a cached row count, for a `g` whose rows past `hi` are still to be written (by
+    later experts): it zeroes them, so the window may run past the expert's rows without adding to the sum."""
+    rows = cached_rows(hi - lo)
+    if hi == lo or lo + rows > a_AK.shape[0]:
+        _wgrad_rows(a_AK, g_AN, out_KN, lo, hi)
+        return
+    g_AN[hi : lo + rows].zero_()
+    torch.mm(a_AK.t()[:, lo : lo + rows], g_AN[lo : lo + rows], out=out_KN)
+
+
 def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """grouped_mm with every GEMM on `cached_rows` rows: an expert's window runs past its own rows into the next
-    expert's (their products are computed and dropped), so no row of x is copied or padded. Experts go in order
-    and each writes its whole window: the next expert overwrites the rows it wrote beyond its own, and the last
-    one's go to spare rows past the output's end. A window that would read past x's end takes the rows before
-    its own instead, through a scratch output."""
-    n_rows, pairs = x_AK.shape[0], list(zip(bounds[:-1], bounds[1:]))
-    spare = max((cached_rows(hi - lo) - (hi - lo) for lo, hi in pairs if hi > lo), default=0)
-    y_AN = x_AK.new_empty(n_rows + spare, w_EKN.shape[2])  # [A + spare, N]
-    for e, (lo, hi) in enumerate(pairs):
-        if hi == lo:
-            continue
-        rows = cached_rows(hi - lo)
-        if rows > n_rows:  # fewer rows in all than the window: exact
-            torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
-        elif lo + rows <= n_rows:
-            torch.mm(x_AK[lo : lo + rows], w_EKN[e], out=y_AN[lo : lo + rows])
-        else:
-            start = n_rows - rows
-            y_AN[lo:hi] = torch.mm(x_AK[start:], w_EKN[e])[lo - start : hi - start]
-    return y_AN[:n_rows]
+    """grouped_mm with every GEMM on a cached row count (`_mm_window`)."""
+    y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])  # [A, N]
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi > lo:
+            _mm_window(x_AK, w_EKN[e], y_AN, lo, hi)
+    return y_AN
 
 
 def _grouped_wgrad_cached_rows(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """grouped_wgrad with every GEMM on a cached row count: rows are the reduction here, so a window may not
-    borrow other experts' rows (they would add to the sum). Each expert's rows split into the largest cached
-    count at or below them and a tail, zero-padded to one `_row_step`, whose product is added."""
-    x_KA = x_AK.t()
+    """grouped_wgrad with the bulk of every GEMM on a cached row count (`_wgrad_rows`)."""
     dw_EKN = x_AK.new_empty(len(bounds) - 1, x_AK.shape[1], g_AN.shape[1])  # [E, K, N]
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if hi == lo:
-            dw_EKN[e].zero_()
-            continue
-        step = _row_step(hi - lo)
-        tail = (hi - lo) % step  # `hi - lo - tail` is a cached count
-        torch.mm(x_KA[:, lo : hi - tail], g_AN[lo : hi - tail], out=dw_EKN[e])
-        if tail:
-            x_tail_PK = x_AK.new_zeros(step, x_AK.shape[1])
-            g_tail_PN = g_AN.new_zeros(step, g_AN.shape[1])
-            x_tail_PK[:tail].copy_(x_AK[hi - tail : hi])
-            g_tail_PN[:tail].copy_(g_AN[hi - tail : hi])
-            dw_EKN[e].addmm_(x_tail_PK.t(), g_tail_PN)
+        _wgrad_rows(x_AK, g_AN, dw_EKN[e], lo, hi)
     return dw_EKN
 
 
@@ -175,25 +190,56 @@ def _backward_without_autocast(backward):
     return wrapped
 
 
-def _scatter_sum(src_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A, n_tokens: int) -> torch.Tensor:
-    """out[t] = sum over a with token_idx_A[a] == t of weight_A[a] * src_AD[a] -> [T, D] (weight None = 1).
+# Rows per block where permute's backward and combine widen 16-bit [A, D] rows in cache rather than all at once
+# (1024 x 512 fp32 = 2 MiB; S2's combine backward measured 10.7 ms at 512 rows, 11.1 at 1024, 15.5 at 4096).
+_WIDEN_BLOCK_ROWS = 1024
+
+
+def _scatter_sum(src_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A, n_tokens: int, acc) -> torch.Tensor:
+    """out[t] = sum over a with token_idx_A[a] == t of weight_A[a] * src_AD[a] -> [T, D] in `acc`, summed in `acc`
+    (weight None = 1).
 
     On CPUs a [T, A] CSR matrix times src (MKL sparse, multi-threaded) is several times faster
     than `index_add_`, which runs serially there; elsewhere `index_add_` is the fast one.
     """
-    if src_AD.device.type == "cpu" and src_AD.dtype in (torch.float32, torch.float64) and src_AD.shape[0]:
-        order_A = torch.argsort(token_idx_A, stable=True)
-        crow = torch.zeros(n_tokens + 1, dtype=torch.int64)
-        torch.cumsum(torch.bincount(token_idx_A, minlength=n_tokens), 0, out=crow[1:])
-        values = src_AD.new_ones(order_A.shape[0]) if weight_A is None else weight_A.to(src_AD.dtype)[order_A]
-        with warnings.catch_warnings():  # "sparse CSR support is in beta"
-            warnings.simplefilter("ignore", UserWarning)
-            shape = (n_tokens, src_AD.shape[0])
-            matrix_TA = torch.sparse_csr_tensor(crow, order_A, values, shape, check_invariants=False)
-        return torch.sparse.mm(matrix_TA, src_AD)
+    if src_AD.device.type == "cpu" and acc in (torch.float32, torch.float64) and src_AD.shape[0]:
+        return _csr_scatter_sum(src_AD, token_idx_A, weight_A, n_tokens, acc)
+    src_AD = src_AD.to(acc)
     if weight_A is not None:
-        src_AD = src_AD * weight_A.to(src_AD.dtype).unsqueeze(1)
+        src_AD = src_AD * weight_A.to(acc).unsqueeze(1)
     return src_AD.new_zeros(n_tokens, src_AD.shape[1]).index_add_(0, token_idx_A, src_AD)
+
+
+def _csr_matrix(crow, col, values, shape) -> torch.Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
+def _csr_scatter_sum(src_AD, token_idx_A, weight_A, n_tokens: int, acc) -> torch.Tensor:
+    """_scatter_sum as CSR x dense. Rows in `acc` are read where they lie; 16-bit rows are gathered in token order
+    and widened a block of tokens at a time, in cache (S2's [32768, 512] bf16: 10.8 -> 7.8 ms against widening
+    it whole first)."""
+    n_rows = src_AD.shape[0]
+    order_A = torch.argsort(token_idx_A, stable=True)  # rows in token order
+    crow_T1 = torch.zeros(n_tokens + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(token_idx_A, minlength=n_tokens), 0, out=crow_T1[1:])
+    values_A = torch.ones(n_rows, dtype=acc) if weight_A is None else weight_A.to(acc)[order_A]
+    if src_AD.dtype == acc:
+        return torch.sparse.mm(_csr_matrix(crow_T1, order_A, values_A, (n_tokens, n_rows)), src_AD)
+    out_TD = src_AD.new_empty(n_tokens, src_AD.shape[1], dtype=acc)
+    tokens_per_block = max(1, _WIDEN_BLOCK_ROWS * n_tokens // n_rows)
+    block_starts = list(range(0, n_tokens, tokens_per_block)) + [n_tokens]
+    row_starts = crow_T1[block_starts].tolist()
+    local_col = torch.arange(n_rows)
+    for t0, t1, r0, r1 in zip(block_starts[:-1], block_starts[1:], row_starts[:-1], row_starts[1:]):
+        if r1 == r0:  # no token of the block kept a row (capacity drops)
+            out_TD[t0:t1].zero_()
+            continue
+        rows_RD = src_AD.index_select(0, order_A[r0:r1]).to(acc)  # [R, D], this block's rows in token order
+        block = _csr_matrix(crow_T1[t0 : t1 + 1] - r0, local_col[: r1 - r0], values_A[r0:r1], (t1 - t0, r1 - r0))
+        out_TD[t0:t1] = torch.sparse.mm(block, rows_RD)
+    return out_TD
 
 
 class _Permute(torch.autograd.Function):
@@ -209,7 +255,7 @@ class _Permute(torch.autograd.Function):
         (token_idx_A,) = ctx.saved_tensors
         # Accumulate the K copies of each token in at least fp32.
         acc = torch.promote_types(dy_AD.dtype, torch.float32)
-        dx_TD = _scatter_sum(dy_AD.to(acc), token_idx_A, None, ctx.n_tokens)
+        dx_TD = _scatter_sum(dy_AD, token_idx_A, None, ctx.n_tokens, acc)
         return dx_TD.to(ctx.x_dtype), None, None
 
 
@@ -221,20 +267,110 @@ class _Combine(torch.autograd.Function):
         w_c = weight_A.to(dtype)
         ctx.save_for_backward(y_c, token_idx_A, w_c)
         ctx.y_dtype, ctx.w_dtype = y_AD.dtype, weight_A.dtype
-        return _scatter_sum(y_c.to(acc), token_idx_A, w_c.to(acc), n_tokens).to(dtype)  # [T, D]
+        return _scatter_sum(y_c, token_idx_A, w_c, n_tokens, acc).to(dtype)  # [T, D]
 
     @staticmethod
     @_backward_without_autocast
     def backward(ctx, dout_TD):
         y_c, token_idx_A, w_c = ctx.saved_tensors
         acc = torch.promote_types(y_c.dtype, torch.float32)
-        g_AD = dout_TD.to(acc).index_select(0, token_idx_A)  # [A, D]
-        dy_AD = dw_A = None
-        if ctx.needs_input_grad[2]:
-            dw_A = torch.linalg.vecdot(g_AD, y_c.to(acc)).to(ctx.w_dtype)
-        if ctx.needs_input_grad[0]:
-            dy_AD = g_AD.mul_(w_c.to(acc).unsqueeze(1)).to(ctx.y_dtype)
-        return dy_AD, None, dw_A, None, None
+        dout_acc_TD, w_acc_A = dout_TD.to(acc), w_c.to(acc)
+        n_rows = y_c.shape[0]
+        dy_AD = y_c.new_empty(n_rows, y_c.shape[1], dtype=ctx.y_dtype) if ctx.needs_input_grad[0] else None
+        dw_A = w_acc_A.new_empty(n_rows) if ctx.needs_input_grad[2] else None
+        # In blocks of rows whose accumulation-dtype gradient stays in cache: one pass over y and dy instead of
+        # a gathered [A, D] gradient written and read back (S2: 22 -> 11 ms).
+        for lo in range(0, n_rows, _WIDEN_BLOCK_ROWS):
+            hi = min(lo + _WIDEN_BLOCK_ROWS, n_rows)
+            g_BD = dout_acc_TD.index_select(0, token_idx_A[lo:hi])  # [B, D]
+            if dw_A is not None:
+                torch.linalg.vecdot(g_BD, y_c[lo:hi].to(acc), out=dw_A[lo:hi])
+            if dy_AD is not None:
+                torch.mul(g_BD, w_acc_A[lo:hi].unsqueeze(1), out=dy_AD[lo:hi])
+        return dy_AD, None, None if dw_A is None else dw_A.to(ctx.w_dtype), None, None
+
+
+def _swiglu(h13_RF2: torch.Tensor, silu_RF: torch.Tensor, h_RF: torch.Tensor) -> None:
+    """silu_RF = silu(gate), h_RF = silu(gate) * up, for h13 = [gate | up]."""
+    n_ffn = silu_RF.shape[1]
+    torch.ops.aten.silu.out(h13_RF2[:, :n_ffn], out=silu_RF)
+    torch.mul(silu_RF, h13_RF2[:, n_ffn:], out=h_RF)
+
+
+def _swiglu_backward(dh_RF: torch.Tensor, h13_RF2: torch.Tensor, silu_RF: torch.Tensor, dh13_RF2: torch.Tensor):
+    """dh13_RF2 = [d gate | d up] from dh = d(silu(gate) * up); overwrites dh_RF."""
+    n_ffn = silu_RF.shape[1]
+    gate_RF, up_RF = h13_RF2[:, :n_ffn], h13_RF2[:, n_ffn:]
+    torch.mul(dh_RF, silu_RF, out=dh13_RF2[:, n_ffn:])
+    torch.mul(dh_RF, up_RF, out=dh_RF)
+    torch.ops.aten.silu_backward.grad_input(dh_RF, gate_RF, grad_input=dh13_RF2[:, :n_ffn])
+
+
+def _swiglu_mlp_forward(x_AD, w13_EDF2, w2_EFD, offsets_E, bounds):
+    """-> h13 [A, 2F], silu(gate) [A, F], h [A, F], y [A, D]: the whole-tensor schedule, each GEMM over all experts
+    and each elementwise pass over all rows."""
+    n_rows, n_ffn = x_AD.shape[0], w2_EFD.shape[1]
+    h13_AF2 = grouped_mm(x_AD, w13_EDF2, offsets_E, bounds)  # [A, 2F]
+    silu_AF, h_AF = h13_AF2.new_empty(n_rows, n_ffn), h13_AF2.new_empty(n_rows, n_ffn)  # [A, F] each
+    _swiglu(h13_AF2, silu_AF, h_AF)
+    return h13_AF2, silu_AF, h_AF, grouped_mm(h_AF, w2_EFD, offsets_E, bounds)
+
+
+def _swiglu_mlp_forward_by_expert(x_AD, w13_EDF2, w2_EFD, bounds):
+    """_swiglu_mlp_forward, one expert at a time (16-bit on a CPU): an expert's rows of h13 and h are used while
+    they are still in cache, and every GEMM runs on a cached row count. A window's rows past the expert's own
+    belong to later experts, which overwrite what it wrote there (in h13 and y; h is read there before it is
+    written, and only the dropped rows of y depend on it)."""
+    n_rows, n_ffn = x_AD.shape[0], w2_EFD.shape[1]
+    h13_AF2 = x_AD.new_empty(n_rows, 2 * n_ffn)  # [A, 2F]
+    silu_AF, h_AF = x_AD.new_empty(n_rows, n_ffn), x_AD.new_empty(n_rows, n_ffn)  # [A, F] each
+    y_AD = x_AD.new_empty(n_rows, w2_EFD.shape[2])  # [A, D]
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi == lo:
+            continue
+        _mm_window(x_AD, w13_EDF2[e], h13_AF2, lo, hi)
+        _swiglu(h13_AF2[lo:hi], silu_AF[lo:hi], h_AF[lo:hi])
+        _mm_window(h_AF, w2_EFD[e], y_AD, lo, hi)
+    return h13_AF2, silu_AF, h_AF, y_AD
+
+
+def _swiglu_mlp_backward(saved, dy_AD, offsets_E, bounds, needs):
+    """-> dx [A, D], dw13 [E, D, 2F], dw2 [E, F, D] (None where not needed): the whole-tensor schedule."""
+    x_AD, w13_EDF2, w2_EFD, h13_AF2, silu_AF, h_AF = saved
+    dh_AF = grouped_mm(dy_AD, w2_EFD.transpose(1, 2), offsets_E, bounds)  # [A, F]
+    dw2_EFD = grouped_wgrad(h_AF, dy_AD, offsets_E, bounds) if needs[2] else None
+    dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
+    _swiglu_backward(dh_AF, h13_AF2, silu_AF, dh13_AF2)
+    dx_AD = grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, bounds) if needs[0] else None
+    dw13_EDF2 = grouped_wgrad(x_AD, dh13_AF2, offsets_E, bounds) if needs[1] else None
+    return dx_AD, dw13_EDF2, dw2_EFD
+
+
+def _swiglu_mlp_backward_by_expert(saved, dy_AD, bounds, needs):
+    """_swiglu_mlp_backward one expert at a time, as `_swiglu_mlp_forward_by_expert` runs the forward (dh and
+    dh13 rows past an expert's own are later experts', overwritten by them; only dropped rows of dx depend on
+    them)."""
+    x_AD, w13_EDF2, w2_EFD, h13_AF2, silu_AF, h_AF = saved
+    dh_AF = torch.empty_like(silu_AF)  # [A, F]
+    dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
+    dx_AD = torch.empty_like(x_AD) if needs[0] else None
+    dw13_EDF2 = torch.empty_like(w13_EDF2) if needs[1] else None
+    dw2_EFD = torch.empty_like(w2_EFD) if needs[2] else None
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi > lo:
+            _mm_window(dy_AD, w2_EFD[e].t(), dh_AF, lo, hi)
+        if dw2_EFD is not None:
+            _wgrad_rows(h_AF, dy_AD, dw2_EFD[e], lo, hi)
+        if hi == lo:
+            if dw13_EDF2 is not None:
+                dw13_EDF2[e].zero_()
+            continue
+        _swiglu_backward(dh_AF[lo:hi], h13_AF2[lo:hi], silu_AF[lo:hi], dh13_AF2[lo:hi])
+        if dx_AD is not None:
+            _mm_window(dh13_AF2, w13_EDF2[e].t(), dx_AD, lo, hi)
+        if dw13_EDF2 is not None:  # after dx: dh13's rows past hi only fed dropped rows of dx
+            _wgrad_window(x_AD, dh13_AF2, dw13_EDF2[e], lo, hi)
+    return dx_AD, dw13_EDF2, dw2_EFD
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -243,15 +379,15 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
         math = math_dtype(dtype, x_AD.device)
-        n_ffn = w2_EFD.shape[1]
         bounds = _bounds(offsets_E)
         x_m = round_to(x_AD, dtype, math)
         w13_m = round_to(w13_EDF2, dtype, math)
         w2_m = round_to(w2_EFD, dtype, math)
-        h13_AF2 = grouped_mm(x_m, w13_m, offsets_E, bounds)  # [A, 2F]
-        silu_AF = F.silu(h13_AF2[:, :n_ffn])  # [A, F], kept: backward needs it twice
-        h_AF = silu_AF.mul(h13_AF2[:, n_ffn:])  # [A, F]
-        y_AD = grouped_mm(h_AF, w2_m, offsets_E, bounds)  # [A, D]
+        if _builds_kernel_per_shape(x_m):
+            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_by_expert(x_m, w13_m, w2_m, bounds)
+        else:
+            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward(x_m, w13_m, w2_m, offsets_E, bounds)
+        # Saved: backward needs silu(gate) twice and h once, so it recomputes nothing.
         ctx.save_for_backward(x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF)
         ctx.bounds, ctx.dtype, ctx.math = bounds, dtype, math
         ctx.in_dtypes = (x_AD.dtype, w13_EDF2.dtype, w2_EFD.dtype)
@@ -261,25 +397,16 @@ class _SwiGLUExperts(torch.autograd.Function):
     @_backward_without_autocast
     def backward(ctx, dy_AD):
         x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF = ctx.saved_tensors
-        bounds, dtype, math = ctx.bounds, ctx.dtype, ctx.math
-        n_ffn = w2_m.shape[1]
+        saved = (x_m, w13_m, w2_m, h13_AF2, silu_AF, h_AF)
         # _grouped_mm's own backward rejects stride-0 grads; ours needs dense rows too.
-        dy_m = round_to(dy_AD, dtype, math).contiguous()
-        dh_AF = grouped_mm(dy_m, w2_m.transpose(1, 2), offsets_E, bounds)  # [A, F]
-        dw2_EFD = grouped_wgrad(h_AF, dy_m, offsets_E, bounds) if ctx.needs_input_grad[2] else None
-        gate_AF, up_AF = h13_AF2[:, :n_ffn], h13_AF2[:, n_ffn:]
-        dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
-        torch.mul(dh_AF, silu_AF, out=dh13_AF2[:, n_ffn:])
-        torch.mul(dh_AF, up_AF, out=dh_AF)
-        torch.ops.aten.silu_backward.grad_input(dh_AF, gate_AF, grad_input=dh13_AF2[:, :n_ffn])
-        dx_AD = dw13_EDF2 = None
-        if ctx.needs_input_grad[0]:
-            dx_AD = grouped_mm(dh13_AF2, w13_m.transpose(1, 2), offsets_E, bounds).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:
-            dw13_EDF2 = grouped_wgrad(x_m, dh13_AF2, offsets_E, bounds).to(ctx.in_dtypes[1])
-        if dw2_EFD is not None:
-            dw2_EFD = dw2_EFD.to(ctx.in_dtypes[2])
-        return dx_AD, dw13_EDF2, dw2_EFD, None, None
+        dy_m = round_to(dy_AD, ctx.dtype, ctx.math).contiguous()
+        needs = ctx.needs_input_grad[:3]
+        if _builds_kernel_per_shape(dy_m):
+            grads = _swiglu_mlp_backward_by_expert(saved, dy_m, ctx.bounds, needs)
+        else:
+            grads = _swiglu_mlp_backward(saved, dy_m, offsets_E, ctx.bounds, needs)
+        grads = [None if g is None else g.to(in_dtype) for g, in_dtype in zip(grads, ctx.in_dtypes)]
+        return *grads, None, None
 
 
 def permute(x_TD: torch.Tensor, token_idx_A: torch.Tensor) -> torch.Tensor:

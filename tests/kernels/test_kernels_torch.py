@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn.functional import silu
 
 import optimus.kernels as kernels
 from optimus.config import ConfigError, ModelConfig, MoEConfig
@@ -144,6 +145,68 @@ def test_bf16_inputs_close_to_fp32_reference():
         assert_close_rel(g.float(), w, 3e-2, name)
 
 
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
+def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
+    """The per-expert schedule of the 16-bit SwiGLU MLP on a CPU (windows past each expert's rows, the last
+    window reading rows before its own, an empty expert, some gradients not needed) equals plain fp32 autograd
+    over the same bf16 values, per expert."""
+    gen = torch.Generator().manual_seed(6)
+    counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300], 64, 48
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    x = torch.randn(sum(counts), D, generator=gen).bfloat16()
+    w13 = (torch.randn(len(counts), D, 2 * n_ffn, generator=gen) / 8).bfloat16()
+    w2 = (torch.randn(len(counts), n_ffn, D, generator=gen) / 7).bfloat16()
+    dy = torch.randn(sum(counts), D, generator=gen).bfloat16()
+    h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
+    grads = torch_backend._swiglu_mlp_backward_by_expert((x, w13, w2, h13, silu_gate, h), dy, bounds, needs)
+
+    leaves = [t.float().requires_grad_() for t in (x, w13, w2)]
+    ys = []
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        gate_up = leaves[0][lo:hi] @ leaves[1][e]
+        ys.append((silu(gate_up[:, :n_ffn]) * gate_up[:, n_ffn:]) @ leaves[2][e])
+    want_y = torch.cat(ys)
+    want = torch.autograd.grad(want_y, leaves, dy.float())
+    assert_close_rel(y.float(), want_y, 1e-2, "y")
+    for name, got, w, needed in zip(("dx", "dw13", "dw2"), grads, want, needs):
+        assert (got is None) == (not needed), name
+        if needed:
+            assert_close_rel(got.float(), w, 1e-2, name)
+    if needs[1]:
+        assert grads[1][2].abs().max() == 0  # expert 2 has no rows
+
+
+@pytest.mark.parametrize("drops", [False, True], ids=["dropless", "dropped"])
+def test_bf16_rows_widened_in_blocks_match_a_reference_summed_in_fp32(drops, monkeypatch):
+    """Permute's backward and combine widen bf16 rows a few tokens at a time (blocks of 8 rows here, so some
+    blocks hold only tokens that lost every assignment): each token's sum equals the same bf16 rows summed in
+    fp32 by plain PyTorch, rounded once."""
+    monkeypatch.setattr(torch_backend, "_WIDEN_BLOCK_ROWS", 8)
+    leaves, token_idx_A, offsets_E = make_problem(29, 16, 8, 5, 3, dtype=torch.bfloat16)
+    weight_A = leaves[3]
+    if drops:  # tokens 5..14 keep no assignment at all, others keep some
+        keep_A = ((token_idx_A < 5) | (token_idx_A >= 15)) & (torch.arange(token_idx_A.shape[0]) % 4 != 0)
+        token_idx_A, weight_A = token_idx_A[keep_A], weight_A[keep_A]
+    gen = torch.Generator().manual_seed(5)
+    y_AD = torch.randn(token_idx_A.shape[0], 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    dout_TD = torch.randn(29, 16, generator=gen).to(torch.bfloat16)
+    out_TD = torch_backend.combine(y_AD, token_idx_A, weight_A, 29)
+    dy_AD, dw_A = torch.autograd.grad(out_TD, (y_AD, weight_A), dout_TD)
+    products_AD = y_AD.detach().float() * weight_A.detach().float().unsqueeze(1)
+    want_TD = torch.zeros(29, 16).index_add_(0, token_idx_A, products_AD).to(torch.bfloat16)
+    assert torch.equal(out_TD, want_TD)
+    g_AD = dout_TD.float()[token_idx_A]
+    assert torch.equal(dy_AD, (g_AD * weight_A.detach().float().unsqueeze(1)).to(torch.bfloat16))
+    assert_close_rel(dw_A.float(), (g_AD * y_AD.detach().float()).sum(1), 1e-2, "d weight")
+
+    x_TD = leaves[0].detach().requires_grad_()
+    (dx_TD,) = torch.autograd.grad(torch_backend.permute(x_TD, token_idx_A), x_TD, y_AD.detach())
+    want_dx_TD = torch.zeros(29, 16).index_add_(0, token_idx_A, y_AD.detach().float()).to(torch.bfloat16)
+    assert torch.equal(dx_TD, want_dx_TD)
+    if drops:
+        assert dx_TD[5:15].abs().max() == 0
+
+
 # ---- backend selection ----
 
 
@@ -233,26 +296,29 @@ def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
 
 
 class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the operand shapes of every mm and addmm."""
+    """Records the operand shapes of every mm and addmm (`shapes`) and the reduction length of every addmm_
+    (`accumulated`)."""
 
     def __init__(self):
         super().__init__()
-        self.shapes = []
+        self.shapes, self.accumulated = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
-                    torch.ops.aten.addmm_.default):  # fmt: skip
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default):
             self.shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        elif func == torch.ops.aten.addmm_.default:
+            self.accumulated.append(args[1].shape[1])
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype):
-    """Expert row counts that are not cached sizes (33, 100, 257, 47, ...), the first and last experts too: every
-    GEMM runs on cached row counts (windows borrowing neighbouring rows, a zero-padded tail for the weight
-    gradient) and the results equal exact per-expert GEMMs of the same 16-bit values up to their rounding."""
+    """Expert row counts that are not cached sizes (33, 257, 47, 300), the first and last experts too: every
+    GEMM runs on cached row counts (windows borrowing neighbouring rows) except the weight gradient's tails,
+    which are shorter than a row step and so come from a small set too; the results equal exact per-expert GEMMs
+    of the same 16-bit values up to their rounding."""
     gen = torch.Generator().manual_seed(4)
-    counts = [33, 100, 0, 1, 257, 47, 69]
+    counts = [33, 100, 0, 1, 257, 47, 300]
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     bounds = [0, *offsets.tolist()]
     x = torch.randn(sum(counts), 64, generator=gen).to(dtype)
@@ -263,6 +329,8 @@ def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype)
         dx = torch_backend.grouped_mm(g, w.transpose(1, 2), offsets, bounds)
         dw = torch_backend.grouped_wgrad(x, g, offsets, bounds)
     assert seen.shapes and all(torch_backend.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
+    tails = sorted(n % torch_backend._row_step(n) for n in counts if n and n % torch_backend._row_step(n))
+    assert sorted(seen.accumulated) == tails == [1, 1, 1, 12]  # 33, 47, 257 and 300 rows; 100 is a cached count
     x32, w32, g32 = x.float(), w.float(), g.float()
     exact = [(x32[lo:hi] @ w32[e], g32[lo:hi] @ w32[e].t(), x32[lo:hi].t() @ g32[lo:hi])
              for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]  # fmt: skip
