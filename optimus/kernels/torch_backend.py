@@ -91,7 +91,7 @@ def _mm_window(a_AK: torch.Tensor, b_KN: torch.Tensor, out_AN: torch.Tensor, lo:
         torch.mm(a_AK[lo : lo + rows], b_KN, out=out_AN[lo : lo + rows])
     else:
         start = n_rows - rows
-        out_AN[lo:hi] = torch.mm(a_AK[start:], b_KN)[lo - start :]
+        out_AN[lo:hi] = torch.mm(a_AK[start:], b_KN)[lo - start : hi - start]
 
 
 def _wgrad_rows(a_AK: torch.Tensor, g_AN: torch.Tensor, out_KN: torch.Tensor, lo: int, hi: int) -> None:

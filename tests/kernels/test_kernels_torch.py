@@ -151,7 +151,7 @@ def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
     window reading rows before its own, an empty expert, some gradients not needed) equals plain fp32 autograd
     over the same bf16 values, per expert."""
     gen = torch.Generator().manual_seed(6)
-    counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300], 64, 48
+    counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300, 2], 64, 48
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
     x = torch.randn(sum(counts), D, generator=gen).bfloat16()
     w13 = (torch.randn(len(counts), D, 2 * n_ffn, generator=gen) / 8).bfloat16()
@@ -318,7 +318,7 @@ def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype)
     which are shorter than a row step and so come from a small set too; the results equal exact per-expert GEMMs
     of the same 16-bit values up to their rounding."""
     gen = torch.Generator().manual_seed(4)
-    counts = [33, 100, 0, 1, 257, 47, 300]
+    counts = [33, 100, 0, 1, 257, 47, 300, 2]
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     bounds = [0, *offsets.tolist()]
     x = torch.randn(sum(counts), 64, generator=gen).to(dtype)
