@@ -357,14 +357,14 @@ def _swiglu_mlp_backward_by_expert(saved, dy_AD, bounds, needs):
     dw13_EDF2 = torch.empty_like(w13_EDF2) if needs[1] else None
     dw2_EFD = torch.empty_like(w2_EFD) if needs[2] else None
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if hi > lo:
-            _mm_window(dy_AD, w2_EFD[e].t(), dh_AF, lo, hi)
+        if hi == lo:  # no rows: zero weight gradients, nothing else
+            for dw_EKN in (dw13_EDF2, dw2_EFD):
+                if dw_EKN is not None:
+                    dw_EKN[e].zero_()
+            continue
+        _mm_window(dy_AD, w2_EFD[e].t(), dh_AF, lo, hi)
         if dw2_EFD is not None:
             _wgrad_rows(h_AF, dy_AD, dw2_EFD[e], lo, hi)
-        if hi == lo:
-            if dw13_EDF2 is not None:
-                dw13_EDF2[e].zero_()
-            continue
         _swiglu_backward(dh_AF[lo:hi], h13_AF2[lo:hi], silu_AF[lo:hi], dh13_AF2[lo:hi])
         if dx_AD is not None:
             _mm_window(dh13_AF2, w13_EDF2[e].t(), dx_AD, lo, hi)

@@ -145,6 +145,23 @@ def test_bf16_inputs_close_to_fp32_reference():
         assert_close_rel(g.float(), w, 3e-2, name)
 
 
+def test_bf16_expert_mlp_runs_by_expert_where_the_cpu_computes_in_bf16(monkeypatch):
+    """The public op takes the per-expert schedule whenever its math is 16-bit on a CPU (forced here, so that a
+    CPU without bf16 units runs it too) and still matches the fp32 reference."""
+    monkeypatch.setattr(torch_backend, "math_dtype", lambda dtype, device: dtype)
+    calls = []
+    for name in ("_swiglu_mlp_forward_by_expert", "_swiglu_mlp_backward_by_expert"):
+        original = getattr(torch_backend, name)
+        monkeypatch.setattr(torch_backend, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 10, 8, dtype=torch.bfloat16, empty_experts=(3,))
+    got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
+    assert calls == ["_swiglu_mlp_forward_by_expert", "_swiglu_mlp_backward_by_expert"]
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = value_and_grads(reference, leaves32, token_idx_A, offsets_E)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close_rel(g.float(), w, 3e-2, name)
+
+
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
 def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
     """The per-expert schedule of the 16-bit SwiGLU MLP on a CPU (windows past each expert's rows, the last
