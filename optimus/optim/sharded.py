@@ -435,13 +435,12 @@ class ShardGroup:
         flat, c = self.flat, self.comm
         works = []
         for b in flat.buckets:
+            if c.shard_world == 1:  # this rank owns the whole bucket: round the master copy straight into it
+                if self.master is not None:
+                    flat.buffer[b.start : b.end].copy_(flat.shard_view(self.master, b))
+                continue
             if self.master is not None:
                 mine = flat.shard_view(self.master, b).to(flat.dtype)
-                if c.shard_world == 1:
-                    flat.buffer[b.start : b.end].copy_(mine)
-                    continue
-            elif c.shard_world == 1:
-                continue
             else:
                 mine = flat.owned_view(flat.buffer, b).clone()
             works.append((_all_gather(flat.buffer[b.start : b.end], mine, group=c.shard_group, async_op=True), mine))
