@@ -107,7 +107,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v.to(dtype), is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
             )
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1).to(v.dtype))
+        # [B, N, S, H] -> [B, S, N, H] in the projections' dtype, in one pass (cast and transpose together)
+        out_BSNH = out.transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format)
+        return self.wo(out_BSNH.reshape(B, S, -1))
 
     def _attention_dtype(self, v: torch.Tensor) -> torch.dtype:
         """fp32 for small heads on a CPU (see CPU_FP32_ATTENTION_MAX_HEAD_DIM), else the projections' dtype."""
