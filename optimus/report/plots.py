@@ -9,11 +9,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from optimus.report.summary import phase_order  # noqa: E402
+from optimus.report.summary import layout_label, phase_order  # noqa: E402
 
 
 def _label(row: dict) -> str:
-    return f"{row['devices']}\n(dp{row['dp']} ep{row['ep']})"
+    return f"{row['devices']}\n({layout_label(row)})"
 
 
 def plot_efficiency(rows: list[dict], mode: str, path: Path) -> None:

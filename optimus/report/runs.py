@@ -39,6 +39,14 @@ class Run:
         return int(self.info["layout"]["ep"])
 
     @property
+    def pp(self) -> int:  # runs from before pipeline parallelism have no pp (nor tp) in their layout: 1
+        return int(self.info["layout"].get("pp", 1))
+
+    @property
+    def tp(self) -> int:
+        return int(self.info["layout"].get("tp", 1))
+
+    @property
     def tokens_per_step(self) -> int:
         return int(self.info["tokens_per_step"])
 

@@ -51,6 +51,12 @@ def breakdown(records: list[dict], mean_step: float) -> dict[str, float]:
     return out
 
 
+def layout_label(row: dict) -> str:
+    """A run's layout for tables and plots, e.g. `dp2 ep2`; pp and tp are named only where they exceed 1."""
+    parts = [f"{dim}{row[dim]}" for dim in ("pp", "tp") if row[dim] > 1]
+    return " ".join([*parts, f"dp{row['dp']}", f"ep{row['ep']}"])
+
+
 def summarize_run(run: Run, warmup_steps: int) -> dict:
     records = measured_records(run, warmup_steps)
     times = [step_time(r, run.tokens_per_step) for r in records]
@@ -61,6 +67,8 @@ def summarize_run(run: Run, warmup_steps: int) -> dict:
         "run": run.name,
         "path": str(run.path),
         "devices": run.world,
+        "pp": run.pp,
+        "tp": run.tp,
         "dp": run.dp,
         "ep": run.ep,
         "global_batch": run.global_batch,

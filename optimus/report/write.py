@@ -8,12 +8,12 @@ from pathlib import Path
 
 from optimus.report.plots import plot_breakdown, plot_efficiency, plot_throughput
 from optimus.report.runs import ReportError
-from optimus.report.summary import phase_order
+from optimus.report.summary import layout_label, phase_order
 
 COLUMNS = (
-    "run", "devices", "dp", "ep", "global_batch", "steps_measured", "tokens_per_s", "tokens_per_s_per_device",
-    "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s", "step_time_p90_s",
-    "speedup", "efficiency",
+    "run", "devices", "pp", "tp", "dp", "ep", "global_batch", "steps_measured", "tokens_per_s",
+    "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s",
+    "step_time_p90_s", "speedup", "efficiency",
 )  # fmt: skip
 
 
@@ -27,12 +27,12 @@ def _fmt(value, digits: int = 3) -> str:
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the summary table that the console and report.md show."""
-    header = ["devices", "dp x ep", "batch", "tokens/s", "tok/s/dev", "TFLOP/s/dev", "MFU %", "step ms (std)",
+    header = ["devices", "layout", "batch", "tokens/s", "tok/s/dev", "TFLOP/s/dev", "MFU %", "step ms (std)",
               "p50 / p90 ms", "speedup", "efficiency"]  # fmt: skip
     cells = []
     for r in rows:
         cells.append([
-            str(r["devices"]), f"{r['dp']} x {r['ep']}", str(r["global_batch"]), f"{r['tokens_per_s']:,.0f}",
+            str(r["devices"]), layout_label(r), str(r["global_batch"]), f"{r['tokens_per_s']:,.0f}",
             f"{r['tokens_per_s_per_device']:,.0f}", _fmt(r["tflops_per_device"]),
             _fmt(None if r["mfu"] is None else 100 * r["mfu"]),
             f"{1e3 * r['step_time_mean_s']:.1f} ({1e3 * r['step_time_std_s']:.1f})",
@@ -46,9 +46,9 @@ def breakdown_table(rows: list[dict]) -> tuple[list[str], list[list[str]]] | Non
     phases = phase_order(rows)
     if not phases:
         return None
-    header = ["devices", "dp x ep", *phases, "step"]
+    header = ["devices", "layout", *phases, "step"]
     cells = [
-        [str(r["devices"]), f"{r['dp']} x {r['ep']}"]
+        [str(r["devices"]), layout_label(r)]
         + [f"{1e3 * r['breakdown_s'][p]:.1f}" if p in r["breakdown_s"] else "-" for p in phases]
         + [f"{1e3 * r['step_time_mean_s']:.1f}"]
         for r in rows

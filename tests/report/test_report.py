@@ -98,6 +98,21 @@ def test_weak_scaling_efficiency_and_outputs(tmp_path):
     assert "Weak scaling" in (out / "report.md").read_text()
 
 
+def test_layout_names_pipeline_and_tensor_parallelism(tmp_path):
+    """pp and tp appear in the tables and the CSV as run_info.json gives them; runs without them count as 1."""
+    base = make_run(tmp_path, "n1", 1, 1, 8, [5.0, 2.0, 2.0])
+    split = make_run(tmp_path, "n8", 8, 2, 64, [5.0, 2.0, 2.0])
+    info = json.loads((split / "run_info.json").read_text())
+    info["layout"].update(pp=2, tp=2, dp=1)  # 8 = pp 2 x tp 2 x dp 1 x ep 2
+    (split / "run_info.json").write_text(json.dumps(info))
+    rows = build_report([base, split], tmp_path / "out", warmup_steps=1)
+    assert [(r["pp"], r["tp"], r["dp"], r["ep"]) for r in rows] == [(1, 1, 1, 1), (2, 2, 1, 2)]
+    table = list(csv.DictReader(open(tmp_path / "out" / "report.csv")))
+    assert [(r["pp"], r["tp"]) for r in table] == [("1", "1"), ("2", "2")]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| 8 | pp2 tp2 dp1 ep2 |" in report and "| 1 | dp1 ep1 |" in report
+
+
 def test_runs_may_differ_in_ignored_and_allowed_keys(tmp_path):
     a = make_run(
         tmp_path, "a", 2, 1, 16, [1.0, 1.0, 1.0], config={"logging.wandb": True, "parallel.dispatcher": "allgather"}
