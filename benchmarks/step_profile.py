@@ -8,7 +8,8 @@ settings), runs `--warmup` steps, times `--steps` steps with `profile.timers` on
 `--profile-steps` more under torch.profiler. Prints (and writes as Markdown) the MFU against the
 matmul probe, the profile.timers breakdown, the attention and FFN (for an MoE model: the expert path)
 of the blocks timed alone, the self CPU time of op groups and of the top ops, and with `--compare`
-this path against the previous one (expert GEMMs on exact row counts), round-robin in one process. On a shared
+this path against the previous one (the CPU 16-bit expert path switched off: whole-tensor schedule, expert GEMMs
+on exact row counts), round-robin in one process. On a shared
 CPU run it with OMP_NUM_THREADS=1 (see benchmarks/results/step_profile_cpu.md). Nothing is
 asserted: this is a measurement.
 """
@@ -138,7 +139,7 @@ def main() -> None:
         default=0,
         metavar="ROUNDS",
         help="then run ROUNDS round-robin rounds of a block of --block steps of this path and of the previous "
-        "one (expert GEMMs on their exact row counts)",
+        "one (whole-tensor expert schedule, expert GEMMs on their exact row counts)",
     )
     parser.add_argument("--block", type=int, default=6, help="steps per variant and round of --compare")
     args, overrides = parser.parse_known_args()
@@ -160,7 +161,7 @@ def main() -> None:
         probe_after = cpu_matmul_probe(torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
         ops = profile_steps(trainer, args.profile_steps)
         parts = component_seconds(trainer)
-        variants = {"now": [], "exact expert rows (the previous path)": []}
+        variants = {"now": [], "whole-tensor schedule, exact expert rows (the previous path)": []}
         cached = torch_backend._builds_kernel_per_shape
         for _ in range(args.compare):  # round-robin, so that load changes hit every variant alike
             for name, variant_times in variants.items():
@@ -228,8 +229,10 @@ def main() -> None:
         emit(f"## This path against the previous one, {args.compare} round-robin rounds of {args.block} steps each")
         emit()
         emit(
-            "exact expert rows: 16-bit expert GEMMs on each expert's own row count, a new oneDNN kernel for each new "
-            "count (optimus.kernels.torch_backend.cached_rows); steps after the first of each block"
+            "the previous path: the CPU 16-bit expert path switched off (optimus.kernels.torch_backend."
+            "_builds_kernel_per_shape), so the SwiGLU MLP runs each GEMM over all experts before the next pass "
+            "(not one expert at a time) and each expert GEMM on the expert's own row count, a new oneDNN kernel for "
+            "each new count (not on cached_rows); steps after the first of each block"
         )
         emit()
         emit("| variant | median step ms | step / now | MFU (start-up probe) |")
