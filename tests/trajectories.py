@@ -7,12 +7,28 @@ import json
 
 import pytest
 
+from optimus.cli import main
+
 # What must match step by step within relative 1e-5; the held-out loss within 1e-6.
 TRAJECTORY_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "expert_load_imbalance")
 
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_layouts(tmp_path, runs: dict[str, list[str]], args: list[str]) -> tuple[dict[str, list], dict[str, dict]]:
+    """`optimus train` once per layout, with `args` and then the layout's own overrides, in run0, run1, ... under
+    `tmp_path`; returns each layout's per-step records and its run_info.json. Every run counts the whole model's
+    parameters, whatever slice of it a rank holds."""
+    metrics, infos = {}, {}
+    for i, (layout, extra) in enumerate(runs.items()):
+        run_dir = tmp_path / f"run{i}"
+        assert main(["train", *args, *extra, f"run.dir={run_dir}"]) == 0, layout
+        metrics[layout] = read_metrics(run_dir)
+        infos[layout] = json.loads((run_dir / "run_info.json").read_text())
+        assert infos[layout]["params"] == next(iter(infos.values()))["params"], layout
+    return metrics, infos
 
 
 def assert_same_trajectory(run: list[dict], reference: list[dict], layout: str) -> dict[str, float]:

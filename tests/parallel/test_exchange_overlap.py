@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.cli import main
 from optimus.config import ConfigError, OptimusConfig, ParallelConfig, validate
 from optimus.parallel.alltoall_dispatch import token_chunks
 from optimus.parallel.collectives import all_to_all_start
@@ -27,7 +26,7 @@ from tests.distributed import run_distributed
 from tests.parallel.test_collectives import block, rows_sent
 from tests.parallel.test_dispatchers import BASE, autocast, layer_loss, make_inputs, make_layer, reference_per_chunk
 from tests.parallel.test_expert_parallel_training import COMMON, assert_same_trajectory
-from tests.trajectories import read_metrics
+from tests.trajectories import train_layouts
 
 
 class _Wrapped:
@@ -260,11 +259,7 @@ def test_overlapped_training_matches_one_chunk(tmp_path, corpus_file, single_thr
         # Full recomputation reruns the experts and shared experts while the exchanges are in flight.
         "chunks=2 full checkpointing": ["parallel.ep_overlap_chunks=2", "train.activation_checkpointing=full"],
     }
-    metrics = {}
-    for i, (layout, extra) in enumerate(runs.items()):
-        run_dir = tmp_path / f"run{i}"
-        assert main(["train", *COMMON, *data, *extra, f"run.dir={run_dir}"]) == 0, layout
-        metrics[layout] = read_metrics(run_dir)
+    metrics, _ = train_layouts(tmp_path, runs, [*COMMON, *data])
     reference = metrics["chunks=1"]
     assert len({round(m["loss"], 6) for m in reference}) == len(reference)  # the loss moves
     for layout, m in metrics.items():

@@ -8,7 +8,6 @@ layout does (ARCHITECTURE.md's invariant).
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import pytest
@@ -19,7 +18,7 @@ from optimus.model import padded_vocab_size
 from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes
 from optimus.parallel.state import ParallelState, edp_group_ranks, pp_group_ranks, stage_group_ranks
 from tests.conftest import TINY_MODEL
-from tests.trajectories import assert_same_trajectory, read_metrics
+from tests.trajectories import assert_same_trajectory, read_metrics, train_layouts
 
 STEPS = 8
 COMMON = [
@@ -146,13 +145,7 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
         ],
         "pp=4 gpipe": ["parallel.nproc=4", "parallel.pp=4", "parallel.pp_schedule=gpipe", "profile.timers=true"],
     }  # fmt: skip
-    metrics = {}
-    for i, (layout, extra) in enumerate(runs.items()):
-        run_dir = tmp_path / f"run{i}"
-        assert main(["train", *COMMON, *data, *extra, f"run.dir={run_dir}"]) == 0, layout
-        metrics[layout] = read_metrics(run_dir)
-        info = json.loads((run_dir / "run_info.json").read_text())
-        assert info["params"] == json.loads((tmp_path / "run0" / "run_info.json").read_text())["params"]
+    metrics, _ = train_layouts(tmp_path, runs, [*COMMON, *data])
 
     reference = metrics.pop("nproc=1")
     assert len({round(m["loss"], 6) for m in reference}) == STEPS  # the loss moves: the comparison means something

@@ -23,7 +23,7 @@ from optimus.optim.state_ranges import StateRange, copy_overlap, covered
 from optimus.parallel.state import ParallelState, build_parallel_state, dense_dp_group_ranks, tp_group_ranks
 from tests.distributed import run_distributed
 from tests.parallel.test_pipeline import COMMON
-from tests.trajectories import assert_same_trajectory, read_metrics
+from tests.trajectories import assert_same_trajectory, read_metrics, train_layouts
 
 STEPS = 8
 ORACLE = [k for k in COMMON if not k.startswith("optim.lr=")] + ["optim.lr=5e-3"]
@@ -177,13 +177,7 @@ def test_tensor_parallel_layouts_match_single_process(tmp_path, corpus_file, sin
         "tp=2 pp=2 no sp interleaved": ["parallel.nproc=4", "parallel.tp=2", "parallel.pp=2", "parallel.sp=false",
                                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"],
     }  # fmt: skip
-    metrics = {}
-    for i, (layout, extra) in enumerate(runs.items()):
-        run_dir = tmp_path / f"run{i}"
-        assert main(["train", *ORACLE, *data, *extra, f"run.dir={run_dir}"]) == 0, layout
-        metrics[layout] = read_metrics(run_dir)
-        info = json.loads((run_dir / "run_info.json").read_text())
-        assert info["params"] == json.loads((tmp_path / "run0" / "run_info.json").read_text())["params"]
+    metrics, _ = train_layouts(tmp_path, runs, [*ORACLE, *data])
     reference = metrics.pop("nproc=1")
     assert len({round(m["loss"], 6) for m in reference}) == STEPS  # the loss moves: the comparison means something
     worst = {layout: assert_same_trajectory(run, reference, layout) for layout, run in metrics.items()}
