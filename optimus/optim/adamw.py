@@ -56,8 +56,8 @@ def adamw_update(
     if fused is None:
         fused = fused_kernel_available(param_N.device)
     step_fn = _fused_chunk if fused else _single_tensor_chunk
-    # In chunks: the update's temporaries (sqrt, denominator) would otherwise be as large as a segment,
-    # which can hold all of a rank's expert weights (two extra fp32 copies at the step's peak).
+    # In chunks: a 16-bit gradient's fp32 copy (and the fallback's sqrt and denominator) would otherwise be as
+    # large as a segment, which can hold all of a rank's expert weights; a chunk also stays in cache.
     chunks = (
         (lo, min(lo + UPDATE_CHUNK, seg.hi), seg) for seg in segments for lo in range(seg.lo, seg.hi, UPDATE_CHUNK)
     )
