@@ -66,3 +66,13 @@ def test_fused_kernel_is_the_default_where_available(monkeypatch):
     param = torch.zeros(8)
     adamw_update([Segment(0, 8, True)], param, torch.ones(8), torch.zeros(8), torch.zeros(8), LR, 1, HYPER, 1.0)
     assert bool(calls) == fused_kernel_available(param.device)
+
+
+def test_fused_kernel_availability_agrees_with_torch_adamw():
+    """torch.optim.AdamW(fused=True) accepts a CPU parameter exactly where adamw_update uses the kernel."""
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], fused=True).step()
+        torch_has_it = True
+    except RuntimeError:
+        torch_has_it = False
+    assert fused_kernel_available(torch.device("cpu")) == torch_has_it
