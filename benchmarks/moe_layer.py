@@ -3,6 +3,7 @@
     python benchmarks/moe_layer.py                  # every shape, bf16 and fp32 (a few minutes on 2 idle cores)
     python benchmarks/moe_layer.py --quick          # S1 and S2 only, 3 iterations (about a minute)
     python benchmarks/moe_layer.py --shapes S2 --dtypes bf16 --iters 9
+    python benchmarks/moe_layer.py --peers          # with transformers' and torchtitan's expert paths as columns
 
 FLOPs counted (expert FLOPs): only the expert GEMMs, 2*M*N*K per GEMM. Forward is
 x@W13 (2*A*D*2F) + h@W2 (2*A*F*D) = 2*A*D*3F with A = T*K assignments; backward is twice
@@ -22,6 +23,9 @@ Methods (rows):
                 per expert: slow, its backward zero-fills whole weight stacks once per expert
   moe_layer     the whole optimus.model.moe.MoE layer, router included (its own routing)
   triton        the triton backend (GPU only)
+  hf_eager, hf_grouped_mm, torchtitan
+                (--peers) other libraries' expert paths on the same weights, tokens and routing, each checked
+                against Optimus's output and gradients first (see benchmarks/moe_peers.py)
   dense         the roofline: one dense [A, D] x [D, 3F] linear fwd+bwd (dx and dW), same FLOPs.
                 For 16-bit dtypes on a CPU without 16-bit matmul units it is measured two ways and
                 the faster is the roofline: `dense` (16-bit-rounded operands, fp32 GEMM: what the
@@ -54,6 +58,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from moe_peers import peer_steps  # benchmarks/ is the script's directory, first on sys.path
 
 from optimus.kernels import get_backend, gpu_present, reference
 from optimus.kernels.dtypes import math_dtype
@@ -210,8 +215,9 @@ def time_round_robin(steps: dict, iters: int, warmup: int, clock=time.perf_count
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params=False):
-    """The methods to time for one shape and dtype, and the row fraction each one computes."""
+def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params=False, peers=False):
+    """The methods to time for one shape and dtype, the row fraction each one computes, and why a peer asked
+    for has no column."""
     gen = torch.Generator().manual_seed(0)
     torch_ops = get_backend("torch")
     param_dtype = torch.float32 if fp32_params else dtype
@@ -230,12 +236,19 @@ def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params
     if math_dtype(dtype, torch.device(device)) != dtype:
         steps["dense_native"] = make_dense_step(s, dtype, device, gen, param_dtype, native=True, row_fraction=8)
         scale["dense_native"] = 8
-    return steps, scale
+    missing = {}
+    if peers:
+        x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
+        found, missing = peer_steps((x_TD, w13, w2, dout_TD), routings, s, dtype, device)
+        steps.update(found)
+    return steps, scale, missing
 
 
 def run_case(name, s, dtype_name, args):
     flops = expert_flops(**s)
-    steps, scale = case_steps(s, DTYPES[dtype_name], args.device, args.reference, args.same_routing, args.fp32_params)
+    steps, scale, missing = case_steps(
+        s, DTYPES[dtype_name], args.device, args.reference, args.same_routing, args.fp32_params, args.peers
+    )
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     medians = time_round_robin(steps, args.iters, args.warmup, clock)
     rows = {}
@@ -245,6 +258,8 @@ def run_case(name, s, dtype_name, args):
     for r in rows.values():
         r["of_roofline"] = r["gflops_per_s"] / roofline
     case = {"shape": name, "dtype": dtype_name, **s, "expert_gflop": flops / 1e9, "roofline_gflops_per_s": roofline}
+    if missing:
+        case["peers_missing"] = missing
     return case, rows
 
 
@@ -261,7 +276,10 @@ def machine() -> dict:
     }
 
 
-METHOD_ORDER = ("optimus", "loop", "reference", "triton", "moe_layer", "dense", "dense_native")
+METHOD_ORDER = (
+    "optimus", "loop", "reference", "triton", "hf_eager", "hf_grouped_mm", "torchtitan", "moe_layer", "dense",
+    "dense_native",
+)  # fmt: skip
 
 
 def markdown_table(results) -> str:
@@ -293,6 +311,7 @@ def parse_args():
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=clock_help)
     parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
     parser.add_argument("--same-routing", action="store_true", help="repeat one routing in every iteration")
+    parser.add_argument("--peers", action="store_true", help="also time transformers' and torchtitan's expert paths")
     parser.add_argument("--fp32-params", action="store_true", help="fp32 weights, bf16 autocast (issue 22 table)")
     args = parser.parse_args()
     if args.quick:
@@ -320,6 +339,8 @@ def main():
         for dtype_name in args.dtypes.split(","):
             results.append(run_case(name, SHAPES[name], dtype_name, args))
             print(markdown_table(results[-1:]).splitlines()[-1], flush=True)
+            for peer, why in results[-1][0].get("peers_missing", {}).items():
+                print(f"  {peer}: no column, {why}")
     meta["load_average_after"] = os.getloadavg()
     print("\n" + markdown_table(results))
     print(f"\nload average before {meta['load_average_before']}, after {meta['load_average_after']}")

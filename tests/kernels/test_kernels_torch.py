@@ -145,28 +145,47 @@ def test_bf16_inputs_close_to_fp32_reference():
         assert_close_rel(g.float(), w, 3e-2, name)
 
 
-def test_bf16_expert_mlp_runs_by_expert_where_the_cpu_computes_in_bf16(monkeypatch):
-    """The public op takes the per-expert schedule whenever its math is 16-bit on a CPU (forced here, so that a
-    CPU without bf16 units runs it too) and still matches the fp32 reference."""
+@pytest.mark.parametrize("schedule", ["by_expert", "padded"])
+def test_bf16_expert_mlp_runs_per_expert_or_padded_where_the_cpu_computes_in_bf16(schedule, monkeypatch):
+    """The public op takes a 16-bit CPU schedule whenever its math is 16-bit on a CPU (forced here, so that a
+    CPU without bf16 units runs it too): the padded one where `padded_rows` gives a row count, else the
+    per-expert one; either matches the fp32 reference."""
     monkeypatch.setattr(torch_backend, "math_dtype", lambda dtype, device: dtype)
+    if schedule == "by_expert":
+        monkeypatch.setattr(torch_backend, "padded_rows", lambda bounds, n_dim, n_ffn: 0)
+    else:  # any load qualifies
+        monkeypatch.setattr(torch_backend, "_PADDED_MAX_ROWS_RATIO", float("inf"))
     calls = []
-    for name in ("_swiglu_mlp_forward_by_expert", "_swiglu_mlp_backward_by_expert"):
+    for name in (f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"):
         original = getattr(torch_backend, name)
         monkeypatch.setattr(torch_backend, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 10, 8, dtype=torch.bfloat16, empty_experts=(3,))
     got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
-    assert calls == ["_swiglu_mlp_forward_by_expert", "_swiglu_mlp_backward_by_expert"]
+    assert calls == [f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"]
     leaves32 = [t.detach().float().requires_grad_() for t in leaves]
     want = value_and_grads(reference, leaves32, token_idx_A, offsets_E)
     for name, g, w in zip(NAMES, got, want):
         assert_close_rel(g.float(), w, 3e-2, name)
 
 
+def _half_swiglu_mlp(schedule, x, w13, w2, dy, bounds, needs):
+    """(y, grads) of one 16-bit CPU schedule of the SwiGLU MLP, forward then backward."""
+    if schedule == "by_expert":
+        h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
+        saved = (x, w13, w2, h13, silu_gate, h)
+        return y, torch_backend._swiglu_mlp_backward_by_expert(saved, dy, bounds, needs)
+    rows = torch_backend.cached_rows(max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])))
+    x_pad, h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_padded(x, w13, w2, bounds, rows)
+    saved = (x_pad, w13, w2, h13, silu_gate, h)
+    return y, torch_backend._swiglu_mlp_backward_padded(saved, dy, bounds, needs)
+
+
+@pytest.mark.parametrize("schedule", ["by_expert", "padded"])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
-def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
-    """The per-expert schedule of the 16-bit SwiGLU MLP on a CPU (windows past each expert's rows, the last
-    window reading rows before its own, an empty expert, some gradients not needed) equals plain fp32 autograd
-    over the same bf16 values, per expert."""
+def test_half_swiglu_mlp_schedules_match_a_plain_fp32_loop(schedule, needs):
+    """The 16-bit SwiGLU MLP schedules on a CPU equal plain fp32 autograd over the same bf16 values, per expert.
+    Per expert: windows past each expert's rows, the last window reading rows before its own. Padded: experts
+    of 0 to 300 rows padded to one count. Both: an empty expert, some gradients not needed."""
     gen = torch.Generator().manual_seed(6)
     counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300, 2], 64, 48
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
@@ -174,8 +193,7 @@ def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
     w13 = (torch.randn(len(counts), D, 2 * n_ffn, generator=gen) / 8).bfloat16()
     w2 = (torch.randn(len(counts), n_ffn, D, generator=gen) / 7).bfloat16()
     dy = torch.randn(sum(counts), D, generator=gen).bfloat16()
-    h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
-    grads = torch_backend._swiglu_mlp_backward_by_expert((x, w13, w2, h13, silu_gate, h), dy, bounds, needs)
+    y, grads = _half_swiglu_mlp(schedule, x, w13, w2, dy, bounds, needs)
 
     leaves = [t.float().requires_grad_() for t in (x, w13, w2)]
     ys = []
@@ -191,6 +209,17 @@ def test_half_swiglu_mlp_by_expert_matches_a_plain_fp32_loop(needs):
             assert_close_rel(got.float(), w, 1e-2, name)
     if needs[1]:
         assert grads[1][2].abs().max() == 0  # expert 2 has no rows
+
+
+def test_padded_schedule_only_for_small_experts_with_even_loads():
+    """`padded_rows`: a cached row count covering the busiest expert where experts are small and loads even;
+    0 for large experts, for a load whose padding would exceed the ratio, and for no rows at all."""
+    even = [0, 500, 1000, 1490, 2000]  # busiest 510 rows
+    assert torch_backend.padded_rows(even, 256, 256) == torch_backend.cached_rows(510) >= 510
+    assert torch_backend.padded_rows(even, 1024, 1024) == 0  # 500 x 1024 x 1024 multiply-adds per expert
+    uneven = [0, 1200, 1500, 1800, 2000]  # 4 x 1216 padded rows for 2000
+    assert torch_backend.padded_rows(uneven, 256, 256) == 0
+    assert torch_backend.padded_rows([0, 0, 0], 256, 256) == 0
 
 
 @pytest.mark.parametrize("drops", [False, True], ids=["dropless", "dropped"])
