@@ -9,7 +9,10 @@ Two tables:
    moments = 12 bytes per owned parameter), parameters divided evenly over the
    pipeline stages.
 
-    python benchmarks/optimizer.py [--steps 6] [--out benchmarks/results]
+Every scheme's model and optimizer are built first; the steps then run round-robin (one step of each scheme in
+turn, the order rotated every step), so that load on a shared CPU hits every scheme alike.
+
+    python benchmarks/optimizer.py [--steps 24] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -58,17 +61,20 @@ def _rank(rank: int, ep: int, steps: int, init_file: str, results) -> None:
         tokens = torch.randint(
             0, BENCH_MODEL.vocab_size, (steps, MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank)
         )
-        rows = []
+        runs = []  # (scheme, zero, model, optimizer, its counts), one per row of SCHEMES, all alive at once
         for scheme, zero in SCHEMES:
             cfg = OptimusConfig(model=BENCH_MODEL)
             cfg.optim.sharding, cfg.optim.zero = scheme, zero
             model = Transformer(BENCH_MODEL, kernels="torch")
             model.init_weights(torch.Generator().manual_seed(0))
             parallelize_model(model, ps, ParallelConfig(ep=ep))
-            counts = count_params(model, BENCH_MODEL)
-            opt = build_optimizer(model, cfg, ps)
-            opt_times, step_times = [], []
-            for step in range(steps):
+            runs.append((scheme, zero, model, build_optimizer(model, cfg, ps), count_params(model, BENCH_MODEL)))
+        opt_times = [[] for _ in runs]
+        step_times = [[] for _ in runs]
+        for step in range(steps):
+            # Round-robin, order rotated every step, so that a slow moment of this shared CPU hits every scheme.
+            for i in [(step + k) % len(runs) for k in range(len(runs))]:
+                _, _, model, opt, _ = runs[i]
                 dist.barrier()
                 start = time.perf_counter()
                 opt.set_last_micro_batch(True)
@@ -80,16 +86,18 @@ def _rank(rank: int, ep: int, steps: int, init_file: str, results) -> None:
                 opt.step(1e-4)
                 opt.zero_grad()
                 end = time.perf_counter()
-                opt_times.append(end - opt_start)
-                step_times.append(end - start)
+                opt_times[i].append(end - opt_start)
+                step_times[i].append(end - start)
+        rows = []
+        for (scheme, zero, _, opt, counts), opt_s, step_s in zip(runs, opt_times, step_times):
             mem = opt.memory_bytes()
             per_param = 8  # fp32 parameters here: two fp32 moments, no master copy
             rows.append({
                 "scheme": scheme, "zero": zero, "ep": ep, "dp": WORLD // ep, "rank": rank,
                 "optim_state_bytes": mem["optim_state_bytes"], "padding_bytes": mem["padding_bytes"],
                 "formula_bytes": state_bytes_formula(scheme, counts.dense, counts.expert, WORLD // ep, ep, per_param),
-                "optimizer_step_ms": 1e3 * statistics.median(opt_times[1:]),  # first step: allocation warm-up
-                "train_step_ms": 1e3 * statistics.median(step_times[1:]),
+                "optimizer_step_ms": 1e3 * statistics.median(opt_s[1:]),  # first step: allocation warm-up
+                "train_step_ms": 1e3 * statistics.median(step_s[1:]),
                 "params_dense": counts.dense, "params_expert": counts.expert,
             })  # fmt: skip
         results.put(rows)
@@ -135,7 +143,7 @@ def recipe_table() -> list[dict]:
     return rows
 
 
-def markdown(measured: list[dict], recipes: list[dict]) -> str:
+def markdown(measured: list[dict], recipes: list[dict], steps: int) -> str:
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith("avx512")})
     lines = [
         f"Command: `python benchmarks/optimizer.py`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -143,6 +151,9 @@ def markdown(measured: list[dict], recipes: list[dict]) -> str:
         "",
         f"## Measured: world {WORLD} (gloo, CPU), fp32 parameters, {BENCH_MODEL.n_layers}L d{BENCH_MODEL.dim} "
         f"E{BENCH_MODEL.moe.n_experts}, micro-batch {MICRO_BATCH}x{SEQ}; max over ranks, median over steps",
+        "",
+        f"The schemes' steps ran round-robin ({steps} steps each, one of each scheme in turn, the first not counted),",
+        "so that load on a shared CPU hits every scheme alike: compare rows of one layout, not across runs.",
         "",
         "The train step is the comparison between schemes: the optimizer step counts only what is left of the",
         "gradient reduction when the backward ends, and `standard` runs its EP all-reduce of dense gradients",
@@ -176,12 +187,12 @@ def markdown(measured: list[dict], recipes: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     recipes = recipe_table()
     measured = measure(args.steps)
-    text = markdown(measured, recipes)
+    text = markdown(measured, recipes, args.steps)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
