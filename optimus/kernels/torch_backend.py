@@ -440,11 +440,13 @@ def _swiglu_mlp_backward_padded(saved, dy_AD, bounds, needs):
     return dx_AD, dw13_EDF2, dw2_EFD
 
 
-def _schedule(x_AD: torch.Tensor, bounds: list[int], n_ffn: int) -> str:
-    """How the SwiGLU MLP runs: "padded" or "by_expert" for 16-bit rows on a CPU, else "whole_tensor"."""
+def _schedule(x_AD: torch.Tensor, bounds: list[int], n_ffn: int) -> tuple[str, int]:
+    """How the SwiGLU MLP runs, and its padded row count: "padded" (rows > 0) or "by_expert" for 16-bit rows on
+    a CPU, else "whole_tensor"."""
     if not _builds_kernel_per_shape(x_AD):
-        return "whole_tensor"
-    return "padded" if padded_rows(bounds, x_AD.shape[1], n_ffn) else "by_expert"
+        return "whole_tensor", 0
+    rows = padded_rows(bounds, x_AD.shape[1], n_ffn)
+    return ("padded" if rows else "by_expert"), rows
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -457,9 +459,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         x_m = round_to(x_AD, dtype, math)
         w13_m = round_to(w13_EDF2, dtype, math)
         w2_m = round_to(w2_EFD, dtype, math)
-        ctx.schedule = _schedule(x_m, bounds, w2_m.shape[1])
+        ctx.schedule, rows = _schedule(x_m, bounds, w2_m.shape[1])
         if ctx.schedule == "padded":
-            rows = padded_rows(bounds, x_m.shape[1], w2_m.shape[1])
             x_m, h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_padded(x_m, w13_m, w2_m, bounds, rows)
         elif ctx.schedule == "by_expert":
             h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_by_expert(x_m, w13_m, w2_m, bounds)
