@@ -112,19 +112,27 @@ def make_problem(s, device, gen, same_routing, param_dtype):
     return x_TD, routings, w13_EDF2, w2_EFD, dout_TD
 
 
-def make_ops_step(ops, s, dtype, device, gen, same_routing, param_dtype):
-    """permute -> expert_swiglu_mlp -> combine, forward+backward."""
-    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
+def ops_forward_backward(ops, problem, s, dtype, device):
+    """routing -> (out [T, D], grads of x, the routing weights, W13 and W2): permute -> expert_swiglu_mlp ->
+    combine, forward+backward, on `problem`'s leaves (x, W13, W2, the output gradient)."""
+    x_TD, w13, w2, dout_TD = problem
 
-    def step():
-        token_idx_A, weight_A, offsets_E = routings()
+    def forward_backward(routing):
+        token_idx_A, weight_A, offsets_E = routing
         with autocast(device, dtype):
             x_AD = ops.permute(x_TD, token_idx_A)
             y_AD = ops.expert_swiglu_mlp(x_AD, w13, w2, offsets_E)
             out_TD = ops.combine(y_AD, token_idx_A, weight_A, s["T"])
-        torch.autograd.grad(out_TD, (x_TD, w13, w2, weight_A), dout_TD.to(out_TD.dtype))
+        return out_TD, torch.autograd.grad(out_TD, (x_TD, weight_A, w13, w2), dout_TD.to(out_TD.dtype))
 
-    return step
+    return forward_backward
+
+
+def make_ops_step(ops, s, dtype, device, gen, same_routing, param_dtype):
+    """permute -> expert_swiglu_mlp -> combine, forward+backward."""
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
+    forward_backward = ops_forward_backward(ops, (x_TD, w13, w2, dout_TD), s, dtype, device)
+    return lambda: forward_backward(routings())
 
 
 def make_loop_step(s, dtype, device, gen, same_routing, param_dtype):
@@ -239,7 +247,9 @@ def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params
     missing = {}
     if peers:
         x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
-        found, missing = peer_steps((x_TD, w13, w2, dout_TD), routings, s, dtype, device)
+        problem = (x_TD, w13, w2, dout_TD)
+        optimus = ops_forward_backward(torch_ops, problem, s, dtype, device)
+        found, missing = peer_steps(problem, routings, optimus, s, dtype, device, lambda: autocast(device, dtype))
         steps.update(found)
     return steps, scale, missing
 

@@ -20,13 +20,7 @@ A peer that does not import is reported as missing, and its column stays empty.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def _autocast(device: str, dtype: torch.dtype):
-    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device, dtype=dtype)
 
 
 def routing_by_token(token_idx_A, weight_A, offsets_E, n_tokens: int, top_k: int):
@@ -44,7 +38,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().clone().requires_grad_()
 
 
-def make_hf(problem, s, dtype, device, implementation: str):
+def make_hf(problem, s, device, context, implementation: str):
     """transformers' MixtralExperts, with its weights in its own layout ([E, 2F, D] and [E, D, F])."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -65,7 +59,7 @@ def make_hf(problem, s, dtype, device, implementation: str):
 
     def forward_backward(routing):
         token_idx_A, weight_A, offsets_E = routing
-        with _autocast(device, dtype):
+        with context():
             ids_TK, weights_TK = routing_by_token(token_idx_A, weight_A, offsets_E, s["T"], s["K"])
             out_TD = experts(x_TD, ids_TK, weights_TK)
         return out_TD, torch.autograd.grad(out_TD, (x_TD, weight_A, *weights), dout_TD.to(out_TD.dtype))
@@ -73,7 +67,7 @@ def make_hf(problem, s, dtype, device, implementation: str):
     return forward_backward
 
 
-def make_torchtitan(problem, s, dtype, device):
+def make_torchtitan(problem, s, device, context):
     """torchtitan's RoutedExperts: its token reorder, grouped experts and combine."""
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
@@ -94,7 +88,7 @@ def make_torchtitan(problem, s, dtype, device):
     def forward_backward(routing):
         token_idx_A, weight_A, offsets_E = routing
         counts_E = torch.diff(offsets_E.long(), prepend=offsets_E.new_zeros(1).long())
-        with _autocast(device, dtype):
+        with context():
             ids_TK, weights_TK = routing_by_token(token_idx_A, weight_A, offsets_E, T, K)
             out_TD = routed(x_TD.view(1, T, D), weights_TK.view(1, T, K), ids_TK.view(1, T, K), counts_E).view(T, D)
         return out_TD, torch.autograd.grad(out_TD, (x_TD, weight_A, *weights), dout_TD.to(out_TD.dtype))
@@ -103,8 +97,8 @@ def make_torchtitan(problem, s, dtype, device):
 
 
 PEERS = {
-    "hf_eager": lambda problem, s, dtype, device: make_hf(problem, s, dtype, device, "eager"),
-    "hf_grouped_mm": lambda problem, s, dtype, device: make_hf(problem, s, dtype, device, "grouped_mm"),
+    "hf_eager": lambda problem, s, device, context: make_hf(problem, s, device, context, "eager"),
+    "hf_grouped_mm": lambda problem, s, device, context: make_hf(problem, s, device, context, "grouped_mm"),
     "torchtitan": make_torchtitan,
 }
 COMPUTES_ONLY_BF16 = ("torchtitan",)
@@ -113,46 +107,30 @@ COMPUTES_ONLY_BF16 = ("torchtitan",)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def make_optimus(problem, s, dtype, device):
-    """Optimus's row (the torch backend's permute -> expert_swiglu_mlp -> combine) as the check's reference."""
-    from optimus.kernels import get_backend
-
-    ops = get_backend("torch")
-    x_TD, w13_EDF2, w2_EFD, dout_TD = problem
-
-    def forward_backward(routing):
-        token_idx_A, weight_A, offsets_E = routing
-        with _autocast(device, dtype):
-            y_AD = ops.expert_swiglu_mlp(ops.permute(x_TD, token_idx_A), w13_EDF2, w2_EFD, offsets_E)
-            out_TD = ops.combine(y_AD, token_idx_A, weight_A, s["T"])
-        return out_TD, torch.autograd.grad(out_TD, (x_TD, weight_A), dout_TD.to(out_TD.dtype))
-
-    return forward_backward
-
-
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def peer_steps(problem, routings, s, dtype, device) -> tuple[dict, dict]:
+def peer_steps(problem, routings, reference, s, dtype, device, context) -> tuple[dict, dict]:
     """-> ({peer: step} for the peers that import and compute in `dtype`, {peer: why it has no column}).
 
-    Each peer's output and its gradients for x and the routing weights are first checked against Optimus's
-    on one routing; a peer outside TOLERANCE raises."""
+    `problem`: the leaves (x, W13, W2, the output gradient); `reference`: Optimus's routing -> (out, grads of x and
+    the routing weights first); `context`: the autocast context every method runs under. Each peer's output and
+    those two gradients are first checked against Optimus's on one routing; a peer outside TOLERANCE raises."""
     steps, missing = {}, {}
     routing = routings()
-    out_ref, grads_ref = make_optimus(problem, s, dtype, device)(routing)
+    out_ref, grads_ref = reference(routing)
     for name, make in PEERS.items():
         if name in COMPUTES_ONLY_BF16 and dtype != torch.bfloat16:
             missing[name] = "computes in bf16 only"
             continue
         try:
-            forward_backward = make(problem, s, dtype, device)
+            forward_backward = make(problem, s, device, context)
         except ImportError as err:
             missing[name] = f"not installed ({err.name})"
             continue
         out, grads = forward_backward(routing)
-        error = max(_relative_error(a, b) for a, b in zip((out, *grads[:2]), (out_ref, *grads_ref)))
+        error = max(_relative_error(a, b) for a, b in zip((out, *grads[:2]), (out_ref, *grads_ref[:2])))
         if error > TOLERANCE[dtype]:
             raise RuntimeError(f"{name} differs from Optimus by {error:.1e} (relative): it is not the same layer.")
         steps[name] = lambda forward_backward=forward_backward: forward_backward(routings())

@@ -56,9 +56,10 @@ def adamw_update(
     """
     if fused is None:
         fused = fused_kernel_available(param_N.device)
-    step_fn = _single_tensor_chunk
     if fused:  # the kernel reads the step count from a tensor on the device: one for every chunk of the call
-        step_fn = functools.partial(_fused_chunk, step_tensor=torch.tensor(float(step), device=param_N.device))
+        step_fn = functools.partial(_fused_chunk, step=torch.tensor(float(step), device=param_N.device))
+    else:
+        step_fn = functools.partial(_single_tensor_chunk, step=step)
     # In chunks: a 16-bit gradient's fp32 copy (and the fallback's sqrt and denominator) would otherwise be as
     # large as a segment, which can hold all of a rank's expert weights; a chunk also stays in cache.
     chunks = (
@@ -67,17 +68,17 @@ def adamw_update(
     for lo, hi, seg in chunks:
         weight_decay = h.weight_decay if seg.weight_decay else 0.0
         chunk = (param_N[lo:hi], grad_N[lo:hi].float(), exp_avg_N[lo:hi], exp_avg_sq_N[lo:hi])
-        step_fn(*chunk, lr=lr, step=step, h=h, weight_decay=weight_decay, grad_scale=grad_scale)
+        step_fn(*chunk, lr=lr, h=h, weight_decay=weight_decay, grad_scale=grad_scale)
 
 
-def _fused_chunk(p, g, m, v, *, lr, step, h: AdamWHyper, weight_decay: float, grad_scale: float, step_tensor) -> None:
-    """torch's fused kernel on the chunk (it reads `step` from `step_tensor`). The gradient is scaled first, by a
-    multiplication as the single-tensor path does (the kernel's own `grad_scale` divides, which a zero factor,
-    from an infinite norm, cannot)."""
+def _fused_chunk(p, g, m, v, *, lr, step: torch.Tensor, h: AdamWHyper, weight_decay: float, grad_scale: float):
+    """torch's fused kernel on the chunk (`step`: the step count as a tensor on the device). The gradient is
+    scaled first, by a multiplication as the single-tensor path does (the kernel's own `grad_scale` divides,
+    which a zero factor, from an infinite norm, cannot)."""
     if grad_scale != 1.0:
         g.mul_(grad_scale)
     torch._fused_adamw_(
-        [p], [g], [m], [v], [], [step_tensor],
+        [p], [g], [m], [v], [], [step],
         lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=weight_decay, eps=h.eps,
         amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
     )  # fmt: skip
