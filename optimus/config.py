@@ -141,6 +141,9 @@ class OptimConfig:
     grad_dtype: str = "fp32"  # fp32 | bf16: dtype of gradient accumulation and reduction
     bucket_mb: float = 32.0
     max_collective_numel: int = 256 * 1024 * 1024
+    # step() returns with the sharded parameters' all-gathers in flight; each transformer block waits for its
+    # own in its forward (optimus/optim/gather_overlap.py)
+    overlap_param_gather: bool = False
 
 
 @dataclass

@@ -74,8 +74,9 @@ the backward, when the activations are gone, the last ones in flight beside the 
 one computed. Not included: allocator fragmentation
 and cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
 all-gathers' and reduce-scatters' buffers, temporaries of the optimizer step (after the backward, below the
-peak), and the different buffers of the Triton kernels. docs/MEMORY.md measures what these add to a CPU
-run's resident peak.
+peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
+as its blocks start, before the peak), and the different buffers of the Triton kernels. docs/MEMORY.md
+measures what these add to a CPU run's resident peak.
 """
 
 from __future__ import annotations

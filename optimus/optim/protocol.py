@@ -17,6 +17,10 @@ class Optimizer(Protocol):
     def step(self, lr: float) -> float:
         """Reduce, clip and apply this step's gradients; return the pre-clip global gradient norm."""
 
+    def wait_for_params(self) -> None:
+        """Finish updating the parameters (step() may leave their all-gathers in flight): call it before reading
+        them outside a forward."""
+
     def zero_grad(self) -> None:
         """Drop this step's gradients."""
 

@@ -11,7 +11,8 @@ Reductions SUM and the update divides by the world size, so it is the one for th
 mean loss over the global batch (an expert's local grad already holds every EP
 peer's tokens through the dispatcher's backward). After the update each rank's
 owned slices are all-gathered back into the parameters over the group that
-sharded them.
+sharded them: before step() returns, or, with `overlap_param_gather`, behind the
+next forward (optimus.optim.gather_overlap).
 
 Precision: parameters live in their own dtype (bf16 for `train.dtype=bf16`);
 gradients are accumulated over micro-batches and reduced in `optim.grad_dtype`;
@@ -43,6 +44,7 @@ from optimus.config import SHARDING_SCHEMES, TORCH_DTYPES, OptimConfig
 from optimus.model.counts import expert_offsets
 from optimus.optim.adamw import AdamWHyper, adamw_update
 from optimus.optim.flat_buffer import FlatParams, GlobalPlace, bucket_sizes, padded_numel
+from optimus.optim.gather_overlap import attach_gather_waits
 from optimus.optim.grad_norm import clip_coefficient, global_grad_norm, sum_of_squares
 from optimus.optim.state_ranges import StateRange, copy_overlap, range_key
 from optimus.parallel import ParallelState
@@ -262,6 +264,9 @@ class ShardGroup:
         if zero == 1 and not self.grads_by_hook:
             self.point_grads_at_buffer()
         self.works: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []  # in flight: (work, src, copy to)
+        # Parameter all-gathers in flight, by bucket, and the order step() starts them in (see gather_overlap).
+        self.gathers: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.gather_order = list(range(len(self.flat.buckets)))
         self.reset_buckets()
 
     # ---- bookkeeping --------------------------------------------------------
@@ -431,10 +436,11 @@ class ShardGroup:
             adamw_update(segments, param, grad, m, v, lr, step, h, grad_scale)
 
     def gather_params(self) -> None:
-        """All-gather every rank's updated slices into the flat parameter buffer (hence into the parameters)."""
+        """Start all-gathering every rank's updated slices into the flat parameter buffer (hence into the
+        parameters), bucket by bucket in `gather_order`; `wait_gathered` finishes them."""
         flat, c = self.flat, self.comm
-        works = []
-        for b in flat.buckets:
+        for bi in self.gather_order:
+            b = flat.buckets[bi]
             if c.shard_world == 1:  # this rank owns the whole bucket: round the master copy straight into it
                 if self.master is not None:
                     flat.buffer[b.start : b.end].copy_(flat.shard_view(self.master, b))
@@ -443,9 +449,15 @@ class ShardGroup:
                 mine = flat.shard_view(self.master, b).to(flat.dtype)
             else:
                 mine = flat.owned_view(flat.buffer, b).clone()
-            works.append((_all_gather(flat.buffer[b.start : b.end], mine, group=c.shard_group, async_op=True), mine))
-        for work, _ in works:
-            work.wait()
+            work = _all_gather(flat.buffer[b.start : b.end], mine, group=c.shard_group, async_op=True)
+            self.gathers[bi] = (work, mine)  # `mine` is kept until the collective has read it
+
+    def wait_gathered(self, buckets: Iterable[int] | None = None) -> None:
+        """Finish the all-gathers of `buckets` (of every bucket when None) that are still in flight."""
+        for bi in list(self.gathers) if buckets is None else buckets:
+            entry = self.gathers.pop(bi, None)
+            if entry is not None:
+                entry[0].wait()
 
     def state_bytes(self) -> StateBytes:
         es, gs = self.flat.buffer.element_size(), self.grad_shard.element_size()
@@ -457,7 +469,8 @@ class ShardedAdamW:
 
     The interface the trainer uses: `set_last_micro_batch(bool)` before each backward,
     `step(lr) -> pre-clip global grad norm`, `zero_grad()`, `state_dict()` /
-    `load_state_dict()`, `memory_bytes()`.
+    `load_state_dict()`, `memory_bytes()`; with `overlap_param_gather(roots)`, also
+    `wait_for_params()` before reading parameters outside a forward.
     """
 
     def __init__(
@@ -471,6 +484,7 @@ class ShardedAdamW:
         self.step_count = 0
         self.last_micro_batch = True
         self.timed = timers or (lambda name: nullcontext())
+        self.overlapping = False  # step() leaves its parameter all-gathers to the next forward (overlap_param_gather)
         by_kind = param_groups(model)
         comms = group_comms(ps, scheme)
         bucket_bytes = zero_bucket_bytes(cfg)
@@ -534,6 +548,7 @@ class ShardedAdamW:
         """Reduce, clip and apply the gradients; returns the pre-clip global norm (no update if it is not finite)."""
         groups, world = list(self.groups.values()), self.ps.data_parallel  # the global batch's replicas
         timed = self.timed
+        self.wait_for_params()  # the previous step's, where no forward has waited for them
         with timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
             for group in groups:
                 group.finish_reduction()  # grad shards now hold SUMS over the ranks; the mean is sum / world
@@ -550,7 +565,26 @@ class ShardedAdamW:
         with timed("param_gather"):
             for group in groups:
                 group.gather_params()
+            if not self.overlapping:  # else each block's forward waits for its own buckets
+                for group in groups:
+                    group.wait_gathered()
         return norm
+
+    def overlap_param_gather(self, roots: list[torch.nn.Module]) -> None:
+        """Let step() return with its parameter all-gathers in flight: each block of `roots` (the modules the
+        caller runs forward) waits for its own buckets when its forward starts (optimus.optim.gather_overlap)."""
+        attach_gather_waits(self, roots)
+        self.overlapping = True
+
+    def wait_for_params(self, buckets: dict[str, Iterable[int]] | None = None) -> None:
+        """Finish the parameter all-gathers still in flight: of `buckets` ({group: bucket indices}), else all.
+        Whatever reads parameters outside a forward after step() (a checkpoint, a tied-weight copy) calls it."""
+        pending = [(kind, g) for kind, g in self.groups.items() if g.gathers and (buckets is None or kind in buckets)]
+        if not pending:
+            return
+        with self.timed("param_gather"):
+            for kind, group in pending:
+                group.wait_gathered(None if buckets is None else buckets[kind])
 
     # ---- reporting and checkpoints -------------------------------------------
 
@@ -582,6 +616,7 @@ class ShardedAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         """Fill every owned range from the saved shards that overlap it (any layout, as long as they cover it)."""
+        self.wait_for_params()  # the master copy is refreshed from the parameters
         by_name: dict[str, list[dict]] = {}
         for entry in state["shards"].values():
             by_name.setdefault(entry["name"], []).append(entry)

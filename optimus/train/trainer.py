@@ -158,6 +158,8 @@ class Trainer:
         # profile.timers: the dispatchers and the optimizer time their collectives through this object.
         self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
         self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
+        if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
+            self.optimizer.overlap_param_gather(self.pipeline.stages if self.pipeline else [self.model])
         if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
             self.pipeline.before_backward = self.optimizer.set_last_micro_batch
             self.pipeline.after_weight_backward = self.optimizer.grads_assigned
@@ -300,6 +302,7 @@ class Trainer:
                 grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
                 self.optimizer.zero_grad()
             if self.pipeline is not None:
+                self.optimizer.wait_for_params()  # the embedding is read here, outside a forward
                 self.pipeline.copy_tied_weight()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
@@ -469,6 +472,7 @@ class Trainer:
                 if self._checkpoint_boundary(bar):
                     summary["stopped_by"] = self.stop_signal.received or "a stop signal on another rank"
                     break
+            self.optimizer.wait_for_params()  # the model is the caller's after fit(): fully updated
             self.checkpointer.close()  # waits for a background save
             self._report_checkpoint(bar)
         finally:
@@ -484,6 +488,7 @@ class Trainer:
 
     def save_checkpoint(self, block: bool = False) -> None:
         started = time.perf_counter()
+        self.optimizer.wait_for_params()
         state = self.checkpointer.state(self.step, self.model, self.optimizer, self.loader, self.skipped_in_row)
         self.checkpointer.save(self.step, state, block=block, started=started)
 

@@ -58,8 +58,10 @@ def test_ep_layouts_match_single_process(tmp_path, corpus_file, single_threaded)
     runs = {
         "nproc=1": [],
         "nproc=4 ep=2 alltoall": ["parallel.nproc=4", "parallel.ep=2"],
-        "nproc=4 ep=4 allgather": ["parallel.nproc=4", "parallel.ep=4", "parallel.dispatcher=allgather"],
-    }
+        "nproc=4 ep=4 allgather": [
+            "parallel.nproc=4", "parallel.ep=4", "parallel.dispatcher=allgather", "optim.overlap_param_gather=true",
+        ],
+    }  # fmt: skip
     metrics, infos = train_layouts(tmp_path, runs, [*COMMON, *data])
     for layout, extra in runs.items():
         world = 4 if extra else 1

@@ -128,16 +128,18 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
     # 1F1B with an uneven stage split given by the recipe, the all-gather dispatcher and activation
     # checkpointing; interleaved and zero bubble with ZeRO-2, whose reduction must wait for each of a
     # rank's two stages' last backward (zero bubble: its last weight backward, which comes after the
-    # input backward); GPipe with the per-stage timers on.
+    # input backward), interleaved with the parameter all-gathers left to each stage's forward; GPipe
+    # with the per-stage timers on.
     runs = {
         "nproc=1": [],
         "pp=2 ep=2 1f1b layers 1+3, allgather, selective checkpointing": [
             "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b",
             "parallel.pp_layers=[1,3]", "parallel.dispatcher=allgather", "train.activation_checkpointing=selective",
         ],
-        "pp=2 ep=2 interleaved v=2 zero=2": [
+        "pp=2 ep=2 interleaved v=2 zero=2, gathers behind the forward": [
             "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",
             "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2", "optim.zero=2", "optim.bucket_mb=0.01",
+            "optim.overlap_param_gather=true",
         ],
         "pp=2 ep=2 zero bubble v=2 zero=2": [
             "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2",
@@ -165,6 +167,7 @@ def test_tied_embeddings_across_stages_match_single_process(tmp_path, corpus_fil
     common += ["model.tie_embeddings=true", "train.steps=4", "train.eval_interval=4", "data=text"]
     common += [f"data.path={corpus_file}"]
     layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "checkpoint.interval=2"]
+    layout += ["optim.overlap_param_gather=true"]  # the tied copy and the checkpoint wait for the gathers
     assert main(["train", *common, f"run.dir={tmp_path / 'ref'}"]) == 0
     assert main(["train", *common, *layout, f"run.dir={tmp_path / 'pp'}"]) == 0
     load = f"checkpoint.load={tmp_path / 'pp' / 'checkpoints' / 'step_000002'}"

@@ -1,0 +1,86 @@
+"""The parameter all-gather that ends an optimizer step, overlapped with the next forward
+(`optim.overlap_param_gather`).
+
+ShardedAdamW.step() normally waits for its all-gathers before it returns. After
+`ShardedAdamW.overlap_param_gather(roots)` it returns with them in flight, and each
+part of the model waits, in a forward pre-hook, only for the buckets that hold its
+own parameters:
+
+- a *block* (each child of a ModuleList or ModuleDict child of a root: the
+  transformer blocks) waits for the parameters of its whole subtree;
+- a *root* (the module the caller runs: the model, or each pipeline stage) waits
+  for the rest (embedding, final norm, LM head). step() starts these buckets
+  first, so the blocks' buckets travel while the first blocks compute.
+
+What this needs from the model: a parameter is read only inside the forward of the
+block that holds it, or of its root. Optimus's Transformer keeps to it (a router
+reads its gate's weight inside its block; the fused cross-entropy reads the head's
+weight inside the root's forward). Code that reads parameters outside a forward
+after a step (a checkpoint save, the pipeline's tied-weight copy) calls
+`wait_for_params()` first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from optimus.optim.sharded import ShardedAdamW
+
+
+def forward_units(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, the parameters its forward pre-hook waits for) of one root: its blocks, then the root itself."""
+    blocks = [
+        block for child in root.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict))
+        for block in child.children()
+    ]  # fmt: skip
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    rest = [p for p in root.parameters() if id(p) not in in_blocks]
+    return [(block, list(block.parameters())) for block in blocks] + [(root, rest)]
+
+
+def buckets_of_params(optimizer: ShardedAdamW) -> dict[int, list[tuple[str, int]]]:
+    """id(parameter) -> the (group, bucket index) pairs that hold a part of it."""
+    out: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for kind, group in optimizer.groups.items():
+        for bi, slot_ids in enumerate(group.bucket_slots):
+            for i in slot_ids:
+                out[id(group.flat.slots[i].param)].append((kind, bi))
+    return out
+
+
+def attach_gather_waits(optimizer: ShardedAdamW, roots: list[nn.Module]) -> list:
+    """Register the forward pre-hooks of every unit of `roots` and order each group's all-gathers: the roots'
+    buckets first, then the rest in buffer order. Returns the hooks' handles."""
+    where = buckets_of_params(optimizer)
+    units = [unit for root in roots for unit in forward_units(root)]
+    needs_of_unit = []
+    for _, params in units:
+        needs: dict[str, list[int]] = defaultdict(list)
+        for p in params:
+            for kind, bi in where.get(id(p), ()):  # parameters the optimizer does not train have no bucket
+                if bi not in needs[kind]:
+                    needs[kind].append(bi)
+        needs_of_unit.append(dict(needs))
+    root_needs = [needs for (module, _), needs in zip(units, needs_of_unit) if any(module is r for r in roots)]
+    for kind, group in optimizer.groups.items():
+        first = sorted({bi for needs in root_needs for bi in needs.get(kind, ())})
+        group.gather_order = first + [bi for bi in range(len(group.flat.buckets)) if bi not in first]
+    handles = []
+    for (module, _), needs in zip(units, needs_of_unit):
+        if needs:
+            handles.append(module.register_forward_pre_hook(_waiter(optimizer, needs)))
+    return handles
+
+
+def _waiter(optimizer: ShardedAdamW, needs: dict[str, list[int]]):
+    def hook(module: nn.Module, args) -> None:
+        optimizer.wait_for_params(needs)
+
+    return hook
+
+
+__all__ = ["attach_gather_waits", "buckets_of_params", "forward_units"]
