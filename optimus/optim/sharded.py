@@ -485,6 +485,7 @@ class ShardedAdamW:
         self.last_micro_batch = True
         self.timed = timers or (lambda name: nullcontext())
         self.overlapping = False  # step() leaves its parameter all-gathers to the next forward (overlap_param_gather)
+        self._gather_hooks: list = []  # the forward pre-hooks that wait for them
         by_kind = param_groups(model)
         comms = group_comms(ps, scheme)
         bucket_bytes = zero_bucket_bytes(cfg)
@@ -573,7 +574,9 @@ class ShardedAdamW:
     def overlap_param_gather(self, roots: list[torch.nn.Module]) -> None:
         """Let step() return with its parameter all-gathers in flight: each block of `roots` (the modules the
         caller runs forward) waits for its own buckets when its forward starts (optimus.optim.gather_overlap)."""
-        attach_gather_waits(self, roots)
+        for handle in self._gather_hooks:  # called again (other roots): the new hooks replace the old
+            handle.remove()
+        self._gather_hooks = attach_gather_waits(self, roots)
         self.overlapping = True
 
     def wait_for_params(self, buckets: dict[str, Iterable[int]] | None = None) -> None:

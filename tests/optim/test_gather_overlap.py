@@ -150,3 +150,6 @@ def test_root_buckets_are_gathered_first():
     root_buckets = sorted({bi for p in root_params for kind, bi in where[id(p)] if kind == "dense"})
     assert dense.gather_order[: len(root_buckets)] == root_buckets
     assert sorted(dense.gather_order) == list(range(len(dense.flat.buckets)))
+    opt.overlap_param_gather([model])  # again: the new hooks replace the old ones
+    assert len(model._forward_pre_hooks) == 1
+    assert all(len(block._forward_pre_hooks) == 1 for block in model.layers.values())
