@@ -93,6 +93,15 @@ def _expert_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows_cols(row0, row_end, expert, w_ptr, swe, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, row_mask, cols, col_mask, w_e) of an expert's tile: rows in int64 (a row times its stride can pass
+    2^31), columns of program_id(1), their masks, and w offset to the expert."""
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < row_end, cols, cols < N, w_ptr + expert.to(tl.int64) * swe
+
+
+@triton.jit
 def _tile_dot(
     x_ptr, w_ptr, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
@@ -121,10 +130,7 @@ def _grouped_gemm_kernel(
 ):  # fmt: skip
     expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
     if expert >= 0:
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask, col_mask = rows < row_end, cols < N
-        w_e = w_ptr + expert.to(tl.int64) * swe
+        rows, row_mask, cols, col_mask, w_e = _tile_rows_cols(row0, row_end, expert, w_ptr, swe, N, BLOCK_M, BLOCK_N)
         acc = _tile_dot(
             x_ptr, w_e, rows, row_mask, cols, col_mask, K, sxm, sxk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC
         )
@@ -142,10 +148,7 @@ def _swiglu_fwd_kernel(
     # h13 and h are contiguous: [A, 2F] and [A, F].
     expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
     if expert >= 0:
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask, col_mask = rows < row_end, cols < F
-        w_e = w_ptr + expert.to(tl.int64) * swe
+        rows, row_mask, cols, col_mask, w_e = _tile_rows_cols(row0, row_end, expert, w_ptr, swe, F, BLOCK_M, BLOCK_N)
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # one pass over x feeds both the gate and the up tile
@@ -178,10 +181,7 @@ def _swiglu_bwd_kernel(
     # dh = dy @ w2[e]^T (w strides given transposed), then through h = silu(gate) * up.
     expert, row0, row_end = _expert_tile(tl.program_id(0), offsets_ptr, E, BLOCK_M)
     if expert >= 0:
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask, col_mask = rows < row_end, cols < F
-        w_e = w_ptr + expert.to(tl.int64) * swe
+        rows, row_mask, cols, col_mask, w_e = _tile_rows_cols(row0, row_end, expert, w_ptr, swe, F, BLOCK_M, BLOCK_N)
         dh = _tile_dot(
             dy_ptr, w_e, rows, row_mask, cols, col_mask, K, sdm, sdk, swk, swn, BLOCK_M, BLOCK_N, BLOCK_K, PREC
         )
