@@ -301,7 +301,7 @@ class Trainer:
             else:
                 grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
                 self.optimizer.zero_grad()
-            if self.pipeline is not None:
+            if self.pipeline is not None and self.pipeline.tied:
                 self.optimizer.wait_for_params()  # the embedding is read here, outside a forward
                 self.pipeline.copy_tied_weight()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
