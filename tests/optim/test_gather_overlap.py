@@ -136,6 +136,11 @@ def test_units_are_blocks_then_the_root_with_the_rest():
     assert {id(p) for p in rest} == {id(model.embed.weight), id(model.norm.weight)}  # the head is the embedding
     every = [id(p) for _, params in units for p in params]
     assert sorted(every) == sorted(id(p) for p in model.parameters())  # each parameter in exactly one unit
+    # A pipeline stage (the trainer's roots with parallel.pp > 1): its blocks, then itself with the head's part.
+    stage = Transformer(MODEL, kernels="torch", layer_ids=[1], embed=False, head=True)
+    (block, _), (root, rest) = forward_units(stage)
+    assert block is stage.layers["1"] and root is stage
+    assert {id(p) for p in rest} == {id(stage.norm.weight), id(stage.lm_head.weight)}
 
 
 def test_root_buckets_are_gathered_first():
