@@ -59,12 +59,11 @@ def attach_gather_waits(optimizer: ShardedAdamW, roots: list[nn.Module]) -> list
     units = [unit for root in roots for unit in forward_units(root)]
     needs_of_unit = []
     for _, params in units:
-        needs: dict[str, list[int]] = defaultdict(list)
+        needs: dict[str, set[int]] = defaultdict(set)
         for p in params:
             for kind, bi in where.get(id(p), ()):  # parameters the optimizer does not train have no bucket
-                if bi not in needs[kind]:
-                    needs[kind].append(bi)
-        needs_of_unit.append(dict(needs))
+                needs[kind].add(bi)
+        needs_of_unit.append({kind: sorted(buckets) for kind, buckets in needs.items()})
     root_needs = [needs for (module, _), needs in zip(units, needs_of_unit) if any(module is r for r in roots)]
     for kind, group in optimizer.groups.items():
         first = sorted({bi for needs in root_needs for bi in needs.get(kind, ())})
