@@ -162,14 +162,17 @@ def test_split_model_matches_one_process(sp, qk_norm, dense_first):
 def test_tensor_parallel_layouts_match_single_process(tmp_path, corpus_file, single_threaded):
     data = ["data=text", f"data.path={corpus_file}"]
     # tp 2 alone, with experts folded into ep 2 (each dispatcher), and with pp 2 (1F1B and interleaved);
-    # sequence parallelism on and off; ZeRO-2, the standard scheme and full activation checkpointing once each.
+    # sequence parallelism on and off; ZeRO-2, the standard scheme, full activation checkpointing and the
+    # parameter all-gathers left to the next forward once each.
     runs = {
         "nproc=1": [],
         "tp=2 sp": ["parallel.nproc=2", "parallel.tp=2"],
         "tp=2 no sp, zero=2": ["parallel.nproc=2", "parallel.tp=2", "parallel.sp=false", "optim.zero=2",
                                "optim.bucket_mb=0.01"],
-        "tp=2 ep=2 sp, full checkpointing": ["parallel.nproc=4", "parallel.tp=2", "parallel.ep=2",
-                                             "train.activation_checkpointing=full"],
+        "tp=2 ep=2 sp, full checkpointing, gathers behind the forward": [
+            "parallel.nproc=4", "parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full",
+            "optim.overlap_param_gather=true",
+        ],
         "tp=2 ep=2 no sp, allgather, standard": ["parallel.nproc=4", "parallel.tp=2", "parallel.ep=2",
                                                  "parallel.sp=false", "parallel.dispatcher=allgather",
                                                  "optim.sharding=standard"],
