@@ -52,27 +52,30 @@ def buckets_of_params(optimizer: ShardedAdamW) -> dict[int, list[tuple[str, int]
     return out
 
 
+def _buckets_needed(params: list[nn.Parameter], where: dict[int, list[tuple[str, int]]]) -> dict[str, list[int]]:
+    """{group: sorted bucket indices} holding a part of `params` (untrained parameters have no bucket)."""
+    needs: dict[str, set[int]] = defaultdict(set)
+    for p in params:
+        for kind, bi in where.get(id(p), ()):
+            needs[kind].add(bi)
+    return {kind: sorted(buckets) for kind, buckets in needs.items()}
+
+
 def attach_gather_waits(optimizer: ShardedAdamW, roots: list[nn.Module]) -> list:
     """Register the forward pre-hooks of every unit of `roots` and order each group's all-gathers: the roots'
     buckets first, then the rest in buffer order. Returns the hooks' handles."""
     where = buckets_of_params(optimizer)
-    units = [unit for root in roots for unit in forward_units(root)]
-    needs_of_unit = []
-    for _, params in units:
-        needs: dict[str, set[int]] = defaultdict(set)
-        for p in params:
-            for kind, bi in where.get(id(p), ()):  # parameters the optimizer does not train have no bucket
-                needs[kind].add(bi)
-        needs_of_unit.append({kind: sorted(buckets) for kind, buckets in needs.items()})
-    root_needs = [needs for (module, _), needs in zip(units, needs_of_unit) if any(module is r for r in roots)]
+    waits = []  # (module, its buckets by group)
+    first: dict[str, set[int]] = defaultdict(set)  # the roots' own buckets, started first
+    for root in roots:
+        for module, params in forward_units(root):
+            waits.append((module, _buckets_needed(params, where)))
+        for kind, buckets in waits[-1][1].items():  # forward_units lists the root itself last
+            first[kind].update(buckets)
     for kind, group in optimizer.groups.items():
-        first = sorted({bi for needs in root_needs for bi in needs.get(kind, ())})
-        group.gather_order = first + [bi for bi in range(len(group.flat.buckets)) if bi not in first]
-    handles = []
-    for (module, _), needs in zip(units, needs_of_unit):
-        if needs:
-            handles.append(module.register_forward_pre_hook(_waiter(optimizer, needs)))
-    return handles
+        head = sorted(first[kind])
+        group.gather_order = head + [bi for bi in range(len(group.flat.buckets)) if bi not in first[kind]]
+    return [module.register_forward_pre_hook(_waiter(optimizer, needs)) for module, needs in waits if needs]
 
 
 def _waiter(optimizer: ShardedAdamW, needs: dict[str, list[int]]):

@@ -253,6 +253,7 @@ class Checkpointer:
 
     def state(self, step: int, model, optimizer, loader, skipped_in_row: int) -> dict[str, torch.Tensor]:
         """Everything a run needs to continue, as flat DCP keys (this rank's part)."""
+        optimizer.wait_for_params()  # the parameters are read here: their all-gathers may still be in flight
         sd: dict[str, torch.Tensor] = {**model_state(model), **optimizer_state(optimizer, model)}
         sd["trainer/step"] = torch.tensor(step)
         sd["trainer/samples_consumed"] = torch.tensor(loader.state_dict()["samples_consumed"])

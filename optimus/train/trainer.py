@@ -488,7 +488,6 @@ class Trainer:
 
     def save_checkpoint(self, block: bool = False) -> None:
         started = time.perf_counter()
-        self.optimizer.wait_for_params()
         state = self.checkpointer.state(self.step, self.model, self.optimizer, self.loader, self.skipped_in_row)
         self.checkpointer.save(self.step, state, block=block, started=started)
 
