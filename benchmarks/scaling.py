@@ -114,7 +114,8 @@ def run_local(args) -> None:
             f"MFU against {peak / 1e9:.1f} GFLOP/s, this CPU's fp32 matmul on one thread (one rank), measured once",
             f"Command: python benchmarks/scaling.py --worlds {args.worlds} --steps {args.steps} --warmup {args.warmup}",
         ]
-        build_report(run_dirs, Path(args.out) / mode, mode, args.warmup, notes)
+        # The benchmark regenerates its own results folder: an earlier report there is replaced.
+        build_report(run_dirs, Path(args.out) / mode, mode, args.warmup, notes, overwrite=True)
 
 
 def emit_cluster(args) -> None:

@@ -6,6 +6,8 @@ so `Transformer(cfg.model).load_state_dict(safetensors.torch.load_file(PATH))`
 works. The resolved config travels in the file's metadata ("optimus_config", YAML)
 and beside it as PATH with the suffix .yaml (model.safetensors -> model.yaml), so exports
 of several models can share a folder. One process reads everything (no process group).
+Everything is checked before anything is written, both files are written beside their
+final names and renamed at the end, and an existing export is replaced only with --overwrite.
 
 `--format hf` writes a Hugging Face directory instead and `optimus checkpoint import`
 reads one; both live in optimus.hf (OLMoE, Qwen3-MoE, Mixtral).
@@ -14,6 +16,7 @@ reads one; both live in optimus.hf (OLMoE, Qwen3-MoE, Mixtral).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -73,27 +76,29 @@ def consolidated_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the consolidated model of `checkpoint` (a step dir or a checkpoint root) to `out`; returns out."""
     from safetensors.torch import save_file
 
     out = Path(out)
-    check_out(out)
+    check_out(out, overwrite)
     path = resolve_checkpoint(checkpoint, key="CKPT")
     state = consolidated_state(path)
     config_yaml = (path / "config.yaml").read_text() if (path / "config.yaml").is_file() else ""
-    out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "optimus_config": config_yaml, "optimus_checkpoint": str(path.resolve())}
-    with atomic_path(out) as tmp:  # a failed export leaves no half-written file under the final name
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
-        os.chmod(tmp, default_file_mode())  # safetensors creates its files 0600
-    if config_yaml:
-        config_path(out).write_text(config_yaml)
+    # Both files are written under temporary names and renamed only once both are complete (the config first).
+    with contextlib.ExitStack() as renamed_on_success:
+        weights_tmp = renamed_on_success.enter_context(atomic_path(out))
+        if config_yaml:
+            renamed_on_success.enter_context(atomic_path(config_path(out))).write_text(config_yaml)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(weights_tmp), metadata=metadata)
+        os.chmod(weights_tmp, default_file_mode())  # safetensors creates its files 0600
     return out
 
 
-def check_out(out: Path) -> None:
-    """--out must name a file that its own config (beside it, as .yaml) will not replace."""
+def check_out(out: Path, overwrite: bool) -> None:
+    """--out must name a file that its own config (beside it, as .yaml) will not replace, and neither of the
+    two may exist unless --overwrite asks to replace them."""
     if out.is_dir():
         example = out / "model.safetensors"
         raise ConfigError(f"--out {out} is a directory: name the file to write, e.g. --out {example}.")
@@ -101,6 +106,14 @@ def check_out(out: Path) -> None:
         raise ConfigError(
             f"--out {out} would be overwritten by the config written beside it as {config_path(out).name}: "
             "name the weights file with the .safetensors suffix."
+        )
+    if config_path(out).is_dir():
+        raise ConfigError(f"{config_path(out)}, where the config of --out {out} goes, is a directory: rename --out.")
+    existing = [str(p) for p in (out, config_path(out)) if p.exists()]
+    if existing and not overwrite:
+        raise ConfigError(
+            f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: choose another --out, "
+            "or pass --overwrite to replace the earlier export."
         )
 
 
@@ -129,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     exp.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="hf: weights dtype")
     exp.add_argument("--tokenizer", metavar="PATH", help="hf: a tokenizer.json file or directory to include")
+    exp.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export at --out (by default it is refused)"
+    )
     imp = sub.add_parser(
         "import",
         help="write an Optimus checkpoint and model recipe from a Hugging Face OLMoE/Qwen3-MoE/Mixtral directory",
@@ -138,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors weights")
     imp.add_argument("--out", required=True, metavar="CKPT", help="new directory for the checkpoint")
     imp.add_argument("--name", help="model recipe name (default: from HF_DIR)")
+    imp.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier import at --out (by default it is refused)"
+    )
     return p
 
 
@@ -146,7 +165,7 @@ def main(argv: list[str]) -> int:
     if args.command == "import":
         from optimus.hf.convert import import_hf
 
-        done = import_hf(args.hf_dir, args.out, args.name)
+        done = import_hf(args.hf_dir, args.out, args.name, args.overwrite)
         print(f"Wrote checkpoint {done.checkpoint} and recipe {done.recipe}; continue pretraining with:")
         print(f"  {done.command}")
         return 0
@@ -154,10 +173,10 @@ def main(argv: list[str]) -> int:
         from optimus.hf.convert import export_hf
 
         path = resolve_checkpoint(args.checkpoint, key="CKPT")
-        out = export_hf(path, consolidated_state(path), args.out, args.dtype, args.tokenizer)
+        out = export_hf(path, args.out, consolidated_state, args.dtype, args.tokenizer, args.overwrite)
         print(f"Wrote Hugging Face model directory {out}", file=sys.stdout)
         return 0
-    out = export(args.checkpoint, args.out)
+    out = export(args.checkpoint, args.out, args.overwrite)
     size = out.stat().st_size / 2**20
     print(f"Wrote {out} ({size:.1f} MiB) and {config_path(out)}", file=sys.stdout)
     return 0

@@ -116,10 +116,10 @@ def cmd_train(overrides: list[str]) -> int:
         _check_memory_before_spawning(cfg)
         try:
             summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (cfg,))[0]
-        except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved and stopped
+        except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved (or had nothing yet)
             how = "run the same command again" if cfg.run.dir else "run the command printed above"
             print(f"optimus: {stopped}; {how} to resume from the last checkpoint.")
-            return 0
+            return stopped.exit_code
     else:
         summary = _worker(cfg)
     if info.rank == 0 and summary:

@@ -71,6 +71,7 @@ class MachineConfig:
     ranks_per_node: int | None = None
     peak_flops: float | None = None  # bf16 FLOP/s per device; null = table or CPU probe
     memory_gb: float | None = None  # memory per device, for the planner
+    account_required: bool = False  # its scheduler rejects a job without a project to charge (launch --account)
 
 
 @dataclass
@@ -107,6 +108,9 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = True  # with tp > 1: sequence parallelism (norms and residuals hold 1/tp of the sequence)
     timeout_s: float = 600.0
+    # Before step 1, run each collective the step uses once on small tensors and check the values
+    # (optimus/parallel/collective_check.py): a backend that corrupts data stops the run there.
+    check_collectives: bool = True
 
 
 @dataclass
@@ -174,6 +178,8 @@ class ProfileConfig:
     timers: bool = False  # step-time breakdown in metrics.jsonl; synchronises the device at every phase
     torch: bool = False  # torch.profiler chrome trace of the steps in torch_steps, per rank, into run.dir
     torch_steps: str = "3-5"  # first-last optimizer step (1-based, inclusive) of the trace
+    collectives: bool = False  # every collective of the first step, per rank, into run.dir/collectives/
+    host_syncs: bool = False  # the first step's host synchronisations by source line, into run.dir/host_syncs/
 
 
 @dataclass
@@ -214,6 +220,19 @@ def _positive(value: float, key: str) -> None:
         raise ConfigError(f"{key}={value} must be a positive, finite number.")
 
 
+def _non_negative(value: float, key: str, zero: str = "") -> None:
+    """0 (which means `zero`, when given) or a positive, finite number; nan and inf are refused."""
+    if not 0 <= value < float("inf"):
+        meaning = f" ({zero})" if zero else ""
+        number = "whole number" if isinstance(value, int) else "finite number"
+        raise ConfigError(f"{key}={value} must be 0{meaning} or a positive {number}.")
+
+
+def _positive_or_null(value: float | None, key: str, null: str) -> None:
+    if value is not None and not 0 < value < float("inf"):
+        raise ConfigError(f"{key}={value} must be a positive, finite number, or null {null}.")
+
+
 QK_NORMS = ("none", "head", "full")
 # Configs written before qk_norm had a choice held a boolean: true meant today's "full".
 _LEGACY_QK_NORM = {"true": "full", "false": "none"}
@@ -238,6 +257,7 @@ def validate_model(m: ModelConfig) -> None:
     check_choice(qk_norm_mode(m.qk_norm), "model.qk_norm", QK_NORMS)
     _positive(m.rope_theta, "model.rope_theta")
     _positive(m.norm_eps, "model.norm_eps")
+    _positive(m.init_std, "model.init_std")
     _divides(m.n_heads, "model.n_heads", m.dim, "model.dim", "choose n_heads that divides dim.")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(
@@ -259,10 +279,7 @@ def validate_model(m: ModelConfig) -> None:
             f"model.moe.top_k={moe.top_k} must lie between 1 and model.moe.n_experts={moe.n_experts}: "
             "lower top_k or add experts."
         )
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        raise ConfigError(
-            f"model.moe.capacity_factor={moe.capacity_factor} must be positive, or null for dropless routing."
-        )
+    _positive_or_null(moe.capacity_factor, "model.moe.capacity_factor", "for dropless routing")
     if moe.n_shared_experts < 0:
         raise ConfigError(f"model.moe.n_shared_experts={moe.n_shared_experts} must be 0 or positive.")
     if m.first_k_dense:
@@ -273,9 +290,9 @@ def validate_model(m: ModelConfig) -> None:
 def _validate_balancing(moe: MoEConfig) -> None:
     check_choice(moe.aux_loss_scope, "model.moe.aux_loss_scope", ("micro_batch", "global"))
     for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
-        value = getattr(moe, key)
-        if value is not None and value < 0:
-            raise ConfigError(f"model.moe.{key}={value} must be 0 or positive.")
+        if getattr(moe, key) is not None:  # aux_loss_coef: null = the router's default (moe_aux_loss_coef)
+            _non_negative(getattr(moe, key), f"model.moe.{key}", "off")
+    _non_negative(moe.bias_update_rate, "model.moe.bias_update_rate", "no bias updates")
     _positive(moe.routed_scaling_factor, "model.moe.routed_scaling_factor")
     _positive(moe.n_groups, "model.moe.n_groups")
     fix = "choose a number of groups that divides the number of experts."
@@ -305,19 +322,14 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     check_choice(cfg.data.name, "data", ("builtin", "text", "hf", "tokens"))
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "eval_interval", "eval_sequences", "log_interval"):
         _positive(getattr(t, key), f"train.{key}")
-    if t.max_skipped_steps < 0:
-        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be 0 or positive.")
-    if t.grad_clip < 0:
-        raise ConfigError(f"train.grad_clip={t.grad_clip} must be 0 (no clipping) or positive.")
-    _positive(cfg.optim.lr, "optim.lr")
-    if cfg.optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be 0 or positive.")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ConfigError(
-            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must lie in [0, 1]: it is the final lr over optim.lr."
-        )
+    _non_negative(t.seed, "train.seed")  # the data order's seed sequence takes no negative numbers
+    _non_negative(t.max_skipped_steps, "train.max_skipped_steps", "stop at the first non-finite step")
+    _non_negative(t.grad_clip, "train.grad_clip", "no clipping")
+    validate_optim(cfg.optim)
+    validate_machine_and_data(cfg)
     _positive(p.nproc, "parallel.nproc")
     _positive(p.ep, "parallel.ep")
+    _positive(p.timeout_s, "parallel.timeout_s")
     if not (isinstance(p.ep_overlap_chunks, int) and p.ep_overlap_chunks >= 1):
         raise ConfigError(f"parallel.ep_overlap_chunks={p.ep_overlap_chunks} must be a whole number, 1 or more.")
     if p.ep_overlap_chunks > 1 and p.dispatcher != "alltoall":
@@ -330,12 +342,48 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     validate_pipeline(cfg, world_size)
     validate_layout(world_size, p.ep, p.pp, p.tp)
     validate_tensor_parallel(cfg)
-    what = {(1, 1): "world size", (1, p.tp): "world size / parallel.tp"}.get((p.pp, p.tp), "data-parallel ranks")
+    what = "data-parallel ranks" if p.pp > 1 else "world size / parallel.tp" if p.tp > 1 else "world size"
     micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel_size(world_size, p.pp, p.tp), what)
     validate_micro_batches(cfg, world_size)
     experts_per_rank(cfg.model.moe.n_experts, p.ep)
-    if cfg.optim.zero not in (1, 2):
-        raise ConfigError(f"optim.zero={cfg.optim.zero} is not supported: set it to 1 or 2.")
+
+
+def validate_optim(o: OptimConfig) -> None:
+    """AdamW's hyper-parameters, the schedule and the sharded optimizer's buffers: values outside these ranges
+    do not fail, they turn the weights into nan or inf at the first step (beta2=1 makes the bias correction
+    0/0, eps=0 does so for every element whose gradient is 0)."""
+    _positive(o.lr, "optim.lr")
+    _non_negative(o.warmup_steps, "optim.warmup_steps", "no warmup")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]: it is the final lr over optim.lr.")
+    for key, average in (("beta1", "the gradients (0.9 is usual)"), ("beta2", "their squares (0.95 to 0.999)")):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(
+                f"optim.{key}={getattr(o, key)} must lie in [0, 1): it is the decay rate of AdamW's running mean "
+                f"of {average}."
+            )
+    _positive(o.eps, "optim.eps")
+    _non_negative(o.weight_decay, "optim.weight_decay", "no weight decay")
+    if o.lr * o.weight_decay >= 1:
+        raise ConfigError(
+            f"optim.lr x optim.weight_decay = {o.lr} x {o.weight_decay} must be below 1: each step multiplies the "
+            "weights by 1 - lr x weight_decay; lower one of them."
+        )
+    if o.zero not in (1, 2):
+        raise ConfigError(f"optim.zero={o.zero} is not supported: set it to 1 or 2.")
+    _positive(o.bucket_mb, "optim.bucket_mb")
+    _positive(o.max_collective_numel, "optim.max_collective_numel")
+
+
+def validate_machine_and_data(cfg: OptimusConfig) -> None:
+    """The numbers a machine recipe may leave null (looked up or probed), and the data keys the loaders read."""
+    m, d = cfg.machine, cfg.data
+    _positive_or_null(m.ranks_per_node, "machine.ranks_per_node", "for local runs")
+    _positive_or_null(m.peak_flops, "machine.peak_flops", "to look it up or probe it")
+    _positive_or_null(m.memory_gb, "machine.memory_gb", "when unknown")
+    _positive(d.vocab_size, "data.vocab_size")
+    _positive(d.max_chars, "data.max_chars")
+    _non_negative(d.prefetch, "data.prefetch", "no background loading")
 
 
 def _check_pp_divides(world_size: int, pp: int) -> None:

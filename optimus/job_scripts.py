@@ -224,14 +224,25 @@ def aurora_cpu_bind(ranks_per_node: int, cores_per_socket: int = 52) -> tuple[st
     return "list:" + ":".join(ranges), ",".join(workers)
 
 
-def submit(script_path: Path, scheduler: str) -> str:
-    """Submit with qsub/sbatch from the current directory; returns the scheduler's reply (the job id)."""
+def check_submittable(cfg: OptimusConfig, scheduler: str, account: str | None) -> None:
+    """What `--submit` needs, checked before anything is written: an account where the machine charges every
+    job to a project (machine.account_required), and the scheduler's command."""
+    if cfg.machine.account_required and not account:
+        raise ConfigError(
+            f"machine={cfg.machine.name} charges every job to a project: pass --account <project> with --submit."
+        )
     command = SCHEDULERS[scheduler][3]
     if shutil.which(command) is None:
         raise ConfigError(
             f"{command} was not found on PATH: run `optimus launch --submit` on the cluster's login node, "
             "or leave out --submit to print the script."
         )
+
+
+def submit(script_path: Path, scheduler: str) -> str:
+    """Submit with qsub/sbatch from the current directory (check_submittable has passed); returns the
+    scheduler's reply (the job id)."""
+    command = SCHEDULERS[scheduler][3]
     done = subprocess.run([command, str(script_path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise ConfigError(f"{command} {script_path} failed: {(done.stderr or done.stdout).strip()}")
@@ -297,6 +308,7 @@ def main(argv: list[str]) -> int:
         note = f"{where}\nnot submitted: add --submit, or save this script, mkdir -p {run_dir} and submit it yourself"
         print("# " + note.replace("\n", "\n# "), file=sys.stderr)
         return 0
+    check_submittable(cfg, scheduler, opts.account)
     run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler writes the job log here
     script_path = run_dir / f"job{SCHEDULERS[scheduler][1]}"
     script_path.write_text(script)

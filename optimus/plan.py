@@ -536,10 +536,15 @@ def format_plan(plan: Plan) -> str:
                 f"  {_fits(row['fits'])}"
             )
     act = plan.activations
+    sequences = f"{act['micro_batch']} sequence{'s' if act['micro_batch'] != 1 else ''}"
     lines += [
         "",
-        ("activations of the busiest pipeline rank (its micro-batches in flight, " if plan.stages else "activations ")
-        + f"per micro-batch of {act['micro_batch']} sequences), train.activation_checkpointing="
+        (
+            f"activations of the busiest pipeline rank (its micro-batches in flight, of {sequences} each)"
+            if plan.stages
+            else f"activations per micro-batch of {sequences}"
+        )
+        + ": train.activation_checkpointing="
         f"none {_gib(act['no_checkpointing'])}, selective {_gib(act['selective'])}, full {_gib(act['checkpointing'])}"
         + _staging_note(*act["zero2_staging"]),
         _verdict_line(act["configured_mode"], mem),

@@ -4,11 +4,13 @@
 mpiexec on Aurora, MPICH hydra or Open MPI) and returns one `RankInfo`; `init_process_group()`
 turns it into a torch.distributed process group. `spawn_local()` is what `parallel.nproc=N`
 uses outside any launcher: it starts N processes with PyTorch's elastic process starter,
-the same machinery as torchrun, and passes stop signals on to them.
+the same machinery as torchrun, passes stop signals on to them, names a rank that dies, and
+its ranks end with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -16,7 +18,9 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -302,10 +306,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_errors(log_dir: Path) -> list[str]:
-    """The failed ranks' own exception text and traceback, from the error files `record` wrote."""
+def _child_errors(log_dir: Path, ranks: set[int]) -> list[str]:
+    """These failed ranks' own exception text and traceback, from the error files `record` wrote."""
     lines = []
     for path in sorted(log_dir.rglob("error.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0):
+        if not path.parent.name.isdigit() or int(path.parent.name) not in ranks:
+            continue
         try:
             entry = json.loads(path.read_text())["message"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -317,11 +323,16 @@ def _child_errors(log_dir: Path) -> list[str]:
 
 
 class SpawnError(RuntimeError):
-    """A locally spawned rank failed; the message carries the child's exception."""
+    """A locally spawned rank failed; the message names it and carries its exception or the signal that ended it."""
 
 
 class SpawnStopped(RuntimeError):
-    """A stop signal reached the ranks (passed on by `spawn_local`); they saved at a step boundary and ended."""
+    """A stop signal reached the ranks (passed on by `spawn_local`). `exit_code` is 0 when they saved at a step
+    boundary and ended, 128 + the signal's number when they were ended before they could save."""
+
+    def __init__(self, message: str, exit_code: int = 0):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class RankRefused(ConfigError):
@@ -329,6 +340,7 @@ class RankRefused(ConfigError):
 
 
 _SPAWN_DIR = "OPTIMUS_SPAWN_DIR"  # where a rank of spawn_local leaves the sentence of a user error
+_LAUNCHER_PID = "OPTIMUS_LAUNCHER_PID"  # the process that started the ranks (their parent)
 
 
 def report_user_error(message: str) -> bool:
@@ -341,6 +353,77 @@ def report_user_error(message: str) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------------
+# Inside a spawned rank: end with the launcher. When `optimus train` is killed (kill -9, an OOM kill, a closed
+# session), nothing would stop its ranks: they would train on, and after their last step wait forever for the
+# launcher to collect their result.
+
+LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher
+ORPHAN_EXIT_S = 20.0  # after the launcher has gone: time to save at a step boundary before the rank ends anyway
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _set_parent_death_signal(sig: signal.Signals) -> None:
+    """Linux: the kernel sends `sig` to this process when its parent dies (immediate; the poll is the fallback)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl in this libc: polling the parent pid still notices
+
+
+class _LauncherWatch:
+    """Notices that the launcher has gone, asks the rank to stop as SIGTERM does (it saves at the next step
+    boundary: optimus.train.faults), and ends the process if that has not happened within ORPHAN_EXIT_S."""
+
+    def __init__(self, launcher_pid: int):
+        self.launcher_pid = launcher_pid
+
+    def start(self) -> None:
+        _set_parent_death_signal(signal.SIGTERM)
+        # The launcher is the ranks' parent (torch's starter runs inside it); if it died before the line above,
+        # the parent pid has changed already and the first poll sees it.
+        threading.Thread(target=self._watch, name="optimus-launcher-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.launcher_gone():
+            time.sleep(LAUNCHER_POLL_S)
+        _remove_spawn_dir()
+        os.kill(os.getpid(), signal.SIGTERM)  # where the parent-death signal is missing or came too early
+        time.sleep(ORPHAN_EXIT_S)
+        self.exit(1)  # stuck (in a collective with a rank that has ended): no one will come for it
+
+    def launcher_gone(self) -> bool:
+        return os.getppid() != self.launcher_pid
+
+    @staticmethod
+    def exit(code: int) -> None:
+        """End now: nobody reads the result, and torch's starter would wait forever for the launcher to."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        _remove_spawn_dir()
+        os._exit(code)
+
+
+def _remove_spawn_dir() -> None:
+    """The launcher has gone: nobody reads the ranks' error files now, nor removes them."""
+    shutil.rmtree(os.environ.get(_SPAWN_DIR, ""), ignore_errors=True)
+
+
+def _rank_main(entrypoint: Callable, *args) -> Any:
+    """What spawn_local runs in each rank: `entrypoint(*args)`, ending with the launcher."""
+    watch = _LauncherWatch(int(os.environ[_LAUNCHER_PID]))
+    watch.start()
+    result = entrypoint(*args)
+    if watch.launcher_gone():
+        watch.exit(0)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# In the launcher
+
 # Signals the parent passes on to the ranks, which stop at a step boundary and save (optimus.train.faults):
 # SIGTERM/SIGUSR1 from PBS/SLURM before a kill, SIGINT from Ctrl-C (a terminal also sends it to the ranks).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -351,7 +434,7 @@ class _Forwarder:
     """While installed, each forwarded signal is passed on to the ranks; a second Ctrl-C ends them at once."""
 
     def __init__(self, pids: list[int]):
-        self.pids, self.received, self._previous = pids, [], {}
+        self.pids, self.received, self.sent, self._previous = pids, [], set(), {}
 
     def install(self) -> None:
         for sig in FORWARDED_SIGNALS:
@@ -368,6 +451,7 @@ class _Forwarder:
         self.send(signal.SIGKILL if again else sig)
 
     def send(self, sig: signal.Signals) -> None:
+        self.sent.add(int(sig))
         for pid in self.pids:
             try:
                 os.kill(pid, sig)
@@ -375,17 +459,84 @@ class _Forwarder:
                 pass  # that rank has already ended
 
 
-def _wait(ranks: Any, log_dir: Path, forwarder: _Forwarder) -> Any:
-    """Poll until every rank ended. Once one has failed (it left an error file), the others are stuck in
-    a collective: after a short grace they are killed, rather than waited for until a timeout."""
-    failed_at = None
-    while (result := ranks.wait(timeout=0)) is None:
+def _failed_ranks(ranks: Any) -> dict[int, int]:
+    """{rank: exit code} of the ranks that have ended with a failure (negative: the signal that ended them).
+    torch's process context keeps the processes; only it can tell each one's exit code."""
+    codes = {rank: process.exitcode for rank, process in enumerate(ranks._pc.processes)}
+    return {rank: code for rank, code in codes.items() if code not in (None, 0)}
+
+
+def _wait(ranks: Any, log_dir: Path, forwarder: _Forwarder) -> tuple[Any, dict[int, int]]:
+    """Poll until every rank ended; returns torch's result and the first ranks seen failing, with their exit
+    codes (the others mostly fail because of them). Once one has failed, the others are stuck in a collective:
+    after a short grace they are killed, rather than waited for until a timeout."""
+    failed_at, first_failed = None, {}
+    while True:
+        first_failed = first_failed or _failed_ranks(ranks)  # before torch's poll reaps the rest
+        if (result := ranks.wait(timeout=0)) is not None:
+            break
         if failed_at is None and (any(log_dir.glob("user-error-*")) or any(log_dir.rglob("error.json"))):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             forwarder.send(signal.SIGKILL)
         time.sleep(0.05)
-    return result
+    return result, first_failed or {rank: failure.exitcode for rank, failure in result.failures.items()}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _failure_message(first_failed: dict[int, int], pids: dict[int, int], log_dir: Path, sent: set[int]) -> str:
+    """The rank(s) that failed first and why: a signal from outside that ended them (the others then lost their
+    peer, which is not worth reporting), else their own exceptions."""
+    killed = {rank: -code for rank, code in first_failed.items() if code < 0 and -code not in sent}
+    if killed:
+        deaths = [
+            f"local rank {rank} (pid {pids[rank]}) was killed by {_signal_name(number)}"
+            + (
+                " (from outside the run: kill -9, or the kernel's out-of-memory killer)"
+                if number == signal.SIGKILL
+                else ""
+            )
+            for rank, number in sorted(killed.items())
+        ]
+        return "; ".join(deaths) + "; the other ranks were stopped."
+    errors = _child_errors(log_dir, set(first_failed))
+    if errors:
+        return "a local rank failed:\n" + "\n".join(errors)
+    exits = [f"local rank {rank} (pid {pids[rank]}) exited with code {code}" for rank, code in first_failed.items()]
+    return "; ".join(exits) + " without an error message; the other ranks were stopped."
+
+
+def _stopped(forwarder: _Forwarder, first_failed: dict[int, int]) -> SpawnStopped | None:
+    """The ranks ended because of a stop signal passed on (or a second Ctrl-C's SIGKILL) before they could save."""
+    by_launcher = [-code for code in first_failed.values() if code < 0 and -code in forwarder.sent]
+    if not forwarder.received or not by_launcher:
+        return None
+    if by_launcher[0] == signal.SIGKILL:  # sent only on a second Ctrl-C
+        return SpawnStopped("stopped by a second SIGINT before the ranks had saved", 128 + signal.SIGINT)
+    first = forwarder.received[0]
+    return SpawnStopped(f"stopped by {first} before the ranks had started training", 128 + by_launcher[0])
+
+
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (shared by the ranks) unable to warn about the semaphores of a
+    rank that was killed: it removes them, and its warning after the one line that says what happened is noise."""
+    from multiprocessing import resource_tracker
+
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
+    try:
+        resource_tracker.ensure_running()  # a no-op when it runs already
+    finally:
+        if saved is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
 
 
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:
@@ -396,7 +547,9 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
     `discover()` works inside it. Unlike torchrun's agent, which kills the ranks 30 s after a
     SIGTERM, this parent passes SIGTERM, SIGINT and SIGUSR1 on and waits for the ranks to save
     and return; a stop signal then ends in SpawnStopped. A rank's user error (report_user_error)
-    ends in RankRefused, any other failure in SpawnError. Nothing is left behind in /tmp.
+    ends in RankRefused, any other failure in SpawnError naming the rank that failed first and why.
+    The ranks end within ORPHAN_EXIT_S (saving if they can) if this process dies. Nothing is left
+    behind in /tmp.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -409,32 +562,39 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
         rank: {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _SPAWN_DIR: str(log_dir),
-            "TORCHELASTIC_RUN_ID": run_id or f"optimus-{os.getpid()}",
+            "TORCHELASTIC_RUN_ID": run_id or f"optimus-{os.getpid()}", _LAUNCHER_PID: str(os.getpid()),
         }
         for rank in range(nproc)
     }  # fmt: skip
-    # The starter logs every failed rank with the parent's own traceback; the ranks' errors are reported below.
-    starter_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = starter_log.level
-    starter_log.setLevel(logging.CRITICAL)
+    # The starter logs every failed rank with the parent's own traceback, and each rank it ends; the ranks'
+    # errors are reported below.
+    quiet = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    ]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
     saved_tempdir = tempfile.tempdir
     try:
+        _quiet_resource_tracker()
         tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
         try:
             ranks = start_processes(
                 name="optimus",
-                entrypoint=entrypoint,
-                args={rank: args for rank in range(nproc)},
+                entrypoint=_rank_main,
+                args={rank: (entrypoint, *args) for rank in range(nproc)},
                 envs=envs,
                 logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
                 start_method="spawn",
             )
         finally:
             tempfile.tempdir = saved_tempdir
-        forwarder = _Forwarder(list(ranks.pids().values()))
+        pids = ranks.pids()
+        forwarder = _Forwarder(list(pids.values()))
         forwarder.install()  # replaces the handlers start_processes installed (they would kill the ranks)
         try:
-            result = _wait(ranks, log_dir, forwarder)
+            result, first_failed = _wait(ranks, log_dir, forwarder)
         except SignalException as err:  # SIGHUP or SIGQUIT: the session is going away
             ranks.close(err.sigval, timeout=10)
             raise SpawnStopped(f"stopped by {err.sigval.name}") from None
@@ -445,11 +605,13 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
         if refusals:
             raise RankRefused(refusals[0].read_text())
         if result.is_failed():
-            details = "\n".join(_child_errors(log_dir)) or str(result.failures)
-            raise SpawnError(f"a local rank failed:\n{details}")
+            raise _stopped(forwarder, first_failed) or SpawnError(
+                _failure_message(first_failed, pids, log_dir, forwarder.sent)
+            )
         if forwarder.received:
             raise SpawnStopped(f"stopped by {forwarder.received[0]}")
         return result.return_values
     finally:
-        starter_log.setLevel(level)
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
         shutil.rmtree(log_dir, ignore_errors=True)

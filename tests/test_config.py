@@ -59,7 +59,9 @@ def test_micro_batch_must_divide_global_batch():
 
 def test_batch_must_split_over_the_world():
     message = error_of(["train.global_batch=8", "train.micro_batch=4"], world_size=4)
-    assert "micro_batch x world size" in message
+    assert "micro_batch x world size = 4 x 4" in message and "parallel.tp" not in message  # tp=1: not a factor
+    message = error_of(["train.global_batch=8", "train.micro_batch=4", "parallel.tp=2"], world_size=8)
+    assert "micro_batch x world size / parallel.tp = 4 x 4" in message
 
 
 def test_ep_must_divide_experts_and_world():
@@ -83,6 +85,55 @@ def test_ep_must_divide_experts_and_world():
 def test_intervals_and_rates_out_of_range_are_named(override):
     key, value = override.split("=")
     assert f"{key}={value}" in error_of([override])
+
+
+@pytest.mark.parametrize(
+    "override,valid_range",
+    [
+        # AdamW: each of these turns the weights into nan or inf at the first step, or trains in reverse.
+        ("optim.beta2=1.0", "must lie in [0, 1)"),
+        ("optim.beta1=1.5", "must lie in [0, 1)"),
+        ("optim.beta1=-0.1", "must lie in [0, 1)"),
+        ("optim.beta2=nan", "must lie in [0, 1)"),
+        ("optim.eps=-1.0", "must be a positive, finite number"),
+        ("optim.eps=0.0", "must be a positive, finite number"),
+        ("optim.weight_decay=-5.0", "must be 0 (no weight decay) or a positive finite number"),
+        ("optim.bucket_mb=0.0", "must be a positive, finite number"),
+        ("optim.max_collective_numel=0", "must be a positive, finite number"),
+        ("model.moe.bias_update_rate=-1.0", "must be 0 (no bias updates) or a positive finite number"),
+        ("model.moe.z_loss_coef=nan", "must be 0 (off) or a positive finite number"),
+        ("model.moe.aux_loss_coef=inf", "must be 0 (off) or a positive finite number"),
+        ("model.moe.capacity_factor=nan", "must be a positive, finite number, or null for dropless routing"),
+        ("model.init_std=-1.0", "must be a positive, finite number"),
+        ("parallel.timeout_s=0.0", "must be a positive, finite number"),
+        ("train.grad_clip=nan", "must be 0 (no clipping) or a positive finite number"),
+        ("train.seed=-1", "must be 0 or a positive whole number"),
+        ("machine.memory_gb=0.0", "must be a positive, finite number, or null when unknown"),
+        ("machine.peak_flops=-1.0", "must be a positive, finite number, or null to look it up or probe it"),
+        ("machine.ranks_per_node=-2", "must be a positive, finite number, or null for local runs"),
+        ("data.vocab_size=0", "must be a positive, finite number"),
+        ("data.max_chars=0", "must be a positive, finite number"),
+        ("data.prefetch=-1", "must be 0 (no background loading) or a positive whole number"),
+    ],
+)
+def test_hyper_parameters_out_of_range_are_refused_with_the_range(override, valid_range):
+    message = error_of([override])
+    assert message.startswith(f"{override} {valid_range}") and message.endswith(".")
+
+
+def test_bucket_size_is_refused_under_zero_2_too():
+    assert "optim.bucket_mb=0.0 must be a positive" in error_of(["optim.bucket_mb=0", "optim.zero=2"])
+
+
+def test_weight_decay_that_would_flip_the_weights_is_refused():
+    message = error_of(["optim.lr=0.01", "optim.weight_decay=100"])
+    assert message.startswith("optim.lr x optim.weight_decay = 0.01 x 100.0 must be below 1")
+
+
+@pytest.mark.parametrize("override", ["optim.beta1=0", "optim.beta2=0.999", "optim.weight_decay=0", "train.grad_clip=0",
+                                      "model.moe.bias_update_rate=0", "data.prefetch=0", "train.seed=0"])  # fmt: skip
+def test_the_ends_of_the_ranges_are_accepted(override):
+    validate(load_config([override]))
 
 
 def test_bad_choice_lists_the_options():

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from optimus import job_scripts
 from optimus.config import ConfigError, OptimusConfig
+from tests.unchanged import unchanged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,21 +253,53 @@ def test_main_submit_writes_into_run_dir_and_calls_sbatch(monkeypatch, capsys, t
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run_dir = tmp_path / "run"
     code = job_scripts.main(
-        ["--nodes", "2", "--submit", "--run-dir", str(run_dir), "machine=frontier", "parallel.ep=8"]
+        ["--nodes", "2", "--submit", "--account", "abc123", "--run-dir", str(run_dir), "machine=frontier"]
     )
     out = capsys.readouterr().out
     assert code == 0
     script_path = run_dir / "job.sbatch"
     assert (tmp_path / "sbatch_args.txt").read_text().strip() == str(script_path)
-    assert "#SBATCH -N 2" in script_path.read_text()
+    assert "#SBATCH -N 2" in script_path.read_text() and "#SBATCH -A abc123" in script_path.read_text()
     assert "Submitted batch job 4242" in out and str(run_dir / "metrics.jsonl") in out
 
 
 def test_submit_without_the_scheduler_command_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     monkeypatch.setenv("PATH", str(tmp_path))  # no qsub anywhere
-    with pytest.raises(ConfigError, match=r"qsub was not found on PATH"):
-        job_scripts.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")])
+    with unchanged(tmp_path), pytest.raises(ConfigError, match=r"qsub was not found on PATH"):
+        job_scripts.main(["--nodes", "1", "--submit", "--account", "abc", "--run-dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("machine,scheduler,ep", [("aurora", "qsub", 12), ("frontier", "sbatch", 8)])
+def test_submit_without_an_account_is_refused_where_the_machine_charges_one(
+    machine, scheduler, ep, monkeypatch, tmp_path
+):
+    """Aurora and Frontier charge every job to a project: a script without -A is refused before anything is
+    written or submitted (a fake qsub/sbatch records whether it was called)."""
+    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg(machine, ep=ep))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_exe(bin_dir / scheduler, f'echo "$@" > {tmp_path}/submitted.txt\necho "4242"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    argv = ["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")]
+    with unchanged(tmp_path), pytest.raises(ConfigError) as refused:
+        job_scripts.main(argv)
+    assert str(refused.value) == (
+        f"machine={machine} charges every job to a project: pass --account <project> with --submit."
+    )
+    assert job_scripts.main([*argv, "--account", "abc"]) == 0  # the same command with an account goes through
+    suffix = job_scripts.SCHEDULERS[job_scripts.DEFAULT_SCHEDULER[machine]][1]
+    assert (tmp_path / "submitted.txt").exists() and "-A abc" in (tmp_path / "run" / f"job{suffix}").read_text()
+
+
+def test_machines_without_a_required_account_submit_without_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("nvidia", ep=8))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_exe(bin_dir / "sbatch", 'echo "Submitted batch job 7"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert job_scripts.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")]) == 0
+    assert "#SBATCH -A" not in (tmp_path / "run" / "job.sbatch").read_text()
 
 
 def test_values_a_directive_cannot_carry_are_refused(tmp_path):

@@ -272,6 +272,25 @@ def test_plan_cli(capsys):
         make_plan(load_config([*TINY_MODEL, "parallel.ep=3", "train.micro_batch=1", "train.global_batch=6"]), 6)
 
 
+@pytest.mark.parametrize(
+    "extra,heading",
+    [
+        (["train.micro_batch=1"], "activations per micro-batch of 1 sequence: train.activation_checkpointing=none "),
+        (["train.micro_batch=2"], "activations per micro-batch of 2 sequences: train.activation_checkpointing=none "),
+        (
+            ["train.micro_batch=2", "parallel.pp=2", "--world", "2"],
+            "activations of the busiest pipeline rank (its micro-batches in flight, of 2 sequences each): "
+            "train.activation_checkpointing=none ",
+        ),
+    ],
+)
+def test_plan_activation_line_reads_as_a_sentence(capsys, extra, heading):
+    """Parentheses balanced and "sequence" in the number of the count."""
+    assert main(["plan", *TINY_MODEL, *extra]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("activations "))
+    assert line.startswith(heading) and line.count("(") == line.count(")")
+
+
 DENSE = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=500, ffn_dim=96, qk_norm="none",
                     moe=MoEConfig(n_experts=0))  # fmt: skip
 

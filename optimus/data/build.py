@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from optimus.data.cache import atomic_path, cache_root, locked
 from optimus.data.errors import DataError
 from optimus.data.order import permute
 from optimus.data.prepare import write_tokens
-from optimus.data.shards import META, TokenSource, TokenStream, open_tokens
+from optimus.data.shards import META, TokenSource, TokenStream, fingerprint, open_tokens
 from optimus.data.sources import dataset_docs, expand_paths, iter_docs, load_hf, stdlib_docs
 from optimus.data.tokenizer import TokenizerInfo, describe, load_tokenizer, train_bpe
 from optimus.data.windows import MixtureDataset, TokenWindows
@@ -40,6 +40,9 @@ class DataBundle:
     tokenizer_id: str
     eos_id: int
     tokenizer: Tokenizer | None = None  # for decoding samples; None if the shards carry no tokenizer.json
+    # What a resumed run must read again, recorded in each checkpoint (checkpoint_checks.run_identity):
+    # data.tokens, the tokens' content (shards.fingerprint, whatever path names them), data.mix.weights, tokenizer.
+    identity: dict[str, Any] = field(default_factory=dict)
 
 
 def build_data(cfg: DataConfig, seq_len: int, seed: int) -> DataBundle:
@@ -66,7 +69,7 @@ def build_data(cfg: DataConfig, seq_len: int, seed: int) -> DataBundle:
         raise DataError(f"data.path={cfg.path} holds no non-empty documents: point it at files with text.")
     source = _cached_corpus(cfg.name, docs, cfg.tokenizer, cfg.vocab_size)
     train, val = _split_by_hash(source, cfg.val_fraction, seq_len)
-    return _bundle(source, TokenWindows(train, seq_len), TokenWindows(val, seq_len))
+    return _bundle([source], TokenWindows(train, seq_len), TokenWindows(val, seq_len))
 
 
 def _corpus_hash(docs: list[str]) -> str:
@@ -144,10 +147,17 @@ def _concat_docs(stream: TokenStream, starts: np.ndarray, ends: np.ndarray) -> n
     return np.concatenate([stream.read(int(a), int(b)) for a, b in zip(starts, ends, strict=True)])
 
 
-def _bundle(source: TokenSource, train: Any, val: Any) -> DataBundle:
-    tok_file = source.directory / "tokenizer.json"
+def _bundle(sources: list[TokenSource], train: Any, val: Any, weights: list[float] | None = None) -> DataBundle:
+    """The bundle of `sources` (read in this order, with these data.mix weights), described by the first."""
+    first = sources[0]
+    tok_file = first.directory / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
-    return DataBundle(train, val, source.vocab_size, source.tokenizer_id, source.eos_id, tok)
+    prints = [fingerprint(s.meta) for s in sources]
+    combined = prints[0] if len(prints) == 1 else "sha256:" + hashlib.sha256(" ".join(prints).encode()).hexdigest()[:16]
+    n_tokens = sum(len(s.stream) for s in sources)
+    identity = {"data.tokens": f"{combined} ({n_tokens} tokens)", "data.mix.weights": weights,
+                "tokenizer": first.tokenizer_id}  # fmt: skip
+    return DataBundle(train, val, first.vocab_size, first.tokenizer_id, first.eos_id, tok, identity)
 
 
 # --- data=tokens -------------------------------------------------------------------------------
@@ -226,9 +236,9 @@ def _build_tokens(cfg: DataConfig, seq_len: int) -> DataBundle:
     if cfg.mix is None:  # one source, or a list of directories read back to back
         train = TokenWindows(TokenStream([p for t, _ in splits for p in t.pieces]), seq_len)
         val = TokenWindows(TokenStream([p for _, v in splits for p in v.pieces]), seq_len)
-    else:
-        weights = [w for _, w in entries]
-        train = MixtureDataset([TokenWindows(t, seq_len) for t, _ in splits], weights)
-        val_parts = [TokenWindows(v, seq_len) for _, v in splits]
-        val = MixtureDataset(val_parts, weights) if cfg.val_fraction > 0 else val_parts[0]  # empty when no split
-    return _bundle(sources[0], train, val)
+        return _bundle(sources, train, val)
+    weights = [w for _, w in entries]
+    train = MixtureDataset([TokenWindows(t, seq_len) for t, _ in splits], weights)
+    val_parts = [TokenWindows(v, seq_len) for _, v in splits]
+    val = MixtureDataset(val_parts, weights) if cfg.val_fraction > 0 else val_parts[0]  # empty when no split
+    return _bundle(sources, train, val, weights)

@@ -9,6 +9,7 @@ reader never sees half a file and a killed writer leaves nothing trusted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -72,6 +73,12 @@ def atomic_path(path: Path) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_error(what: str, err: OSError, elsewhere: str) -> DataError:
+    """The one sentence for a write that failed (a full disk, a read-only file system): what, why, what to do."""
+    fix = "free space on its file system" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+    return DataError(f"writing {what} failed ({err.strerror or err}): {fix} or {elsewhere}, then run again.")
 
 
 def write_json(path: Path, obj: object) -> None:

@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_DATASET", help="training text")
     tok.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size (>= 257)")
     tok.add_argument("--output", required=True, metavar="PATH", help="where to write tokenizer.json")
+    tok.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     tok.add_argument("--text-field", default="text", help="JSONL field / Parquet or dataset column (default text)")
     tok.add_argument("--split", default="train", help="split of a `datasets` input (default train)")
     return p
@@ -68,8 +69,6 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from optimus.data.prepare import prepare
 
-    if args.num_proc < 1:
-        raise DataError(f"--num-proc={args.num_proc} must be at least 1.")
     meta = prepare(
         args.input,
         args.output,
@@ -87,20 +86,37 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from optimus.data.cache import atomic_path
+    from optimus.data.cache import atomic_path, write_error
     from optimus.data.prepare import input_docs
     from optimus.data.tokenizer import describe, train_bpe
 
+    out = Path(args.output).expanduser()
+    _check_tokenizer_output(out, args.input, args.overwrite)
     docs = list(input_docs(args.input, args.text_field, args.split))
     if not docs:
         raise DataError(f"--input {' '.join(args.input)} has no non-empty documents: point it at files with text.")
     tok = train_bpe(docs, args.vocab_size)
     info = describe(tok, args.output)
-    out = Path(args.output).expanduser()
-    with atomic_path(out) as tmp:
-        tok.save(str(tmp))
+    try:
+        with atomic_path(out) as tmp:  # written from Python, so a full disk is an OSError like every other write
+            tmp.write_text(tok.to_str(pretty=True), encoding="utf-8")
+    except OSError as err:
+        raise write_error(str(out), err, "choose another --output") from None
     print(f"{out}: vocab {info.vocab_size}, eos id {info.eos_id}, id {info.id}")
     return 0
+
+
+def _check_tokenizer_output(out: Path, inputs: list[str], overwrite: bool) -> None:
+    """Refuse, before reading or training anything, an --output that is a directory, one of the inputs, or
+    (without --overwrite) an existing file."""
+    from optimus.data.prepare import local_input_files
+
+    if out.is_dir():
+        raise DataError(f"--output {out} is a directory: give a file path for the tokenizer, e.g. {out / 'tok.json'}.")
+    if out.exists() and any(out.samefile(p) for p in local_input_files(inputs)):
+        raise DataError(f"--output {out} is one of the --input files: choose another --output for the tokenizer.")
+    if out.exists() and not overwrite:
+        raise DataError(f"--output {out} already exists: pass --overwrite to replace it, or choose another --output.")
 
 
 def main(argv: list[str]) -> int:

@@ -12,19 +12,32 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import secrets
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from optimus.data.cache import write_error
 from optimus.data.errors import DataError
-from optimus.data.shards import META, TOKENIZER, ShardWriter, foreign_files, owned_files, remove_token_files
+from optimus.data.shards import (
+    JOURNAL,
+    META,
+    TOKENIZER,
+    ShardWriter,
+    foreign_files,
+    owned_files,
+    remove_token_files,
+    write_journal,
+)
 from optimus.data.sources import dataset_docs, expand_paths, iter_docs, load_hf, require_path_or_name
 from optimus.data.tokenizer import TokenizerInfo, encode_docs, load_tokenizer
 
 log = logging.getLogger(__name__)
 _CHUNK_CHARS = 1 << 20  # text per unit of work handed to a process
+ELSEWHERE = "write them elsewhere (another --output, or OPTIMUS_CACHE for data=builtin/text/hf)"
 _worker_tok: Tokenizer | None = None
 
 
@@ -63,25 +76,54 @@ def write_tokens(
 ) -> dict[str, Any]:
     """Encode `docs` (each followed by EOS) into shards in `out_dir`; meta.json is written last.
     `replaces`: the metadata of the output being overwritten. Only files an earlier prepare made are
-    removed or replaced; any other file where a shard or the tokenizer would go stops the job first."""
+    removed or replaced; any other file where a shard or the tokenizer would go stops the job first.
+    The shards are written into a temporary sibling of `out_dir` and moved in only once all are complete,
+    so a job that fails (an unreadable input, a full disk) leaves `out_dir` as it found it."""
+    owned, keep_tokenizer = _check_output(out_dir, info, replaces)
+    target = out_dir.resolve()  # a symlinked output: its staging directory goes beside the real one
+    staging = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()  # not mkdtemp: its mode 0700 would become the output's
+        created = () if keep_tokenizer else (TOKENIZER,)  # the user's identical tokenizer.json stays theirs
+        if created:  # written from Python, so a full disk is an OSError like every other write here
+            (staging / TOKENIZER).write_text(info.tokenizer.to_str(pretty=True), encoding="utf-8")
+        writer = ShardWriter(staging, info.vocab_size, info.eos_id, shard_tokens, created)
+        if not _encode(writer, docs, info, num_proc, progress, total_bytes):
+            raise DataError(f"{describe_inputs} has no non-empty documents: point the input at files with text.")
+        tok_meta = {"id": info.id, "name": info.name, "vocab_size": info.vocab_size, "eos_id": info.eos_id}
+        meta = writer.finish({**extra_meta, "tokenizer": tok_meta})
+        _move_in(staging, target, owned)
+    except OSError as err:
+        raise write_error(f"the token shards for {out_dir}", err, ELSEWHERE) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return meta
+
+
+def _check_output(out_dir: Path, info: TokenizerInfo, replaces: dict[str, Any] | None) -> tuple[set[str], bool]:
+    """(the files an earlier prepare made in `out_dir`, whether its tokenizer.json is this one and stays);
+    refuses an output that is a file or holds files of prepare's names that prepare did not make."""
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output {out_dir} is a file: choose a directory for the shards.")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not out_dir.exists():
+        return set(), False
     owned = owned_files(out_dir, replaces)
     tok_path = out_dir / TOKENIZER
-    foreign = [p for p in foreign_files(out_dir, owned) if not (p == tok_path and _same_tokenizer(p, info))]
+    keep_tokenizer = tok_path.name not in owned and _same_tokenizer(tok_path, info)
+    foreign = [p for p in foreign_files(out_dir, owned) if not (p == tok_path and keep_tokenizer)]
     if foreign:
         raise DataError(
             f"{out_dir} already holds {foreign[0].name}, which no earlier `optimus data prepare` there made: "
             "move it away or choose another --output (prepare never replaces files it did not write)."
         )
-    (out_dir / META).unlink(missing_ok=True)  # untrusted from here on, until the new metadata is written
-    remove_token_files(out_dir, owned)
-    created = () if tok_path.exists() else (TOKENIZER,)  # the user's identical tokenizer.json stays theirs
-    if created:
-        info.tokenizer.save(str(tok_path))
-    writer = ShardWriter(out_dir, info.vocab_size, info.eos_id, shard_tokens, created)
-    bar, bar_docs = _progress_bar(progress, total_bytes), [0]  # documents written so far
+    return owned, keep_tokenizer
+
+
+def _encode(writer: ShardWriter, docs: Iterable[str], info: TokenizerInfo, num_proc: int, progress: bool,
+            total_bytes: int | None) -> int:  # fmt: skip
+    """Tokenise `docs` into `writer`; returns the number of documents written."""
+    bar, n_docs = _progress_bar(progress, total_bytes), 0
     chunks = _chunks(docs)
     if num_proc > 1:
         # Fresh worker processes: a fork of a process whose tokenizer or torch thread pools already ran can
@@ -93,7 +135,7 @@ def write_tokens(
             with ctx.Pool(num_proc, initializer=_init_worker, initargs=(info.tokenizer.to_str(),)) as pool:
                 for ids, nbytes in pool.imap(_encode_chunk, chunks):
                     writer.add(ids)
-                    bar_docs[0] += len(ids)
+                    n_docs += len(ids)
                     if bar is not None:
                         bar.update(nbytes)
         finally:
@@ -104,15 +146,27 @@ def write_tokens(
     else:
         for chunk in chunks:
             writer.add(encode_docs(info.tokenizer, chunk))
-            bar_docs[0] += len(chunk)
+            n_docs += len(chunk)
             if bar is not None:
                 bar.update(sum(len(d.encode()) for d in chunk))
     if bar is not None:
         bar.close()
-    if not bar_docs[0]:
-        raise DataError(f"{describe_inputs} has no non-empty documents: point the input at files with text.")
-    tok_meta = {"id": info.id, "name": info.name, "vocab_size": info.vocab_size, "eos_id": info.eos_id}
-    return writer.finish({**extra_meta, "tokenizer": tok_meta})
+    return n_docs
+
+
+def _move_in(staging: Path, out_dir: Path, owned: set[str]) -> None:
+    """Put the finished job in `staging` in place of `out_dir`'s earlier shards (`owned`), meta.json last."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)  # one rename: there is nothing of the user's to keep beside it
+        return
+    (out_dir / META).unlink(missing_ok=True)  # untrusted from here on, until the new metadata is in place
+    remove_token_files(out_dir, owned)
+    names = sorted(p.name for p in staging.iterdir() if p.name != META)
+    write_journal(out_dir, names)
+    for name in names:
+        os.replace(staging / name, out_dir / name)
+    os.replace(staging / META, out_dir / META)
+    (out_dir / JOURNAL).unlink()
 
 
 def _same_tokenizer(path: Path, info: TokenizerInfo) -> bool:
@@ -144,6 +198,11 @@ def _plain_size(inputs: list[str]) -> int | None:
 def _is_dataset_name(spec: str) -> bool:
     """A `datasets` hub name: not an existing path, and not shaped like a file path."""
     return not require_path_or_name(spec, "--input")
+
+
+def local_input_files(inputs: list[str]) -> list[Path]:
+    """The files (and saved dataset directories) that the local ones of `inputs` name; hub names have none."""
+    return [p for spec in inputs if not _is_dataset_name(spec) for p in expand_paths(spec, "--input")]
 
 
 def _input_fingerprint(inputs: list[str], text_field: str, split: str, info: TokenizerInfo) -> str:
@@ -181,6 +240,10 @@ def prepare(
     """Tokenise `inputs` into `output`; a no-op when `output` already holds this exact job."""
     if not inputs:
         raise DataError("no --input given: pass at least one file, directory or dataset name.")
+    if num_proc < 1:
+        raise DataError(f"--num-proc={num_proc} must be at least 1.")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens={shard_tokens} must be a positive number of tokens per shard (at least 1).")
     out = Path(output).expanduser()
     info = load_tokenizer(tokenizer, key="--tokenizer")
     fingerprint = _input_fingerprint(inputs, text_field, split, info)

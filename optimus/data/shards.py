@@ -3,14 +3,16 @@
 Layout of a prepared directory:
 
     meta.json                 written last; a directory without it is not trusted
-    .prepare-files.json       while writing: the files written so far (a rerun may remove those, nothing else)
+    .prepare-files.json       while moving new files in: their names (a rerun may remove those, nothing else)
     tokenizer.json            the tokenizer the shards were made with
     shard_00000.bin           raw tokens (each document followed by EOS), dtype from meta
     shard_00000.ends.npy      uint64 end offset (exclusive, after the EOS) of each document in the shard
 
-Shards and end files are written under temporary names and renamed when
-complete. meta.json lists every file prepare created ("files"); only those are
-ever deleted or replaced, so a directory may hold the user's own files too. On
+A job writes its shards into a temporary sibling directory and moves them in
+once all are complete (prepare.py). meta.json lists every file prepare created
+("files"); only those are ever deleted or replaced, so a directory may hold the
+user's own files too. The data's identity is `fingerprint(meta)`: its tokens'
+checksums and counts, whatever path they are read from. On
 load every shard's length is checked, and its checksum and largest token id are
 verified once per file version: the result is remembered in the cache directory
 under the file's identity (inode, size, mtime and ctime: a rewrite changes the
@@ -53,13 +55,11 @@ class ShardWriter:
         self.shards: list[dict[str, Any]] = []
         self.n_docs = self.n_tokens = 0
         self._file = None
-        self.created = list(created)  # files this writer's job made, journalled as they appear
-        _write_journal(out_dir, self.created)
+        self.created = list(created)  # files this writer's job made (meta.json's "files")
 
     def _open(self) -> None:
         name = f"shard_{len(self.shards):05d}"
         self.created += [f"{name}.bin", f"{name}.ends.npy"]
-        _write_journal(self.out_dir, self.created)  # before the files exist, so a kill leaves them listed
         self._name, self._tmp = name, self.out_dir / f".{name}.bin.tmp"
         self._file, self._hash, self._ends, self._count = open(self._tmp, "wb"), hashlib.sha256(), [], 0
 
@@ -105,11 +105,11 @@ class ShardWriter:
                 "shards": self.shards, "files": self.created}  # fmt: skip
         with atomic_path(self.out_dir / META) as tmp:
             tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        (self.out_dir / JOURNAL).unlink(missing_ok=True)
         return meta
 
 
-def _write_journal(directory: Path, names: list[str]) -> None:
+def write_journal(directory: Path, names: list[str]) -> None:
+    """List `names` in `directory`'s journal before they appear there, so a killed job leaves them listed."""
     with atomic_path(directory / JOURNAL) as tmp:
         tmp.write_text(json.dumps(names) + "\n")
 
@@ -159,7 +159,40 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise DataError(f"{path} has format {found!r}, not {FORMAT!r}: re-run `optimus data prepare`.")
+    missing = _missing_meta_key(meta)
+    if missing:
+        raise DataError(
+            f"{path} has no valid {missing} (the file is incomplete or was edited): re-run `optimus data prepare` "
+            f"into {directory}."
+        )
     return meta
+
+
+def _missing_meta_key(meta: dict[str, Any]) -> str | None:
+    """The first key that open_tokens and fingerprint read and `meta` lacks or holds in another form, or None."""
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        return "'dtype' (uint16 or uint32)"
+    tokenizer = meta.get("tokenizer")
+    for key in ("id", "vocab_size", "eos_id"):
+        if not isinstance(tokenizer, dict) or key not in tokenizer:
+            return f"'tokenizer.{key}'"
+    shards = meta.get("shards")
+    if not isinstance(shards, list):
+        return "'shards' list"
+    for i, entry in enumerate(shards):
+        for key in ("file", "ends", "n_tokens", "n_docs", "sha256"):
+            if not isinstance(entry, dict) or key not in entry:
+                return f"'shards[{i}].{key}'"
+    return None
+
+
+def fingerprint(meta: dict[str, Any]) -> str:
+    """The identity of a token directory's contents, not of its path: a hash of its tokenizer, token dtype and
+    each shard's checksum and counts (what open_tokens verifies the files against). Re-made from other text, it
+    changes; copied or moved elsewhere, or named by another path, it does not."""
+    shards = [(s["sha256"], s["n_tokens"], s["n_docs"]) for s in meta["shards"]]
+    content = json.dumps([FORMAT, meta["dtype"], meta["tokenizer"]["id"], shards])
+    return "sha256:" + hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 def _verify_contents(path: Path, entry: dict[str, Any], dtype: np.dtype, vocab_size: int) -> None:

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,16 @@ def load_hf(spec: str, split: str, config: str | None) -> Any:
 
 def file_docs(path: Path, text_field: str, hf_split: str = "train") -> Iterator[str]:
     """Documents of one input: a .txt file is one document, a JSONL line or Parquet row one each."""
+    try:
+        yield from _file_docs(path, text_field, hf_split)
+    except (OSError, EOFError, zlib.error) as err:  # raised while reading only: the consumer's errors stay its own
+        raise DataError(
+            f"{path} cannot be read ({err}): if it is truncated or not compressed as its name says, re-create it "
+            "or rename it to match its contents."
+        ) from None
+
+
+def _file_docs(path: Path, text_field: str, hf_split: str) -> Iterator[str]:
     if _is_saved_dataset(path):
         yield from dataset_docs(load_hf(str(path), hf_split, None), str(path), text_field)
         return

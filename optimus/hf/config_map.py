@@ -7,6 +7,7 @@ an imported model either gives the same logits or is not imported at all.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef, validate_model
@@ -15,7 +16,38 @@ from optimus.hf.formats import QWEN3_MOE, HFFormat, format_of_hf_config
 DEFAULT_MAX_POSITIONS = 4096  # Optimus has no position limit (RoPE is computed for any length)
 
 
-def _rope_theta(hf: dict) -> float:
+_REQUIRED = object()  # the default of a setting that config.json must give
+
+
+def _setting(hf: dict, key: str, fmt: HFFormat, default: Any, kinds: tuple[type, ...], what: str) -> Any:
+    """config.json's `key`, refused unless it is one of `kinds`: "8" or 256.0 for a count is a broken file,
+    not something to guess at."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json of this {fmt.architecture} lacks {key!r}: give a complete config.json.")
+        return default
+    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+        raise ConfigError(
+            f"config.json gives {key} = {json.dumps(value)}, which is not {what}: write it as {what} "
+            "(without quotes), as transformers writes it."
+        )
+    return value
+
+
+def _integer(hf: dict, key: str, fmt: HFFormat, default: Any = _REQUIRED) -> int:
+    return _setting(hf, key, fmt, default, (int,), "an integer")
+
+
+def _number(hf: dict, key: str, fmt: HFFormat, default: float) -> float:
+    return float(_setting(hf, key, fmt, default, (int, float), "a number"))
+
+
+def _flag(hf: dict, key: str, fmt: HFFormat, default: bool) -> bool:
+    return _setting(hf, key, fmt, default, (bool,), "true or false")
+
+
+def _rope_theta(hf: dict, fmt: HFFormat) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -23,21 +55,25 @@ def _rope_theta(hf: dict) -> float:
         raise ConfigError(
             f"config.json asks for RoPE scaling {rope_type!r}, which Optimus lacks: use a model without it."
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        return _number(params, "rope_theta", fmt, 10000.0)
+    return _number(hf, "rope_theta", fmt, 10000.0)
 
 
-def _first_k_dense(hf: dict, fmt: HFFormat, n_layers: int) -> int:
+def _first_k_dense(hf: dict, fmt: HFFormat) -> int:
     """Qwen3-MoE's mlp_only_layers as a count of leading dense layers (the only pattern Optimus builds)."""
     if fmt is not QWEN3_MOE:
         return 0
-    dense = sorted(hf.get("mlp_only_layers") or [])
+    dense = hf.get("mlp_only_layers") or []
     step = hf.get("decoder_sparse_step", 1)
-    if step != 1 or dense != list(range(len(dense))):
+    # Compared by repr, so that "0" or true (== 1) in the list is refused like any other pattern.
+    leading = isinstance(dense, list) and set(map(repr, dense)) == set(map(repr, range(len(dense))))
+    if step != 1 or not leading:
         raise ConfigError(
             f"config.json places dense layers at {dense} (decoder_sparse_step={step}): Optimus builds only leading "
             "dense layers (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)."
         )
-    return len(dense) if dense else 0
+    return len(dense)
 
 
 def _refuse_unsupported(hf: dict, fmt: HFFormat) -> None:
@@ -51,8 +87,8 @@ def _refuse_unsupported(hf: dict, fmt: HFFormat) -> None:
     sliding = hf.get("sliding_window") if hf.get("use_sliding_window", fmt.model_type == "mixtral") else None
     if sliding is not None:
         problems.append(f"sliding_window={sliding}")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+    head_dim = _integer(hf, "head_dim", fmt, default=None)
+    if head_dim is not None and head_dim * _integer(hf, "num_attention_heads", fmt) != _integer(hf, "hidden_size", fmt):
         problems.append(f"head_dim={head_dim} != hidden_size / num_attention_heads")
     if problems:
         raise ConfigError(
@@ -65,37 +101,35 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> tuple[ModelConfig, HF
     """The ModelConfig that computes what the config.json `hf` describes, and its format."""
     fmt = format_of_hf_config(hf)
     _refuse_unsupported(hf, fmt)
-    try:
-        n_layers = hf["num_hidden_layers"]
-        first_k_dense = _first_k_dense(hf, fmt, n_layers)
-        moe = MoEConfig(
-            n_experts=hf.get("num_experts", hf.get("num_local_experts")),
-            top_k=hf["num_experts_per_tok"],
-            expert_dim=hf[fmt.expert_dim_key],
-            n_shared_experts=0,
-            router="softmax",
-            norm_topk=True if fmt.always_norm_topk else bool(hf.get("norm_topk_prob", False)),
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
-        )
-        cfg = ModelConfig(
-            name=name,
-            n_layers=n_layers,
-            dim=hf["hidden_size"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            vocab_size=hf["vocab_size"],
-            # Qwen3-MoE's dense layers' hidden size (in the other formats intermediate_size is the experts').
-            ffn_dim=hf["intermediate_size"] if fmt is QWEN3_MOE else ModelConfig.ffn_dim,
-            first_k_dense=first_k_dense,
-            rope_theta=_rope_theta(hf),
-            qk_norm=fmt.qk_norm,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-            moe=moe,
-        )
-    except KeyError as err:
-        raise ConfigError(f"config.json of this {fmt.architecture} lacks {err}: give a complete config.json.") from None
+    n_heads = _integer(hf, "num_attention_heads", fmt)
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (4.x: num_experts), so either counts.
+    experts_key = next((k for k in ("num_experts", "num_local_experts") if hf.get(k) is not None), fmt.n_experts_key)
+    moe = MoEConfig(
+        n_experts=_integer(hf, experts_key, fmt),
+        top_k=_integer(hf, "num_experts_per_tok", fmt),
+        expert_dim=_integer(hf, fmt.expert_dim_key, fmt),
+        n_shared_experts=0,
+        router="softmax",
+        norm_topk=True if fmt.always_norm_topk else _flag(hf, "norm_topk_prob", fmt, False),
+        aux_loss_coef=_number(hf, "router_aux_loss_coef", fmt, 0.01),
+    )
+    cfg = ModelConfig(
+        name=name,
+        n_layers=_integer(hf, "num_hidden_layers", fmt),
+        dim=_integer(hf, "hidden_size", fmt),
+        n_heads=n_heads,
+        n_kv_heads=_integer(hf, "num_key_value_heads", fmt, default=n_heads),
+        vocab_size=_integer(hf, "vocab_size", fmt),
+        # Qwen3-MoE's dense layers' hidden size (in the other formats intermediate_size is the experts').
+        ffn_dim=_integer(hf, "intermediate_size", fmt) if fmt is QWEN3_MOE else ModelConfig.ffn_dim,
+        first_k_dense=_first_k_dense(hf, fmt),
+        rope_theta=_rope_theta(hf, fmt),
+        qk_norm=fmt.qk_norm,
+        tie_embeddings=_flag(hf, "tie_word_embeddings", fmt, False),
+        norm_eps=_number(hf, "rms_norm_eps", fmt, 1e-5),
+        init_std=_number(hf, "initializer_range", fmt, 0.02),
+        moe=moe,
+    )
     validate_model(cfg)
     return cfg, fmt
 
@@ -120,6 +154,7 @@ def hf_config_from_model(cfg: ModelConfig, fmt: HFFormat, dtype: str = "float32"
         "rope_theta": cfg.rope_theta,  # transformers 4.x reads this, 5.x rope_parameters
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_dropout": 0.0,
+        fmt.n_experts_key: moe.n_experts,
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": moe_aux_loss_coef(moe),
         "output_router_logits": False,
@@ -130,10 +165,10 @@ def hf_config_from_model(cfg: ModelConfig, fmt: HFFormat, dtype: str = "float32"
         "pad_token_id": None,
     }
     if fmt.model_type == "mixtral":
-        hf.update(num_local_experts=moe.n_experts, intermediate_size=moe.expert_dim, head_dim=head_dim)
+        hf.update(intermediate_size=moe.expert_dim, head_dim=head_dim)
         hf.update(sliding_window=None, router_jitter_noise=0.0)
     else:
-        hf.update(num_experts=moe.n_experts, norm_topk_prob=moe.norm_topk, attention_bias=False)
+        hf.update(norm_topk_prob=moe.norm_topk, attention_bias=False)
     if fmt.model_type == "olmoe":
         hf.update(intermediate_size=moe.expert_dim, clip_qkv=None)
     if fmt.model_type == "qwen3_moe":

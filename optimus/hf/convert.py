@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from optimus.config import ConfigError, ModelConfig, OptimusConfig
-from optimus.hf.io import from_pretrained, save_state
+from optimus.hf.io import check_out_dir, check_save, from_pretrained, replacing_directory, save_state
 from optimus.train.checkpoint import META
+from optimus.train.checkpoint_checks import hash_files
 from optimus.train.checkpoint_state import model_state
 from optimus.train.dcp_warning import no_single_process_warning
 
@@ -33,10 +35,19 @@ def model_config_of_checkpoint(path: Path) -> ModelConfig:
 
 
 def export_hf(
-    path: Path, state: dict[str, torch.Tensor], out: str | Path, dtype: str = "auto", tokenizer: Any = None
+    path: Path,
+    out: str | Path,
+    read_state: Callable[[Path], dict[str, torch.Tensor]],
+    dtype: str = "auto",
+    tokenizer: Any = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the consolidated model `state` of checkpoint `path` as a Hugging Face directory `out`."""
-    return save_state(state, model_config_of_checkpoint(path), out, tokenizer, DTYPES[dtype])
+    """Write the model of checkpoint `path` (its full state as `read_state(path)` gives it) as a Hugging Face
+    directory `out`; the output and the tokenizer are checked before the checkpoint is read, so a refusal
+    costs no time and writes nothing."""
+    cfg = model_config_of_checkpoint(path)
+    check_save(cfg, Path(out), tokenizer, overwrite)
+    return save_state(read_state(path), cfg, out, tokenizer, DTYPES[dtype], overwrite=overwrite)
 
 
 @dataclass
@@ -47,16 +58,27 @@ class Imported:
     command: str  # continues pretraining from the imported weights
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, name: str | None = None) -> Imported:
+def import_hf(hf_dir: str | Path, out: str | Path, name: str | None = None, overwrite: bool = False) -> Imported:
     """Write the model of HF directory `hf_dir` as an Optimus checkpoint `out` (a step directory that any
-    layout loads) with the model recipe that builds it in `out/model/`."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty: choose a new --out directory or remove it.")
+    layout loads) with the model recipe that builds it in `out/model/`; an existing checkpoint there is
+    replaced only with `overwrite`. The whole directory is written beside `out` and renamed at the end."""
+    out, hf_dir = Path(out), Path(hf_dir)
+    check_out_dir(out, overwrite, META, "an Optimus checkpoint")
     model, cfg = from_pretrained(hf_dir, name=name)
-    out.mkdir(parents=True, exist_ok=True)
     state = model_state(model)
     del model
+    with replacing_directory(out) as tmp:
+        _write_checkpoint(state, cfg, hf_dir, tmp)
+    tokenizer = out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None
+    command = (
+        f"optimus train hydra.searchpath=[file://{out.resolve()}] model={cfg.name} "
+        f"checkpoint.load={out} checkpoint.load_weights_only=true"
+        + (f" data.tokenizer={tokenizer}" if tokenizer else "")
+    )
+    return Imported(out, out / "model" / f"{cfg.name}.yaml", tokenizer, command)
+
+
+def _write_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: Path, out: Path) -> None:
     # The per-expert entries are views of [E, ...] stacks, which DCP would copy all at once before writing;
     # copying them here one by one frees each stack as soon as its last view is replaced (peak ~1 model).
     for key, tensor in state.items():
@@ -68,23 +90,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, name: str | None = None) -> I
     state["trainer/world"] = torch.tensor(1)
     with no_single_process_warning():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True), no_dist=True)
+    source = hf_dir.resolve()
     meta = {
         "step": 0, "world": 1, "dp": 1, "ep": 1, "sharding": "none", "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "model": asdict(cfg), "imported_from": str(Path(hf_dir).resolve()),
+        "model": asdict(cfg), "imported_from": str(source),
+        "files": hash_files(out),  # the integrity record a trained checkpoint carries, checked on load and export
     }  # fmt: skip
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(OptimusConfig(model=cfg))))
-    recipe = out / "model" / f"{cfg.name}.yaml"
-    recipe.parent.mkdir()
-    header = f"# {cfg.name}: imported from {Path(hf_dir).resolve()} by `optimus checkpoint import`.\n"
-    recipe.write_text(header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    tokenizer = None
-    if (Path(hf_dir) / "tokenizer.json").is_file():
-        tokenizer = out / "tokenizer.json"
-        shutil.copyfile(Path(hf_dir) / "tokenizer.json", tokenizer)
-    command = (
-        f"optimus train hydra.searchpath=[file://{out.resolve()}] model={cfg.name} "
-        f"checkpoint.load={out} checkpoint.load_weights_only=true"
-        + (f" data.tokenizer={tokenizer}" if tokenizer else "")
-    )
-    return Imported(out, recipe, tokenizer, command)
+    (out / "model").mkdir()
+    header = f"# {cfg.name}: imported from {source} by `optimus checkpoint import`.\n"
+    (out / "model" / f"{cfg.name}.yaml").write_text(header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    if (hf_dir / "tokenizer.json").is_file():
+        shutil.copyfile(hf_dir / "tokenizer.json", out / "tokenizer.json")

@@ -24,6 +24,7 @@ class HFFormat:
     moe_prefix: str  # module of a layer's MoE block
     expert_names: tuple[str, str, str]  # gate, up, down projections of one expert
     expert_dim_key: str  # config key of the expert hidden size
+    n_experts_key: str  # config key of the number of experts
     dense_layers: bool  # supports leading dense layers (first_k_dense)
     always_norm_topk: bool  # the router always renormalises the top-k weights
 
@@ -31,15 +32,18 @@ class HFFormat:
 _SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 OLMOE = HFFormat(
     architecture="OlmoeForCausalLM", model_type="olmoe", qk_norm="full", moe_prefix="mlp",
-    expert_names=_SWIGLU_NAMES, expert_dim_key="intermediate_size", dense_layers=False, always_norm_topk=False,
+    expert_names=_SWIGLU_NAMES, expert_dim_key="intermediate_size", n_experts_key="num_experts", dense_layers=False,
+    always_norm_topk=False,
 )  # fmt: skip
 QWEN3_MOE = HFFormat(
     architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", qk_norm="head", moe_prefix="mlp",
-    expert_names=_SWIGLU_NAMES, expert_dim_key="moe_intermediate_size", dense_layers=True, always_norm_topk=False,
+    expert_names=_SWIGLU_NAMES, expert_dim_key="moe_intermediate_size", n_experts_key="num_experts", dense_layers=True,
+    always_norm_topk=False,
 )  # fmt: skip
 MIXTRAL = HFFormat(
     architecture="MixtralForCausalLM", model_type="mixtral", qk_norm="none", moe_prefix="block_sparse_moe",
-    expert_names=("w1", "w3", "w2"), expert_dim_key="intermediate_size", dense_layers=False, always_norm_topk=True,
+    expert_names=("w1", "w3", "w2"), expert_dim_key="intermediate_size", n_experts_key="num_local_experts",
+    dense_layers=False, always_norm_topk=True,
 )  # fmt: skip
 FORMATS = {f.model_type: f for f in (OLMOE, QWEN3_MOE, MIXTRAL)}
 

@@ -3,22 +3,29 @@
 Only `safetensors` is needed, not `transformers`. Loading builds the model on the meta
 device, allocates it once, and fills it one tensor at a time from one shard file at a
 time, so the peak stays near one copy of the weights; saving converts and writes one
-shard at a time.
+shard at a time. A directory is written whole or not at all: everything is checked
+first (format, output, tokenizer), then written into a new sibling that is renamed into
+place at the end, and an existing model directory is replaced only with `overwrite`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from optimus.config import ConfigError, ModelConfig
+from optimus.data.cache import default_file_mode
 from optimus.hf.config_map import hf_config_from_model, model_config_from_hf
-from optimus.hf.formats import format_for_model
+from optimus.hf.formats import HFFormat, format_for_model
 from optimus.hf.weight_map import IGNORED_SUFFIXES, Piece, pieces
 from optimus.model import Transformer
 
@@ -42,16 +49,33 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     if not (path / CONFIG).is_file():
         raise ConfigError(f"{path} holds no {CONFIG}: give a Hugging Face model directory.")
     try:
-        return json.loads((path / CONFIG).read_text())
-    except json.JSONDecodeError as err:
+        hf = json.loads((path / CONFIG).read_text())
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for a binary file
         raise ConfigError(f"{path / CONFIG} is not valid JSON ({err}): repair or replace it.") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path / CONFIG} holds a {type(hf).__name__}, not a JSON object: repair or replace it.")
+    return hf
+
+
+def _indexed_files(index: Path) -> list[str]:
+    """The file names the weight_map of a model.safetensors.index.json names."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, no weight_map, not a mapping
+        names = None
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ConfigError(
+            f"{index} is not a valid index (a JSON object whose weight_map maps tensor names to file names): "
+            "download it again, or delete it if the directory holds a single model.safetensors."
+        )
+    return sorted(names)
 
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a model directory: those its index names, or its one model.safetensors."""
     if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in _indexed_files(path / INDEX_FILE)]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     else:
@@ -79,22 +103,27 @@ def _fill(target: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None:
 @torch.no_grad()
 def load_weights(model: Transformer, cfg: ModelConfig, fmt, path: Path) -> None:
     """Fill `model` from the safetensors files of `path`, one file and one tensor at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     state = model.state_dict()
     by_hf_name = {p.hf_name: p for p in pieces(cfg, fmt)}
     seen, unexpected = set(), []
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                piece = by_hf_name.get(key)
-                if piece is None:
-                    tied_copy = cfg.tie_embeddings and key == "lm_head.weight"
-                    if not (tied_copy or key.endswith(IGNORED_SUFFIXES)):
-                        unexpected.append(key)
-                    continue
-                _fill(state[piece.optimus_name], piece, f.get_tensor(key))
-                seen.add(key)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    piece = by_hf_name.get(key)
+                    if piece is None:
+                        tied_copy = cfg.tie_embeddings and key == "lm_head.weight"
+                        if not (tied_copy or key.endswith(IGNORED_SUFFIXES)):
+                            unexpected.append(key)
+                        continue
+                    _fill(state[piece.optimus_name], piece, f.get_tensor(key))
+                    seen.add(key)
+        except SafetensorError as err:  # a truncated or garbled file
+            raise ConfigError(
+                f"{file} is not a readable safetensors file ({err}): download it again or replace it."
+            ) from None
     missing = [name for name in by_hf_name if name not in seen]
     if missing or unexpected:
         what = f"lacks {len(missing)} tensors (first: {missing[0]})" if missing else ""
@@ -150,16 +179,29 @@ def save_state(
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the full model state `state` (Optimus names, experts stacked [E, ...]) as a HF directory."""
+    """Write the full model state `state` (Optimus names, experts stacked [E, ...]) as a HF directory `path`;
+    an existing model directory there is replaced only with `overwrite`."""
+    path = Path(path)
+    fmt, tokenizer = check_save(cfg, path, tokenizer, overwrite)
+    with replacing_directory(path) as tmp:
+        _write_model(state, cfg, fmt, tmp, tokenizer, dtype, max_shard_bytes)
+    return path
+
+
+def check_save(cfg: ModelConfig, path: Path, tokenizer: Any, overwrite: bool) -> tuple[HFFormat, Any]:
+    """What save_state checks before it writes anything: that a format holds the model, that `path` may be
+    written, and that the tokenizer exists; returns the format and the tokenizer as write_tokenizer takes it."""
+    fmt = format_for_model(cfg)
+    check_out_dir(path, overwrite, CONFIG, "a Hugging Face model directory")
+    return fmt, checked_tokenizer(tokenizer)
+
+
+def _write_model(state, cfg: ModelConfig, fmt: HFFormat, path: Path, tokenizer, dtype, max_shard_bytes) -> None:
     from safetensors.torch import save_file
 
-    fmt = format_for_model(cfg)
     plan = pieces(cfg, fmt)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:  # an earlier save's shards
-        stale.unlink(missing_ok=True)
     shards = _shards(plan, state, dtype, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -178,7 +220,6 @@ def save_state(
     (path / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer is not None:
         write_tokenizer(tokenizer, path)
-    return path
 
 
 def save_pretrained(
@@ -188,35 +229,102 @@ def save_pretrained(
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model` (all of its experts on this process) as a HF directory of the format its config implies:
     qk_norm=full -> OLMoE, head -> Qwen3-MoE, none -> Mixtral. `tokenizer`: a tokenizers.Tokenizer, a
-    tokenizer.json file, a directory of tokenizer files, or a transformers tokenizer."""
+    tokenizer.json file, a directory of tokenizer files, or a transformers tokenizer. An existing model
+    directory at `path` is replaced only with `overwrite=True`."""
     if any(moe.experts.n_experts != model_cfg.moe.n_experts for moe in model.moe_layers):
         raise ConfigError(
             "this model holds only its rank's experts: save from a consolidated model (optimus checkpoint export)."
         )
-    return save_state(model.state_dict(), model_cfg, path, tokenizer, dtype, max_shard_bytes)
+    return save_state(model.state_dict(), model_cfg, path, tokenizer, dtype, max_shard_bytes, overwrite)
+
+
+def checked_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer` checked before anything is written: an object as given, a path as {name in the model
+    directory: file to copy there}."""
+    if tokenizer is None or hasattr(tokenizer, "save_pretrained") or hasattr(tokenizer, "to_str"):
+        return tokenizer
+    source = Path(tokenizer)
+    if source.is_dir():
+        found = {n: source / n for n in TOKENIZER_FILES if (source / n).is_file()}
+        if not found:
+            raise ConfigError(
+                f"{source} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): "
+                "give a tokenizer.json file or a directory that holds one."
+            )
+        return found
+    if not source.is_file():
+        raise ConfigError(f"tokenizer {source} does not exist: give a tokenizer.json file or a directory.")
+    try:
+        json.loads(source.read_text())
+    except ValueError:
+        raise ConfigError(
+            f"tokenizer {source} is not a tokenizer.json (not valid JSON): give a tokenizer.json file or a directory."
+        ) from None
+    return {"tokenizer.json": source}
 
 
 def write_tokenizer(tokenizer: Any, path: Path) -> None:
-    """Put the tokenizer files beside the weights, as AutoTokenizer.from_pretrained(path) expects them."""
+    """Put the tokenizer files (as checked_tokenizer returns them) beside the weights, as
+    AutoTokenizer.from_pretrained(path) expects them."""
     if hasattr(tokenizer, "save_pretrained"):  # a transformers tokenizer
         tokenizer.save_pretrained(str(path))
         return
     if hasattr(tokenizer, "to_str"):  # a tokenizers.Tokenizer
         tokenizer.save(str(path / "tokenizer.json"))
     else:
-        source = Path(tokenizer)
-        if source.is_dir():
-            found = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
-            if not found:
-                raise ConfigError(f"{source} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...).")
-            for file in found:
-                shutil.copyfile(file, path / file.name)
-        elif source.is_file():
-            shutil.copyfile(source, path / "tokenizer.json")
-        else:
-            raise ConfigError(f"tokenizer {source} does not exist: give a tokenizer.json file or a directory.")
+        for name, source in tokenizer.items():
+            shutil.copyfile(source, path / name)
     if not (path / "tokenizer_config.json").is_file():  # what lets AutoTokenizer load a bare tokenizer.json
         (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+
+
+def check_out_dir(out: Path, overwrite: bool, marker: str, what: str) -> None:
+    """A directory that a command writes as a whole: new or empty, or, with `overwrite`, one that holds `marker`
+    (an earlier output of the same kind; anything else is not ours to delete)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: name a new directory to write {what} into.")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigError(f"--out {out} already exists: choose another --out, or pass --overwrite to replace it.")
+    if not (out / marker).is_file():
+        raise ConfigError(
+            f"--out {out} holds no {marker}, so it is not {what} that --overwrite may replace: choose another --out."
+        )
+
+
+@contextlib.contextmanager
+def replacing_directory(out: Path) -> Iterator[Path]:
+    """Yield a new empty directory beside `out` to write into; when the block succeeds it takes `out`'s place
+    (an existing `out` is removed only after), when it fails it is removed and `out` is left as it was."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir()  # mode from the umask, unlike tempfile.mkdtemp's 0700
+    except OSError as err:
+        raise ConfigError(f"--out {out} cannot be written ({err.strerror}): choose another --out.") from None
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):  # safetensors creates its files 0600; the umask decides, as for any file
+            if file.is_file():
+                os.chmod(file, default_file_mode())
+        old = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
+        if out.exists():
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old.exists():  # put the earlier output back
+                os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:  # a full disk, a quota
+        raise ConfigError(
+            f"writing {out} failed ({err.strerror}); nothing was written: free space and rerun."
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

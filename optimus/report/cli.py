@@ -8,13 +8,20 @@ from pathlib import Path
 from optimus.report.compare import check_comparable, infer_mode
 from optimus.report.runs import ReportError, load_run
 from optimus.report.summary import add_efficiency, summarize_run
-from optimus.report.write import print_table, write_report
+from optimus.report.write import check_out, print_table, write_report
 
 
 def build_report(
-    run_dirs: list[str | Path], out: str | Path, mode: str = "auto", warmup_steps: int = 2, notes=()
+    run_dirs: list[str | Path],
+    out: str | Path,
+    mode: str = "auto",
+    warmup_steps: int = 2,
+    notes=(),
+    overwrite: bool = False,
 ) -> list[dict]:
-    """Read, check, summarise and write; returns the per-run rows (sorted by device count)."""
+    """Read, check, summarise and write; returns the per-run rows (sorted by device count). An earlier report
+    in `out` is replaced only with `overwrite`."""
+    check_out(Path(out), overwrite)
     if not run_dirs:
         raise ReportError("no run directories given: pass one or more run.dir paths written by `optimus train`.")
     if warmup_steps < 0:
@@ -49,11 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup-steps", type=int, default=2, help="steps dropped from the start of each run (default 2)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's header (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier report in --out (refused by default)")
     return p
 
 
 def main(argv: list[str]) -> int:
     opts = _parser().parse_args(argv)
-    build_report(opts.runs, opts.out, opts.mode, opts.warmup_steps, opts.note)
+    build_report(opts.runs, opts.out, opts.mode, opts.warmup_steps, opts.note, opts.overwrite)
     print(f"report written to {Path(opts.out) / 'report.md'}")
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from optimus.report.plots import plot_breakdown, plot_efficiency, plot_throughput
@@ -15,6 +17,7 @@ COLUMNS = (
     "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s",
     "step_time_p90_s", "speedup", "efficiency",
 )  # fmt: skip
+REPORT_FILES = ("report.md", "report.csv", "report.json", "efficiency.png", "throughput.png", "breakdown.png")
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -116,12 +119,39 @@ def print_table(rows: list[dict], mode: str) -> None:
         console.print(t)
 
 
+def check_out(out: Path, overwrite: bool) -> None:
+    """--out is a directory that holds no earlier report, unless --overwrite asks to replace it."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file, not a directory: choose another --out.")
+    earlier = [name for name in REPORT_FILES if (out / name).exists()]
+    if earlier and not overwrite:
+        raise ReportError(
+            f"--out {out} already holds a report ({', '.join(earlier)}): choose another --out, or pass --overwrite "
+            "to replace it."
+        )
+
+
 def write_report(rows: list[dict], mode: str, warmup: int, notes: list[str], out: Path) -> list[Path]:
-    """Write every output of the report into `out`; returns the paths written."""
+    """Write every output of the report into a new directory beside `out`, then move them into `out` (made if
+    missing; other files there stay), replacing an earlier report's files and removing those this one lacks;
+    returns the paths written. check_out has refused an `out` whose report may not be replaced."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as err:
         raise ReportError(f"--out {out} cannot be made a directory ({err.strerror}): choose another --out.") from None
+    with staging as tmp:
+        written = _write_files(rows, mode, warmup, notes, Path(tmp))
+        out.mkdir(exist_ok=True)
+        for name in REPORT_FILES:
+            if name in written:
+                os.replace(Path(tmp) / name, out / name)
+            else:  # an earlier report's plot that this one has no data for
+                (out / name).unlink(missing_ok=True)
+    return [out / name for name in written]
+
+
+def _write_files(rows: list[dict], mode: str, warmup: int, notes: list[str], out: Path) -> list[str]:
     plots = ["efficiency.png", "throughput.png"]
     plot_efficiency(rows, mode, out / plots[0])
     plot_throughput(rows, out / plots[1])
@@ -131,4 +161,4 @@ def write_report(rows: list[dict], mode: str, warmup: int, notes: list[str], out
     (out / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
     write_csv(rows, out / "report.csv")
     write_markdown(rows, mode, warmup, notes, plots, out / "report.md")
-    return [out / name for name in ("report.md", "report.csv", "report.json", *plots)]
+    return ["report.md", "report.csv", "report.json", *plots]

@@ -12,16 +12,26 @@ does rank 0 rename it and move `latest`. A crash during a save therefore leaves
 the previous checkpoint as the latest, and a directory without the .tmp suffix is
 always complete. What the keys mean is in optimus.train.checkpoint_state.
 
+A save that fails (a full disk, on any rank, while writing or publishing) ends the run
+with CheckpointWriteError, one sentence naming the cause and the last good checkpoint;
+its staging directory is removed. A background save (checkpoint.async_save) is checked
+at every step boundary while it runs: the ranks agree that it has ended, on a gloo group
+of its own, so that all of them publish it or stop at the same step.
+
 Loading tries `latest` first and then older checkpoints: one whose files are
-missing, short, unreadable or differ from the checksums in its meta.json is
+missing, short, unreadable or differ from the checksums in its meta.json, or whose
+meta.json cannot vouch for them (unreadable, or without a checksum of each file), is
 reported with a warning and skipped; when none loads the run stops (and keeps
 them all) rather than start again from step 0. One saved from a different model
 or with other data settings is a configuration error, not a reason to fall back
-(see optimus.train.checkpoint_checks).
+(see optimus.train.checkpoint_checks). A checkpoint that holds weights only (what
+`optimus checkpoint import` writes) starts a new run from step 0 with fresh optimizer
+state, whether or not checkpoint.load_weights_only says so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -41,7 +51,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.config import ConfigError, OptimusConfig
 from optimus.parallel import ParallelState
-from optimus.train.checkpoint_checks import changed_setting, hash_files, read_meta, run_identity, verify_files
+from optimus.train.checkpoint_checks import (
+    changed_setting,
+    hash_files,
+    read_meta,
+    run_identity,
+    untrusted_record,
+    verify_files,
+)
 from optimus.train.checkpoint_state import (
     apply_model_state,
     load_optimizer_state,
@@ -114,8 +131,9 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.load") -> Path:
     return found[0]
 
 
-def inspect(path: Path) -> tuple[str | None, Any]:
-    """(why `path` cannot be loaded, or None; its DCP metadata): checks meta.json, .metadata and file sizes."""
+def inspect(path: Path, resume: bool = False) -> tuple[str | None, Any]:
+    """(why `path` cannot be loaded, or None; its DCP metadata): checks .metadata, file sizes, and that
+    meta.json vouches for every file (with `resume`, also for the run's settings)."""
     if not (path / META).is_file():
         return f"{path / META} is missing", None
     try:
@@ -131,7 +149,40 @@ def inspect(path: Path) -> tuple[str | None, Any]:
             return f"{f} is missing", None
         if f.stat().st_size < size:
             return f"{f} is truncated ({f.stat().st_size} of {size} bytes)", None
-    return None, metadata
+    problem = untrusted_record(path, {".metadata", *needed}, resume)
+    return (problem, None) if problem else (None, metadata)
+
+
+def holds_weights_only(path: Path) -> bool:
+    """Whether checkpoint `path` has model entries and no optimizer state (`optimus checkpoint import`'s)."""
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: loading it reports why
+        return False
+    return any(k.startswith("model/") for k in keys) and not any(k.startswith("optim/") for k in keys)
+
+
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (disk full, quota, permissions). Said in one sentence like a user
+    error: what to fix is the file system, after which the same command resumes from the last good one."""
+
+
+# Errors of a full file system, in words.
+NO_SPACE = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on"}
+
+
+def write_failure(err: BaseException, root: Path) -> tuple[str, str]:
+    """(the cause of a failed save in words, what to do): a full disk is named as such; otherwise the first
+    file system error (or any error) that DCP collected from the ranks."""
+    found = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else []
+    for e in list(found or [err]):  # and what each was raised from
+        found += [c for c in (e.__cause__, e.__context__) if c is not None and c not in found]
+    for e in found or [err]:
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return f"{NO_SPACE[e.errno]} {root}", "free space there"
+    first = next((e for e in found if isinstance(e, OSError)), (found or [err])[0])
+    text = (str(first).strip() or "no message").splitlines()[0][:300]
+    return f"{type(first).__name__}: {text}", f"fix that in {root}"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -178,7 +229,7 @@ class Checkpointer:
     """One per rank; every method is called by every rank (they hold collectives) unless it says otherwise."""
 
     def __init__(
-        self, cfg: OptimusConfig, run_dir: Path, ps: ParallelState, device_type: str, tokenizer_id: str | None = None
+        self, cfg: OptimusConfig, run_dir: Path, ps: ParallelState, device_type: str, data_identity: dict | None = None
     ):
         c = cfg.checkpoint
         if c.interval < 0:
@@ -188,15 +239,19 @@ class Checkpointer:
         if c.load_weights_only and not c.load:
             raise ConfigError("checkpoint.load_weights_only=true needs checkpoint.load=PATH: name the checkpoint.")
         self.cfg, self.ps, self.device_type = cfg, ps, device_type
-        self.tokenizer_id = tokenizer_id  # recorded at save, compared on resume (with the data settings)
+        self.data_identity = data_identity  # recorded at save, compared on resume (with the data settings)
         self.root = checkpoint_root(cfg, run_dir)
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"checkpoint.dir={self.root} is a file, not a directory: choose another checkpoint.dir.")
         # A gloo group of its own: DCP's collectives (from a background thread for async saves, and on
         # CPU tensors) never interleave with the training collectives.
         self.group = None
+        self.poll_group = None  # where the ranks agree that a background save has ended (self.group may be busy)
         if ps.is_distributed:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+            timeout = timedelta(seconds=cfg.parallel.timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            if c.async_save:
+                self.poll_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: PendingSave | None = None
         self.last_saved_step: int | None = None
         self.last_save: dict | None = None  # what the latest published save cost (rank 0)
@@ -228,10 +283,6 @@ class Checkpointer:
         dist.all_gather_object(problems, problem, group=self.group)
         return next((p for p in problems if p is not None), None)
 
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
     # ---- which checkpoint a run starts from ---------------------------------------------------
 
     def start_point(self) -> tuple[str, list[Path]]:
@@ -244,7 +295,15 @@ class Checkpointer:
                 return "resume", own
             if self.cfg.checkpoint.load:
                 path = resolve_checkpoint(self.cfg.checkpoint.load)
-                return ("weights" if self.cfg.checkpoint.load_weights_only else "load"), [path]
+                if self.cfg.checkpoint.load_weights_only:
+                    return "weights", [path]
+                if holds_weights_only(path):  # nothing to resume but the weights: the optimizer starts afresh
+                    log.warning(
+                        f"checkpoint.load={path} holds weights only (no optimizer state, as `optimus checkpoint "
+                        "import` writes): starting a new run from them at step 0 with fresh optimizer state."
+                    )
+                    return "weights", [path]
+                return "load", [path]
             return "fresh", []
 
         return self._from_main(decide)
@@ -273,23 +332,29 @@ class Checkpointer:
         started = time.perf_counter() if started is None else started
         self.wait()  # one save in flight at a time
         tmp = self.root / (step_dir_name(step) + TMP_SUFFIX)
+        failed = None
         if self.ps.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()  # every rank sees the fresh directory before writing into it
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                failed = err
+        self._stop_if_failed(step, tmp, failed)  # and every rank sees the fresh directory before writing into it
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
         no_dist = self.group is None
         self.last_saved_step = step
-        if self.cfg.checkpoint.async_save and not block:
+        try:  # DCP hands every rank the same CheckpointException when any rank failed
             with no_single_process_warning():
-                future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-            self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
-            return
-        with no_single_process_warning():
-            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-        digests = self._gather_digests(hash_files(tmp, self.ps.rank, self.ps.world_size))
+                if self.cfg.checkpoint.async_save and not block:
+                    future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+                    self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
+                    return
+                dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+        except (Exception, CheckpointException) as err:
+            failed = err
+        digests = None if failed else self._gather_digests(hash_files(tmp, self.ps.rank, self.ps.world_size))
         elapsed = time.perf_counter() - started
-        self._publish(step, tmp, elapsed, elapsed, digests)
+        self._finish(step, tmp, failed, elapsed, elapsed, digests)
 
     def _gather_digests(self, mine: dict[str, str]) -> dict[str, str]:
         """Every rank hashed a share of the files; rank 0 gets them all."""
@@ -300,21 +365,62 @@ class Checkpointer:
         return {name: digest for share in shares for name, digest in share.items()}
 
     def poll(self, block: bool = False) -> None:
-        """Publish a finished background save (wait for it with `block`). Holds no collectives."""
+        """Publish a background save once it has ended on every rank (wait for it with `block`); one that
+        failed ends the run. Every rank calls it at the same step."""
         p = self.pending
-        if p is None or not (block or p.future.done()):
+        if p is None or not (block or self._ended_everywhere(p)):
             return
         self.pending = None
+        failed = None
         try:
             p.future.result()
-        except (Exception, CheckpointException) as err:  # the file system failed; the previous one stays latest
-            if self.ps.is_main:
-                log.warning(f"checkpoint of step {p.step} failed ({err}); the previous one stays the latest.")
-            return
-        self._publish(p.step, p.tmp, time.perf_counter() - p.started, p.blocking_s)
+        except (Exception, CheckpointException) as err:
+            failed = err
+        self._finish(p.step, p.tmp, failed, time.perf_counter() - p.started, p.blocking_s)
+
+    def _ended_everywhere(self, pending: PendingSave) -> bool:
+        """Whether the background save has ended on every rank: the same answer on all of them."""
+        ended = torch.tensor([int(pending.future.done())])
+        if self.poll_group is not None:
+            dist.all_reduce(ended, op=dist.ReduceOp.MIN, group=self.poll_group)
+        return bool(ended.item())
 
     def wait(self) -> None:
         self.poll(block=True)
+
+    def _finish(
+        self, step: int, tmp: Path, failed: BaseException | None, total_s: float, blocking_s: float, digests=None
+    ):
+        """Publish the written checkpoint, unless writing it failed (`failed`, on any rank); publishing can fail too."""
+        if failed is None and self.ps.is_main:
+            try:
+                self._publish(step, tmp, total_s, blocking_s, digests)
+            except OSError as err:
+                failed = err
+        self._stop_if_failed(step, tmp, failed)
+
+    def _stop_if_failed(self, step: int, tmp: Path, failed: BaseException | None) -> None:
+        """When saving `step` failed on any rank (`failed`: this rank's error, or None), remove what was written
+        into `tmp` and end the run on every rank with CheckpointWriteError."""
+        mine = None if failed is None else self._failure_message(step, *write_failure(failed, self.root))
+        message = self._first_problem(mine)
+        if message is None:
+            return
+        if self.ps.is_main:  # never published (or, if only `latest` failed, published whole and not named)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (self.root / (LATEST + TMP_SUFFIX)).unlink(missing_ok=True)
+        raise CheckpointWriteError(message)
+
+    def _failure_message(self, step: int, cause: str, remedy: str) -> str:
+        """One sentence: what failed, why, and the checkpoint the same command would resume from."""
+        good = candidates(self.root)  # what the same command would resume from
+        if good:
+            last = f"the last good checkpoint is step {_step_of(good[0])} ({good[0]}): {remedy} and run the same "
+            return f"checkpoint of step {step} could not be written: {cause}; {last}command to resume from it."
+        return (
+            f"checkpoint of step {step} could not be written: {cause}; no checkpoint of this run was saved "
+            f"before it: {remedy} and run the command again."
+        )
 
     def _publish(self, step: int, tmp: Path, total_s: float, blocking_s: float, digests=None) -> None:
         """Rank 0: record checksums, rename the finished directory, move `latest`, drop checkpoints beyond `keep`.
@@ -326,7 +432,7 @@ class Checkpointer:
             "step": step, "world": ps.world_size, "pp": ps.pp, "dp": ps.dp, "ep": ps.ep, "tp": ps.tp,
             "sharding": self.cfg.optim.sharding,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
-            "run": run_identity(self.cfg, self.tokenizer_id),
+            "run": run_identity(self.cfg, self.data_identity),
             "files": digests if digests is not None else hash_files(tmp),
         }  # fmt: skip
         _write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
@@ -353,10 +459,13 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
-        self.wait()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        try:
+            self.wait()
+        finally:
+            for group in (self.group, self.poll_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
+            self.group = self.poll_group = None
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -365,7 +474,7 @@ class Checkpointer:
         other settings is a ConfigError; the files' checksums are verified by the ranks in parallel."""
 
         def on_main():
-            problem, metadata = inspect(path)
+            problem, metadata = inspect(path, resume=not weights_only)
             meta = read_meta(path) if problem is None else {}
             if problem is None:
                 self._check_settings(path, meta, weights_only)
@@ -377,7 +486,7 @@ class Checkpointer:
         return problem, metadata
 
     def _check_settings(self, path: Path, meta: dict, weights_only: bool) -> None:
-        changed = changed_setting(meta, self.cfg, self.tokenizer_id, weights_only)
+        changed = changed_setting(meta, self.cfg, self.data_identity, weights_only)
         if changed is None:
             return
         key, saved, now = changed
@@ -386,8 +495,11 @@ class Checkpointer:
                 f"{key} is {now} but checkpoint {path} was saved with {saved}: its weights need the same model "
                 f"shape; set {key}={saved}."
             )
+        # The data's identity is its content, not a setting: what to restore is the data itself.
+        is_data = key.startswith("data.") or key == "tokenizer"
+        restore = "train on the data it was saved with" if is_data else "set it back"
         raise ConfigError(
-            f"{key} changed from {saved} to {now} since the checkpoint {path}: set it back to resume that run, or "
+            f"{key} changed from {saved} to {now} since the checkpoint {path}: {restore} to resume that run, or "
             "start a new one (another run.dir, or run.overwrite=true; checkpoint.load=PATH "
             "checkpoint.load_weights_only=true starts from its weights)."
         )
@@ -481,8 +593,8 @@ class Checkpointer:
         step = saved.get("optim/step")
         by_name = saved_ranges(saved)
         needed = needed_ranges(optimizer, model)
-        if not by_name:  # saved before the first update (torch's AdamW has no state yet)
-            return {}, None
+        if not by_name:
+            return {}, "it holds no optimizer state (give it as checkpoint.load to start a new run from its weights)"
         requests, problem = optimizer_requests(needed, by_name)
         problem = self._first_problem(problem)
         if problem or step is None:

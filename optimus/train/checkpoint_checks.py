@@ -4,10 +4,13 @@ Two records go into a checkpoint's meta.json when it is published:
 
     files     {name: sha256} of every file DCP wrote (.metadata and one .distcp per rank);
               the ranks hash in parallel, each a share of the files, and verify the same way on load
-    run       the settings a resumed run must share with the run that saved it (data, tokenizer,
-              sequence length, global batch, seed); the model's shape is in `model`, as before
+    run       the settings a resumed run must share with the run that saved it (the data's content,
+              tokenizer, sequence length, global batch, seed); the model's shape is in `model`, as before
 
 Learning rate, step count and everything else may change between a save and a resume.
+Only a complete record is trusted (untrusted_record): a meta.json that is unreadable, lacks
+`files` or a checksum of one of the files, or lacks `model` (and, for a resume, `run`) cannot
+vouch for the checkpoint, which is then treated like a corrupt one.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 from optimus.config import OptimusConfig
 from optimus.data.cache import sha256_file
 
-# Settings that define the sample stream: changing one mid-run silently trains on other data.
+# Settings that define the sample stream: changing one mid-run silently trains on other data. The data itself
+# is identified by its tokens' content (DataBundle.identity), not by data.path or data.mix: the same tokens under
+# another path (or the same path given relative) resume, and tokens re-made in place are refused.
 RUN_KEYS = (
-    "train.seq_len", "train.global_batch", "train.seed", "data.name", "data.path", "data.mix",
+    "train.seq_len", "train.global_batch", "train.seed", "data.name",
     "data.text_field", "data.hf_split", "data.hf_config", "data.val_fraction", "data.max_chars",
 )  # fmt: skip
 # Keys that change the tensors' shapes: a checkpoint's weights cannot go into a model that differs in one.
@@ -48,15 +53,15 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: list(v) if hasattr(v, "__iter__") else str(v)))
 
 
-def run_identity(cfg: OptimusConfig, tokenizer_id: str | None) -> dict[str, Any]:
-    """The `run` record of meta.json."""
+def run_identity(cfg: OptimusConfig, data_identity: dict[str, Any] | None) -> dict[str, Any]:
+    """The `run` record of meta.json: the RUN_KEYS settings and `data_identity`, what identifies the data the
+    run reads (DataBundle.identity: data.tokens, data.mix.weights, tokenizer)."""
     record = {key: _plain(_get(cfg, key)) for key in RUN_KEYS}
-    record["tokenizer"] = tokenizer_id
-    return record
+    return {**record, **_plain(data_identity or {})}
 
 
 def changed_setting(
-    meta: dict, cfg: OptimusConfig, tokenizer_id: str | None, weights_only: bool
+    meta: dict, cfg: OptimusConfig, data_identity: dict[str, Any] | None, weights_only: bool
 ) -> tuple[str, Any, Any] | None:
     """(key, saved value, value now) of the first setting that differs from checkpoint `meta`, or None.
     Checkpoints that did not record a setting are not held to it."""
@@ -64,8 +69,8 @@ def changed_setting(
     pairs = [(f"model.{k}", _get(meta.get("model") or {}, k), _get(cfg.model, k)) for k in model_keys]
     if not weights_only:
         saved_run = meta.get("run") or {}
-        now = run_identity(cfg, tokenizer_id)
-        pairs += [(k, saved_run.get(k, now[k]), now[k]) for k in (*RUN_KEYS, "tokenizer")]
+        now = run_identity(cfg, data_identity)
+        pairs += [(k, saved_run.get(k, now[k]), now[k]) for k in now]
     for key, saved, current in pairs:
         if saved is not None and current is not None and _plain(saved) != _plain(current):
             return key, saved, current
@@ -87,6 +92,25 @@ def verify_files(directory: Path, meta: dict, rank: int = 0, world: int = 1) -> 
             return f"{path} is missing"
         if sha256_file(path) != digest:
             return f"{path} does not match the checksum in its meta.json (the file is corrupt)"
+    return None
+
+
+def untrusted_record(directory: Path, written: set[str], resume: bool = False) -> str | None:
+    """Why the meta.json of `directory` cannot vouch for the files DCP `written` there, or None: it must
+    parse, hold a checksum of each of them and the model's settings (with `resume`, the run's as well)."""
+    path = directory / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        return f"{path} is unreadable ({type(err).__name__}), so nothing vouches for its files"
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        return f'{path} has no "files" checksums, so nothing vouches for its files'
+    unlisted = sorted(written - meta["files"].keys())
+    if unlisted:
+        return f"{path} has no checksum of {unlisted[0]}, so nothing vouches for that file"
+    for record in ("model", "run") if resume else ("model",):
+        if not isinstance(meta.get(record), dict):
+            return f'{path} has no "{record}" record of the settings it was saved with'
     return None
 
 

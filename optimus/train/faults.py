@@ -2,9 +2,15 @@
 
 Both are decided together, once per step, in the all-reduce that already averages
 the step's losses (`StepFlags`): every rank adds its losses, a 1 in its own slot
-when its loss is not finite, and a 1 when it received a stop signal. After the
-reduction every rank knows the same things, so all of them skip the same steps
-and stop at the same step boundary, without an extra collective.
+when its loss is not finite, a 1 when it received a stop signal, and a 1 when its
+parameters (as the previous update left them) are not finite. After the reduction
+every rank knows the same things, so all of them skip the same steps and stop at
+the same step boundary, without an extra collective.
+
+A step with a non-finite loss or gradient norm is skipped (no update); non-finite
+parameters cannot be skipped past, so they end the run at once (`TrainingDiverged`).
+The last update of a run, and the one before each checkpoint, is checked before the
+checkpoint is written (`parameters_finite_on_every_rank`), so no checkpoint keeps them.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.nn.utils import get_total_norm
+
+from optimus.parallel.tensor_parallel import local_tensor
 
 # What PBS (qdel, walltime) and SLURM (--signal, preemption) send before they kill a job, and Ctrl-C.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -59,26 +69,48 @@ class StepFlags:
     means: list[float]  # loss, lm_loss, aux_loss, z_loss averaged over the global batch
     nonfinite_ranks: list[int]  # ranks whose loss was not finite
     stop: bool  # some rank received a stop signal
+    nonfinite_params: bool  # some rank's parameters were not finite when the step began
 
 
-def pack_step_flags(sums_4: torch.Tensor, rank: int, world_size: int, stop: bool) -> torch.Tensor:
-    """[4 + world + 1]: this rank's loss sums, a one-hot of rank if they are not finite, the stop flag."""
+def pack_step_flags(
+    sums_4: torch.Tensor, rank: int, world_size: int, stop: bool, params_finite: torch.Tensor | bool = True
+) -> torch.Tensor:
+    """[4 + world + 2]: this rank's loss sums, a one-hot of rank if they are not finite, the stop flag, and a
+    flag for its parameters (`params_finite`: from `parameters_finite`) not being finite."""
     bad = (~torch.isfinite(sums_4).all()).to(sums_4.dtype)
     flags_W = torch.zeros(world_size, dtype=sums_4.dtype, device=sums_4.device)
     flags_W[rank] = bad
     stop_1 = torch.full((1,), float(stop), dtype=sums_4.dtype, device=sums_4.device)
-    return torch.cat([sums_4, flags_W, stop_1])
+    params_bad_1 = (~torch.as_tensor(params_finite, device=sums_4.device)).to(sums_4.dtype).reshape(1)
+    return torch.cat([sums_4, flags_W, stop_1, params_bad_1])
 
 
 def unpack_step_flags(reduced: torch.Tensor, n_micro_batches: int) -> StepFlags:
     """`n_micro_batches` = micro-batches over all ranks (the loss sums become global means)."""
     values = reduced.tolist()
-    world = len(values) - 5
+    world = len(values) - 6
     return StepFlags(
         means=[v / n_micro_batches for v in values[:4]],
         nonfinite_ranks=[r for r in range(world) if values[4 + r] > 0],
-        stop=values[-1] > 0,
+        stop=values[-2] > 0,
+        nonfinite_params=values[-1] > 0,
     )
+
+
+def parameters_finite(model: torch.nn.Module) -> torch.Tensor:
+    """A bool scalar on the parameters' device: every value this rank holds of the parameters is finite (the
+    largest magnitude, one fused pass per dtype, is nan or inf otherwise). The caller makes sure the optimizer
+    has finished writing them (optimizer.wait_for_params())."""
+    params = [local_tensor(p).detach() for p in model.parameters()]
+    return torch.isfinite(get_total_norm(params, float("inf")))
+
+
+def parameters_finite_on_every_rank(model: torch.nn.Module) -> bool:
+    """`parameters_finite` agreed over all ranks (one all-reduce): where a checkpoint is about to keep them."""
+    bad = (~parameters_finite(model)).to(torch.float32).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return bad.item() == 0
 
 
 def discard_gradients(optimizer) -> None:
@@ -93,7 +125,16 @@ def discard_gradients(optimizer) -> None:
 
 
 class TrainingDiverged(RuntimeError):
-    """More steps in a row than train.max_skipped_steps had a non-finite loss or gradient."""
+    """More steps in a row than train.max_skipped_steps had a non-finite loss or gradient, or an update left
+    non-finite parameters."""
+
+
+def nonfinite_parameters_message(step: int) -> str:
+    return (
+        f"the parameters were not finite (nan or inf) after the update of step {step}, which skipping steps "
+        "cannot undo: no checkpoint of them was saved, so lower optim.lr (or check the other optim.* settings) "
+        "and resume from the last checkpoint."
+    )
 
 
 def too_many_skipped_message(in_row: int, limit: int, ranks: list[int], world_size: int) -> str:

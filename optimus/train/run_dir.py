@@ -1,12 +1,18 @@
-"""Choosing and creating the run directory, the same one on every rank."""
+"""Choosing, creating and claiming the run directory, the same one on every rank."""
 
 from __future__ import annotations
 
+import atexit
+import errno
 import json
 import math
 import os
 import shutil
+import signal
+import socket
+import threading
 import time
+from fcntl import LOCK_EX, LOCK_NB, flock
 from pathlib import Path
 
 import torch.distributed as dist
@@ -78,12 +84,231 @@ def clear_run(cfg: OptimusConfig, run_dir: Path) -> None:
         (root / LATEST).unlink(missing_ok=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# The claim: one run at a time in a run directory (a job requeued while its predecessor still runs, a second
+# command started by mistake). Rank 0 holds it from before it touches the directory until the run ends.
+#
+# CLAIM_FILE records the holder's host and pid; the holder touches it every HEARTBEAT_S (its heartbeat). Where
+# flock works, the holder also holds an flock on it, which the kernel (or the file system's lock manager) drops
+# when the process dies, however it dies. Lustre (Aurora, Frontier) gives flock only on mounts with the `flock`
+# option: elsewhere it fails (ENOSYS and kin) or, with `localflock`, locks only on its own node. So a claim
+# file is also held while its heartbeat is fresh, unless its holder ran on this host and its pid has ended;
+# a successor breaks it once the heartbeat is STALE_AFTER_S old.
+
+CLAIM_FILE = ".optimus-claim"
+HEARTBEAT_S = 15.0
+STALE_AFTER_S = 4 * HEARTBEAT_S  # several beats missed: the holder is gone (or stopped)
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # flock is not offered on this file system
+_HOST = socket.gethostname()
+
+
+class RunClaim:
+    """This process's claim on a run directory: the open claim file (and its flock, where flock works) and the
+    thread that beats its heartbeat."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="optimus-run-claim", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.fd)  # this file, even if a successor has replaced the path meanwhile
+            except OSError:
+                pass  # a passing file-system error: the next beat tries again
+
+    def release(self) -> None:
+        self._stop.set()
+        self._beat.join()
+        if _is_current(self.fd, self.path):
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)  # drops the flock after the file is gone
+
+
+_claims: dict[Path, RunClaim] = {}  # the run directories this process holds
+_previous_sigterm: list = []  # the SIGTERM handler the claim replaced (see _release_on_sigterm)
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """The open file `fd` is still the one at `path` (not removed, nor replaced by a successor's)."""
+    try:
+        on_disk, held = path.stat(), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _holder_record() -> bytes:
+    return json.dumps({"host": _HOST, "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+
+
+def _create(path: Path) -> int | None:
+    """Create the claim file, holder record included, in one atomic step (a hard link, which network file
+    systems also make atomically): its descriptor, or None when the file exists."""
+    staged = path.with_name(f"{path.name}.{_HOST}.{os.getpid()}.tmp")
+    staged.write_bytes(_holder_record())
+    try:
+        os.link(staged, path)
+    except FileExistsError:
+        return None
+    except OSError:  # a file system without hard links: create it exclusively, then write the record
+        return _create_exclusively(path)
+    finally:
+        staged.unlink()
+    return os.open(path, os.O_RDWR)
+
+
+def _create_exclusively(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    os.write(fd, _holder_record())
+    return fd
+
+
+def _read_holder(fd: int) -> dict | None:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0))
+        return record if isinstance(record, dict) and isinstance(record.get("pid"), int) and "host" in record else None
+    except (OSError, ValueError):
+        return None  # being rewritten by a successor that took over the file
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # a record left by an earlier process that had this pid: this process holds no claim here
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _held_by_another(fd: int, flocked: bool) -> bool:
+    """Whether another run holds this existing claim file (False: it may be taken over)."""
+    holder = _read_holder(fd)
+    if holder and holder["host"] == _HOST and (flocked or not _pid_alive(holder["pid"])):
+        return False  # our flock, or the holder's ended pid, proves it gone
+    return time.time() - os.fstat(fd).st_mtime < STALE_AFTER_S  # its heartbeat
+
+
+def _flock(fd: int) -> bool | None:
+    """True: this process now holds the flock; False: flock is not available here; None: another holds it."""
+    try:
+        flock(fd, LOCK_EX | LOCK_NB)
+    except BlockingIOError:
+        return None
+    except OSError as err:
+        if err.errno not in _NO_FLOCK:
+            raise
+        return False
+    return True
+
+
+def _busy(run_dir: Path, holder: dict | None) -> ConfigError:
+    if holder:
+        since = f", since {holder['since']}" if "since" in holder else ""
+        who = f"another run (pid {holder['pid']} on host {holder['host']}{since})"
+    else:
+        who = "another run that has not recorded its host and pid yet"
+    return ConfigError(f"run.dir={run_dir} is in use by {who}: wait until it ends, or choose another run.dir.")
+
+
+def _try_claim(run_dir: Path, path: Path) -> RunClaim | ConfigError | None:
+    """One attempt; None when the file changed under it (released, or broken by another) and it is worth
+    another look."""
+    fd = _create(path)
+    created = fd is not None
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+    try:
+        flocked = _flock(fd)
+        if flocked is None:
+            holder = _read_holder(fd)
+            os.close(fd)
+            return _busy(run_dir, holder)
+        if not _is_current(fd, path):
+            os.close(fd)
+            return None
+        if not created:
+            if _held_by_another(fd, flocked):
+                holder = _read_holder(fd)
+                os.close(fd)
+                return _busy(run_dir, holder)
+            if not flocked:  # a stale claim without flock: remove it, then create ours atomically
+                if _is_current(fd, path):  # (two successors breaking the same stale claim: one removes it)
+                    path.unlink(missing_ok=True)
+                os.close(fd)
+                return None
+            record = _holder_record()  # flocked: the file is ours; its record names us from now on
+            os.pwrite(fd, record, 0)
+            os.ftruncate(fd, len(record))
+        os.utime(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunClaim(path, fd)
+
+
+def claim_run_dir(run_dir: Path) -> ConfigError | None:
+    """Claim run_dir for this process, or say which run holds it."""
+    key = run_dir.resolve()
+    if key in _claims:
+        return None  # this process holds it already (a second Trainer of the same run)
+    try:
+        for _ in range(3):  # a claim released or broken while we looked: look again
+            outcome = _try_claim(run_dir, key / CLAIM_FILE)
+            if isinstance(outcome, ConfigError):
+                return outcome
+            if outcome is not None:
+                if not _claims:
+                    _release_on_sigterm()
+                _claims[key] = outcome
+                return None
+    except OSError as err:
+        return ConfigError(
+            f"run.dir={run_dir} cannot be claimed for this run ({err.strerror}): choose a run.dir where you may "
+            "create files."
+        )
+    return _busy(run_dir, None)
+
+
+def release_claims() -> None:
+    """Give up every run directory this process holds (the end of a run, or a failed start)."""
+    while _claims:
+        _claims.popitem()[1].release()
+    while _previous_sigterm:
+        handler = _previous_sigterm.pop()
+        if signal.getsignal(signal.SIGTERM) is _terminate_after_release:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _terminate_after_release(signum, frame) -> None:
+    release_claims()  # puts back the default action
+    os.kill(os.getpid(), signum)
+
+
+def _release_on_sigterm() -> None:
+    """SIGTERM before the trainer turns it into a stop at a step boundary (or after): release, then end as
+    SIGTERM would. Other deaths leave the file to the rules above."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        _previous_sigterm.append(signal.signal(signal.SIGTERM, _terminate_after_release))
+
+
+atexit.register(release_claims)
+
+
 def _make_run_dir(cfg: OptimusConfig, run_dir: Path) -> Path | ConfigError:
     if run_dir.exists() and not run_dir.is_dir():
         return ConfigError(f"run.dir={run_dir} is a file, not a directory: choose another run.dir.")
-    problem = _refuse_reuse(cfg, run_dir)
-    if problem:
-        return ConfigError(problem)
     try:
         if not run_dir.exists():
             run_dir.mkdir(parents=True)
@@ -95,13 +320,21 @@ def _make_run_dir(cfg: OptimusConfig, run_dir: Path) -> Path | ConfigError:
         return ConfigError(
             f"run.dir={run_dir} cannot be written ({err.strerror}): choose a run.dir where you may write files."
         )
+    busy = claim_run_dir(run_dir)  # before this run reads or writes anything of the directory's
+    if busy:
+        return busy
+    problem = _refuse_reuse(cfg, run_dir)
+    if problem:
+        release_claims()
+        return ConfigError(problem)
     if cfg.run.overwrite and (holds_run(run_dir) or has_checkpoint(checkpoint_root(cfg, run_dir))):
         clear_run(cfg, run_dir)
     return run_dir.resolve()
 
 
 def remove_if_empty() -> None:
-    """After a failed start: drop the run directories this process created and left empty."""
+    """After a failed start: give up the claim, and drop the run directories this process created and left empty."""
+    release_claims()
     while _created:
         path = _created.pop()
         try:

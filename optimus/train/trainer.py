@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from optimus.model.loss import vocab_parallel_cross_entropy
 from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
+from optimus.parallel.collective_check import check_collectives
+from optimus.parallel.collective_trace import CollectiveTrace, write_trace
 from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids, stage_sizes
 from optimus.platform import (
     Platform,
@@ -46,14 +48,18 @@ from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,
     discard_gradients,
+    nonfinite_parameters_message,
     pack_step_flags,
+    parameters_finite,
+    parameters_finite_on_every_rank,
     too_many_skipped_message,
     unpack_step_flags,
 )
+from optimus.train.host_syncs import HostSyncCounter
 from optimus.train.intervals import due_every
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import param_dtype
-from optimus.train.run_dir import resolve_run_dir, resume_hint, truncate_metrics
+from optimus.train.run_dir import release_claims, resolve_run_dir, resume_hint, truncate_metrics
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
@@ -122,6 +128,9 @@ class Trainer:
         validate(cfg, self.ps.world_size)
         cfg.train.dtype = resolve_dtype(cfg.train.dtype, self.platform.device_type)  # recorded in config.yaml
         self.accum = grad_accum_steps(cfg, self.ps.data_parallel)  # micro-batches per rank and step
+        if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
+            compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+            check_collectives(self.ps, self.platform.device, compute_dtype, p.dispatcher)
         self.run_dir = resolve_run_dir(cfg, self.ps)
         self.device = self.platform.device
 
@@ -142,7 +151,7 @@ class Trainer:
         # Where the run starts: its own latest checkpoint, else checkpoint.load. Weights-only loads come
         # before the optimizer is built, since it takes its own copy of the parameters.
         self.checkpointer = Checkpointer(
-            cfg, self.run_dir, self.ps, self.platform.device_type, tokenizer_id=self.data.tokenizer_id
+            cfg, self.run_dir, self.ps, self.platform.device_type, data_identity=self.data.identity
         )
         start_mode, start_paths = self.checkpointer.start_point()
         if start_mode == "weights":
@@ -167,6 +176,8 @@ class Trainer:
         attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
         p = cfg.profile
         self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
+        self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
+        self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
 
         # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
         t, data_rank, data_world = cfg.train, self.ps.data_rank, self.ps.data_parallel
@@ -279,8 +290,11 @@ class Trainer:
         router_losses_M3 = self.router_stats.micro_batch_means(len(micro_batches), ps.pp_group)
         sums_4 = step_loss_sums(lm_losses_M, router_losses_M3, cfg.model.moe)
         counts_LE = self.router_stats.tokens_per_expert()  # [L, E] or None
-        # One reduction agrees on the losses, on which ranks saw a non-finite loss, and on a stop signal.
-        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested)
+        # One reduction agrees on the losses, on which ranks saw a non-finite loss, on a stop signal, and on
+        # whether the last update left non-finite parameters (the forward has waited for their all-gathers).
+        self.optimizer.wait_for_params()
+        params_finite = parameters_finite(self.model)
+        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested, params_finite)
         if ps.pp_rank > 0:
             flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
         # The tp ranks of a group hold the same LM loss and each a 1/tp share's router losses: their mean
@@ -290,11 +304,14 @@ class Trainer:
             if counts_LE is not None:
                 dist.all_reduce(counts_LE)
         agreed = unpack_step_flags(flags, self.accum * ps.stage_size)
+        if agreed.nonfinite_params:  # every rank stops here
+            discard_gradients(self.optimizer)
+            raise TrainingDiverged(nonfinite_parameters_message(self.step))
         self.stop_agreed = agreed.stop
         means = agreed.means
 
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
-        with timers("optimizer"):
+        with timers("optimizer"), self._collectives_phase("optimizer"):
             if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
                 discard_gradients(self.optimizer)
                 grad_norm = float("nan")
@@ -317,6 +334,28 @@ class Trainer:
             record["nonfinite_ranks"] = agreed.nonfinite_ranks
         if self.pipeline is not None and timers:  # profile.timers: each stage's forward + backward seconds
             record["stage_time_s"] = self.pipeline.pop_stage_seconds()
+        return record
+
+    def _collectives_phase(self, label: str):
+        return self.collectives.phase(label) if self.collectives is not None else nullcontext()
+
+    def _traced_step(self) -> dict:
+        """train_step; the process's first step records its collectives (profile.collectives) and its host
+        synchronisations (profile.host_syncs) into the run directory."""
+        recorders = [r for r in (self.collectives, self.host_syncs) if r is not None]
+        if not recorders:
+            return self.train_step()
+        with ExitStack() as stack:
+            for recorder in recorders:
+                stack.enter_context(recorder)
+            record = self.train_step()
+        name = f"rank{self.ps.rank}.json"
+        if self.collectives is not None:
+            write_trace(self.collectives.calls, self.run_dir / "collectives" / name)
+        if self.host_syncs is not None:
+            (self.run_dir / "host_syncs").mkdir(exist_ok=True)
+            write_json_atomic(self.run_dir / "host_syncs" / name, self.host_syncs.as_list())
+        self.collectives = self.host_syncs = None  # one step is recorded
         return record
 
     @torch.no_grad()
@@ -436,7 +475,7 @@ class Trainer:
                 trace.before_step(self.step + 1)
                 self.timers.pop_totals()  # drop what evaluation timed (its dispatches)
                 start = time.perf_counter()
-                record = self.train_step()
+                record = self._traced_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 if record_memory:  # the first step of this process has run every kind of allocation once
@@ -475,12 +514,16 @@ class Trainer:
             self.optimizer.wait_for_params()  # the model is the caller's after fit(): fully updated
             self.checkpointer.close()  # waits for a background save
             self._report_checkpoint(bar)
+        except TrainingDiverged:  # every rank stops at the same step; a save still in flight holds earlier,
+            self.checkpointer.wait()  # finite parameters: finish and publish it rather than lose it
+            raise
         finally:
             self.stop_signal.restore()
             trace.close()
             bar.close()
             metrics.close()
             self.loader.close()
+            release_claims()  # the run is over: another may use its directory
         summary.update(steps=self.step, run_dir=str(self.run_dir))
         return summary
 
@@ -494,7 +537,12 @@ class Trainer:
     def _checkpoint_boundary(self, bar: tqdm) -> bool:
         """Publish finished background saves, save when due; True when the ranks agreed to stop."""
         self.checkpointer.poll()
-        if self.stop_agreed or self.checkpointer.due(self.step, self.cfg.train.steps):
+        saving = self.stop_agreed or self.checkpointer.due(self.step, self.cfg.train.steps)
+        if saving or self.step == self.cfg.train.steps:  # the next step's flags would check this update: too late
+            self.optimizer.wait_for_params()
+            if not parameters_finite_on_every_rank(self.model):
+                raise TrainingDiverged(nonfinite_parameters_message(self.step))
+        if saving:
             self.save_checkpoint(block=self.stop_agreed)  # a stopping job must not exit mid-write
         self._report_checkpoint(bar)
         if self.stop_agreed:

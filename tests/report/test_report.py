@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from optimus.cli import main
 from optimus.config import OptimusConfig
 from optimus.report import ReportError, build_report
+from tests.unchanged import unchanged
 
 SEQ_LEN = 100
 
@@ -175,3 +176,22 @@ def test_an_out_that_is_a_file_is_one_sentence(tmp_path, capsys):
     (tmp_path / "out").write_text("")
     assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
     assert "choose another --out" in capsys.readouterr().err
+
+
+def test_an_earlier_report_is_replaced_only_with_overwrite(tmp_path, capsys):
+    timed = make_run(tmp_path, "timed", 1, 1, 16, [1.0, 1.0, 1.0], timers=[{"time_forward_s": 0.5}] * 3)
+    plain = make_run(tmp_path, "plain", 1, 1, 16, [1.0, 1.0, 1.0])
+    out = tmp_path / "out"
+    assert main(["report", str(timed), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("the user's own file")
+    capsys.readouterr()
+    with unchanged(tmp_path):
+        assert main(["report", str(plain), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a report (report.md" in err and "--overwrite" in err and "Traceback" not in err
+
+    assert main(["report", str(plain), "--out", str(out), "--overwrite"]) == 0
+    assert str(plain) in (out / "report.md").read_text() and str(timed) not in (out / "report.md").read_text()
+    names = sorted(p.name for p in out.iterdir())  # the old breakdown.png goes with the report it belonged to
+    assert names == ["efficiency.png", "notes.txt", "report.csv", "report.json", "report.md", "throughput.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "plain", "timed"]  # no temporary left

@@ -8,6 +8,7 @@ through hooks in the trainer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.train.faults import StopSignal, pack_step_flags, unpack_step_flags
+from optimus.train.faults import StopSignal, TrainingDiverged, pack_step_flags, parameters_finite, unpack_step_flags
 from tests.conftest import SMALL_MODEL_RUN
 from tests.distributed import DistributedTestError, run_distributed
 
@@ -41,10 +42,24 @@ def read_metrics(run_dir) -> list[dict]:
 def test_step_flags_pack_and_unpack():
     sums = torch.tensor([4.0, 3.0, 2.0, float("nan")])
     packed = pack_step_flags(sums, rank=2, world_size=3, stop=True)
-    assert packed.shape == (8,) and packed[4:].tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert packed.shape == (9,) and packed[4:].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
     agreed = unpack_step_flags(packed + pack_step_flags(torch.ones(4), 0, 3, False), n_micro_batches=2)
-    assert agreed.nonfinite_ranks == [2] and agreed.stop
+    assert agreed.nonfinite_ranks == [2] and agreed.stop and not agreed.nonfinite_params
     assert agreed.means[:3] == [2.5, 2.0, 1.5]
+    params_bad = pack_step_flags(torch.ones(4), 1, 3, False, params_finite=torch.tensor(False))
+    agreed = unpack_step_flags(packed + params_bad, n_micro_batches=2)
+    assert agreed.nonfinite_params and agreed.nonfinite_ranks == [2] and agreed.stop
+
+
+def test_parameters_finite_sees_one_nan_or_inf_in_any_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    assert parameters_finite(model).item()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with torch.no_grad():
+            model[1].bias[2] = bad
+        assert not parameters_finite(model).item()
+        with torch.no_grad():
+            model[1].bias[2] = 0.0
 
 
 def test_stop_signal_sets_a_flag_instead_of_killing():
@@ -277,3 +292,107 @@ def test_nonfinite_loss_on_the_last_pipeline_stage_is_skipped_on_every_stage(tmp
     for snapshots in results:  # the first stage, whose own loss was finite, skipped the update as well
         assert snapshots[1] == snapshots[0], "step 2 changed the stage"
         assert snapshots[2] != snapshots[1], "step 3 did not train"
+
+
+# ---- parameters that an update left non-finite ------------------------------------------------------------
+
+
+def poison_update(bad_update: int, ranks: tuple[int, ...] | None = None):
+    """Patch the optimizer's AdamW update (optimus.optim.sharded.adamw_update) so that its update number
+    `bad_update` writes a nan into the values it updates, on `ranks` (every rank when None): what beta2=1 or
+    an overflowing update does, reached through the real optimizer step."""
+    import optimus.optim.sharded as sharded
+
+    real_update = sharded.adamw_update
+
+    def poisoned(segments, param, grad, m, v, lr, step, *rest):
+        real_update(segments, param, grad, m, v, lr, step, *rest)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if step == bad_update and (ranks is None or rank in ranks):
+            param[0] = float("nan")
+
+    return sharded, "adamw_update", poisoned
+
+
+class SavedWhenWaitedFor:
+    """A background save that has not finished until someone waits for it (then it is written): the run
+    ends while it is still in flight, whatever the machine's speed."""
+
+    def __init__(self, state, kwargs):
+        self.state = {k: v.clone() for k, v in state.items()}  # what async_save stages: later steps change it
+        self.kwargs = kwargs
+
+    def done(self) -> bool:
+        return False
+
+    def result(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from optimus.train.dcp_warning import no_single_process_warning
+
+        with no_single_process_warning():  # as the checkpointer's own calls
+            dcp.save(self.state, **self.kwargs)
+
+
+def test_an_update_that_leaves_nan_parameters_fails_the_run_and_keeps_the_last_checkpoint(
+    tmp_path, corpus_file, monkeypatch, capsys, caplog
+):
+    """The last update of the run goes non-finite: it is caught before its checkpoint is written, the run
+    exits 1 with one sentence, the save of step 2 that was still in flight is published, and rerunning
+    without the fault resumes from it."""
+    import torch.distributed.checkpoint as dcp
+
+    from optimus.cli import main
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.steps=4",
+        "checkpoint.interval=2", "checkpoint.async_save=true",
+    ]  # fmt: skip
+    with monkeypatch.context() as patch:
+        patch.setattr(*poison_update(4))
+        patch.setattr(dcp, "async_save", lambda state, **kwargs: SavedWhenWaitedFor(state, kwargs))
+        assert main(["train", *overrides]) == 1
+        out, err = capsys.readouterr()
+    assert err.strip() == (
+        "optimus: error: the parameters were not finite (nan or inf) after the update of step 4, which skipping "
+        "steps cannot undo: no checkpoint of them was saved, so lower optim.lr (or check the other optim.* "
+        "settings) and resume from the last checkpoint."
+    )
+    assert "Finished" not in out and "Traceback" not in out + err
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000002"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002"]
+    with caplog.at_level(logging.WARNING, logger="optimus.checkpoint"):
+        assert main(["train", *overrides]) == 0  # the same run without the fault
+    assert "step_000002 (step 2;" in caplog.text and "Finished 4 steps" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def nonfinite_update_rank(overrides: list[str], cache: str, bad_rank: int, bad_update: int) -> str:
+    """One rank of a run whose update `bad_update` leaves a nan on `bad_rank` only; returns how it ended."""
+    os.environ["OPTIMUS_CACHE"] = cache
+    torch.set_num_threads(1)
+    import optimus.train.trainer as trainer_module
+    from optimus.cli import load_config
+
+    module, name, poisoned = poison_update(bad_update, ranks=(bad_rank,))
+    setattr(module, name, poisoned)
+    try:
+        trainer_module.Trainer(load_config(overrides)).fit()
+    except TrainingDiverged as err:
+        return str(err)
+    return "finished"
+
+
+def test_nan_parameters_on_one_rank_stop_every_rank_at_the_next_step(tmp_path, corpus_file):
+    """sharding=none: each rank updates its own replica, so only rank 1's goes non-finite; the step flags
+    carry it to rank 0, and both stop at step 4 without saving past step 2."""
+    run_dir = tmp_path / "run"
+    layout = ["parallel.nproc=2", "optim.sharding=none", "train.steps=6", "checkpoint.interval=2"]
+    overrides = [*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout]
+    endings = run_distributed(nonfinite_update_rank, 2, overrides, os.environ["OPTIMUS_CACHE"], 1, 3, timeout_s=180)
+    assert endings == [endings[1]] * 2 and "after the update of step 3," in endings[0]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert not list((run_dir / "checkpoints").glob("step_000004*"))

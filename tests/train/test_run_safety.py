@@ -91,7 +91,7 @@ def test_resuming_with_another_corpus_is_refused(small_run, tmp_path, capsys):
     run_dir, overrides = copy_small_run(small_run, tmp_path)
     other = write_corpus(tmp_path / "other.jsonl", seed=1)
     assert main(["train", *overrides, f"data.path={other}"]) == 2
-    assert "data.path changed from" in error_of(capsys)
+    assert "data.tokens changed from" in error_of(capsys)
 
 
 def test_new_lr_and_more_steps_resume_but_fewer_steps_are_refused(small_run, tmp_path, capsys):

@@ -1,0 +1,164 @@
+"""One run at a time in a run directory (issue 34): rank 0 claims it before it writes anything, a second run is
+refused in one sentence naming the first's host and pid, and the claim ends with the run.
+
+Where flock works the claim is an flock on `.optimus-claim`; where it does not (Lustre without the `flock`
+mount option) the file's heartbeat decides: a fresh one is kept, a stale one (or, on this host, one whose pid
+has ended) is broken.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from optimus.cli import main
+from optimus.config import ConfigError
+from optimus.train import run_dir as run_dir_module
+from optimus.train.run_dir import CLAIM_FILE, STALE_AFTER_S, claim_run_dir, release_claims
+from tests.conftest import SMALL_MODEL_RUN
+from tests.train.test_run_safety import error_of, steps_of
+from tests.unchanged import unchanged
+
+RUN = [
+    *SMALL_MODEL_RUN,
+    "train.micro_batch=4",
+    "train.eval_sequences=8",
+    "train.eval_interval=100000",
+    "checkpoint.interval=2",
+]
+
+
+def run_overrides(corpus_file, run_dir, *extra) -> list[str]:
+    return [*RUN, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *extra]
+
+
+@pytest.fixture
+def no_flock(monkeypatch):
+    """A file system without flock (Lustre mounted without the `flock` option answers ENOSYS, NFS without a
+    lock manager ENOLCK)."""
+
+    def flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_dir_module, "flock", flock)
+
+
+def write_claim(run_dir, host: str, pid: int, age_s: float = 0.0):
+    """A claim file as another run would have left it, its heartbeat `age_s` old."""
+    run_dir.mkdir(exist_ok=True)
+    path = run_dir / CLAIM_FILE
+    path.write_text(json.dumps({"host": host, "pid": pid}))
+    beat = time.time() - age_s
+    os.utime(path, (beat, beat))
+    return path
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="pauses the first run with SIGSTOP")
+def test_a_second_run_is_refused_while_the_first_runs_and_resumes_after_it(tmp_path, corpus_file, capsys):
+    run_dir = tmp_path / "run"
+    overrides = run_overrides(corpus_file, run_dir)
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "optimus", "train", *overrides, "train.steps=100000"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 120
+        while not latest.exists():
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)  # its files stand still while the second run tries
+        try:
+            saved = int(latest.read_text().strip().removeprefix("step_"))
+            # Two ranks (the refusal reaches rank 1 as every rank-0 refusal does), and a step count the first
+            # run's checkpoint could resume to: without the claim this run would take the directory over.
+            with unchanged(run_dir):
+                assert main(["train", *overrides, f"train.steps={saved + 1}", "parallel.nproc=2"]) == 2
+        finally:
+            first.send_signal(signal.SIGCONT)
+        err = error_of(capsys)
+        assert err.count("\n") == 1 and err.startswith(f"optimus: error: run.dir={run_dir} is in use by another run")
+        assert f"(pid {first.pid} on host {socket.gethostname()}, since " in err
+        first.send_signal(signal.SIGTERM)  # saves at the next step boundary, ends, and gives the claim up
+        assert first.wait(timeout=60) == 0, (tmp_path / "first.log").read_text()
+    finally:
+        first.kill()
+        first.wait()
+    assert not (run_dir / CLAIM_FILE).exists()
+    last = steps_of(run_dir)[-1]
+    assert main(["train", *overrides, f"train.steps={last + 1}"]) == 0  # the same command resumes after it
+    assert steps_of(run_dir) == list(range(1, last + 2))
+    assert not (run_dir / CLAIM_FILE).exists()
+
+
+def test_without_flock_a_fresh_claim_of_another_host_refuses_a_run_and_a_stale_one_is_broken(
+    no_flock, tmp_path, corpus_file, capsys
+):
+    run_dir = tmp_path / "run"
+    overrides = run_overrides(corpus_file, run_dir, "train.steps=2")
+    claim = write_claim(run_dir, "other-node", 4242, age_s=STALE_AFTER_S / 2)
+    with unchanged(run_dir):
+        assert main(["train", *overrides]) == 2
+    assert "in use by another run (pid 4242 on host other-node): wait until it ends" in error_of(capsys)
+    write_claim(run_dir, "other-node", 4242, age_s=STALE_AFTER_S + 1)  # its heartbeat stopped
+    assert main(["train", *overrides]) == 0
+    assert steps_of(run_dir) == [1, 2] and not claim.exists()
+
+
+@pytest.mark.parametrize("flock", ["works", "missing"])
+def test_the_heartbeat_decides_for_a_claim_of_another_host(request, tmp_path, flock):
+    """With flock too: on Lustre's `localflock` mounts a lock holds on its own node only."""
+    if flock == "missing":
+        request.getfixturevalue("no_flock")
+    claim = write_claim(tmp_path, "other-node", 4242, age_s=STALE_AFTER_S - 5)
+    with unchanged(tmp_path):
+        busy = claim_run_dir(tmp_path)
+    assert isinstance(busy, ConfigError) and "(pid 4242 on host other-node)" in str(busy)
+    write_claim(tmp_path, "other-node", 4242, age_s=STALE_AFTER_S + 5)
+    try:
+        assert claim_run_dir(tmp_path) is None
+        assert json.loads(claim.read_text())["pid"] == os.getpid()
+    finally:
+        release_claims()
+    assert not claim.exists()
+
+
+def test_without_flock_a_claim_of_this_host_holds_while_its_pid_lives(no_flock, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        write_claim(tmp_path, socket.gethostname(), holder.pid)
+        busy = claim_run_dir(tmp_path)
+        assert isinstance(busy, ConfigError) and f"(pid {holder.pid} on host {socket.gethostname()})" in str(busy)
+    finally:
+        holder.kill()
+        holder.wait()
+    try:
+        assert claim_run_dir(tmp_path) is None  # its pid has ended: broken although the heartbeat is fresh
+    finally:
+        release_claims()
+
+
+def test_without_flock_the_holder_keeps_its_heartbeat_fresh(no_flock, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_dir_module, "HEARTBEAT_S", 0.05)
+    claim = tmp_path / CLAIM_FILE
+    try:
+        assert claim_run_dir(tmp_path) is None
+        os.utime(claim, (0, 0))  # as old as it gets
+        deadline = time.monotonic() + 30
+        while claim.stat().st_mtime == 0:
+            assert time.monotonic() < deadline, "the heartbeat never touched the claim file"
+            time.sleep(0.05)
+    finally:
+        release_claims()
+    assert not claim.exists()
