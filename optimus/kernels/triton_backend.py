@@ -12,13 +12,14 @@ is fixed), so no atomics are needed and results are deterministic.
 import torch
 
 from optimus.kernels import triton_kernels as tk
+from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
 
 
 def _token_segments(token_idx_A: torch.Tensor, n_tokens: int):
     """(assignments sorted by token -> [A], cumulative end of each token's run -> [T], int32)."""
     order_A = torch.argsort(token_idx_A, stable=True)
-    seg_end_T = torch.cumsum(torch.bincount(token_idx_A, minlength=n_tokens), 0)
+    seg_end_T = torch.cumsum(count_ids(token_idx_A, n_tokens), 0)
     return order_A, seg_end_T.to(torch.int32)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from optimus.config import ConfigError
+from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
 from optimus.model.moe.dispatch import SharedExperts, add_shared, run_experts
 from optimus.model.moe.experts import GroupedExperts
@@ -38,7 +39,7 @@ def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
     flat_pos_A = torch.nonzero(mine_NK.reshape(-1), as_tuple=True)[0]
     local_A = local_NK.reshape(-1)[flat_pos_A]
     order_A = torch.sort(local_A, stable=True).indices
-    counts_L = torch.bincount(local_A, minlength=n_local)
+    counts_L = count_ids(local_A, n_local)
     return flat_pos_A[order_A], local_A[order_A], counts_L
 
 

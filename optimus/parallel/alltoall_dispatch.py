@@ -46,14 +46,15 @@ from optimus.parallel.collectives import all_to_all_counts, all_to_all_start
 from optimus.parallel.ep_dispatcher import EPDispatcher
 
 
-def regroup_by_local_expert(counts_PL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def regroup_by_local_expert(counts_PL: torch.Tensor, n_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of received rows (grouped by source rank P, then local expert L) that groups them by L, then P.
 
     Returns (order_R, inverse_R): rows_by_expert = rows[order_R], rows = rows_by_expert[inverse_R].
+    `n_rows` (the received rows, known on the host) spares repeat_interleave reading the counts' sum back.
     """
     n_sources, n_local = counts_PL.shape
     expert_of_block = torch.arange(n_local, device=counts_PL.device).repeat(n_sources)  # [P * L]
-    expert_R = torch.repeat_interleave(expert_of_block, counts_PL.reshape(-1))
+    expert_R = torch.repeat_interleave(expert_of_block, counts_PL.reshape(-1), output_size=n_rows)
     order_R = torch.sort(expert_R, stable=True).indices
     inverse_R = torch.empty_like(order_R)
     inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
@@ -130,7 +131,7 @@ class AllToAllDispatcher(EPDispatcher):
     @staticmethod
     def run_local_experts(experts: GroupedExperts, x_RD: torch.Tensor, recv_counts_PL: torch.Tensor) -> torch.Tensor:
         """Received rows (by source rank, then local expert) through the experts, outputs in the same order."""
-        order_R, inverse_R = regroup_by_local_expert(recv_counts_PL)
+        order_R, inverse_R = regroup_by_local_expert(recv_counts_PL, x_RD.shape[0])
         x_GD = experts.kernels.permute(x_RD, order_R)
         y_GD = run_experts(experts, x_GD, recv_counts_PL.sum(0))
         return experts.kernels.permute(y_GD, inverse_R)

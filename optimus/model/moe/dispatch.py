@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.kernels.counting import count_ids
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
 
@@ -41,7 +42,7 @@ def sort_by_expert(routing: Routing, n_experts: int, tokens: slice = slice(None)
     return Assignments(
         token_idx_A=flat_pos_A // top_k,
         weight_A=routing.weight_TK[tokens].reshape(-1)[flat_pos_A],
-        counts_E=torch.bincount(flat_expert_A, minlength=n_experts),
+        counts_E=count_ids(flat_expert_A, n_experts),
     )
 
 

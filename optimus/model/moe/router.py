@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from optimus.config import MoEConfig
+from optimus.kernels.counting import count_ids
 
 
 @dataclass
@@ -58,7 +59,7 @@ def capacity_keep_mask(
     flat_expert_A = expert_idx_TK.reshape(-1)
     by_weight_A = torch.sort(weight_TK.reshape(-1), descending=True, stable=True).indices
     by_expert_then_weight_A = by_weight_A[torch.sort(flat_expert_A[by_weight_A], stable=True).indices]
-    counts_E = torch.bincount(flat_expert_A, minlength=n_experts)
+    counts_E = count_ids(flat_expert_A, n_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_expert_A = flat_expert_A[by_expert_then_weight_A]
     rank_in_expert_A = torch.arange(flat_expert_A.numel(), device=flat_expert_A.device) - starts_E[sorted_expert_A]
@@ -144,7 +145,7 @@ class Router(nn.Module):
             weight_TK = weight_TK * self.routed_scaling_factor
 
         n_tokens = x_TD.shape[0]
-        tokens_per_expert_E = torch.bincount(expert_idx_TK.reshape(-1), minlength=self.n_experts).float()
+        tokens_per_expert_E = count_ids(expert_idx_TK, self.n_experts).float()
         aux_loss = self._balance_loss(tokens_per_expert_E, n_tokens, probs_TE)
         seq_aux_loss = aux_loss.new_zeros(())
         if self.with_seq_aux_loss:
