@@ -80,9 +80,12 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> 
     """Write the consolidated model of `checkpoint` (a step dir or a checkpoint root) to `out`; returns out."""
     from safetensors.torch import save_file
 
+    from optimus.hf.convert import model_config_of_checkpoint
+
     out = Path(out)
     check_out(out, overwrite)
     path = resolve_checkpoint(checkpoint, key="CKPT")
+    model_config_of_checkpoint(path)  # the config.yaml that travels with the weights agrees with what they are
     state = consolidated_state(path)
     config_yaml = (path / "config.yaml").read_text() if (path / "config.yaml").is_file() else ""
     metadata = {"format": "pt", "optimus_config": config_yaml, "optimus_checkpoint": str(path.resolve())}

@@ -239,6 +239,21 @@ def check_submittable(cfg: OptimusConfig, scheduler: str, account: str | None) -
         )
 
 
+def write_job_script(path: Path, script: str) -> Path:
+    """Write `script` to `path` (job.pbs / job.sbatch in the run directory), whole or not at all. Resubmitting a
+    run (a requeue, a resume) writes there again: an earlier script that differs is kept as job.<n>.pbs (the
+    lowest free n), so the record of what each earlier job ran is never replaced."""
+    if path.exists() and path.read_text() != script:
+        n = 1
+        while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+            n += 1
+        path.rename(kept)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(script)
+    tmp.replace(path)
+    return path
+
+
 def submit(script_path: Path, scheduler: str) -> str:
     """Submit with qsub/sbatch from the current directory (check_submittable has passed); returns the
     scheduler's reply (the job id)."""
@@ -310,8 +325,7 @@ def main(argv: list[str]) -> int:
         return 0
     check_submittable(cfg, scheduler, opts.account)
     run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler writes the job log here
-    script_path = run_dir / f"job{SCHEDULERS[scheduler][1]}"
-    script_path.write_text(script)
+    script_path = write_job_script(run_dir / f"job{SCHEDULERS[scheduler][1]}", script)
     reply = submit(script_path, scheduler)
     print(f"submitted {script_path}: {reply}\n{where}")
     return 0

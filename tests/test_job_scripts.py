@@ -263,6 +263,20 @@ def test_main_submit_writes_into_run_dir_and_calls_sbatch(monkeypatch, capsys, t
     assert "Submitted batch job 4242" in out and str(run_dir / "metrics.jsonl") in out
 
 
+def test_resubmitting_keeps_each_earlier_script_that_differs(tmp_path):
+    path = tmp_path / "job.pbs"
+    job_scripts.write_job_script(path, "first\n")
+    job_scripts.write_job_script(path, "first\n")  # the same script again: nothing to keep
+    job_scripts.write_job_script(path, "second\n")
+    job_scripts.write_job_script(path, "third\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.1.pbs", "job.2.pbs", "job.pbs"]
+    assert [(tmp_path / n).read_text() for n in ("job.1.pbs", "job.2.pbs", "job.pbs")] == [
+        "first\n",
+        "second\n",
+        "third\n",
+    ]
+
+
 def test_submit_without_the_scheduler_command_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     monkeypatch.setenv("PATH", str(tmp_path))  # no qsub anywhere

@@ -13,6 +13,10 @@ import errno
 import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +77,42 @@ def atomic_path(path: Path) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def staging_path(target: Path, kind: str = "tmp") -> Path:
+    """A new name beside `target` for a folder that is written and then renamed to `target`:
+    `.NAME.HOST.PID.RANDOM.KIND`, so that a later writer can tell whether the process that made it still runs."""
+    return target.parent / f".{target.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+
+
+def dead_staging(target: Path) -> list[Path]:
+    """The staging paths beside `target` (of any kind) whose writer ran on this host and runs no longer.
+    Another host's are not listed: nothing here can tell whether its writer still runs."""
+    if not target.parent.is_dir():
+        return []
+    name = re.compile(rf"\.{re.escape(target.name)}\.(?P<host>.+)\.(?P<pid>\d{{1,9}})\.[0-9a-f]{{8}}\.[a-z]+")
+    host = socket.gethostname()
+    found = [(path, name.fullmatch(path.name)) for path in target.parent.iterdir()]
+    return sorted(path for path, m in found if m and m["host"] == host and not _runs(int(m["pid"])))
+
+
+def remove_dead_staging(target: Path) -> None:
+    """Delete what writers of `target` killed on this host left beside it (a whole dataset, a whole model)."""
+    for path in dead_staging(target):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    return True
 
 
 def write_error(what: str, err: OSError, elsewhere: str) -> DataError:

@@ -12,7 +12,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import secrets
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from optimus.data.cache import write_error
+from optimus.data.cache import remove_dead_staging, staging_path, write_error
 from optimus.data.errors import DataError
 from optimus.data.shards import (
     JOURNAL,
@@ -78,12 +77,14 @@ def write_tokens(
     `replaces`: the metadata of the output being overwritten. Only files an earlier prepare made are
     removed or replaced; any other file where a shard or the tokenizer would go stops the job first.
     The shards are written into a temporary sibling of `out_dir` and moved in only once all are complete,
-    so a job that fails (an unreadable input, a full disk) leaves `out_dir` as it found it."""
+    so a job that fails (an unreadable input, a full disk) leaves `out_dir` as it found it; the staging
+    directories of jobs killed on this host are removed when the next job for `out_dir` starts."""
     owned, keep_tokenizer = _check_output(out_dir, info, replaces)
     target = out_dir.resolve()  # a symlinked output: its staging directory goes beside the real one
-    staging = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    staging = staging_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_staging(target)
         staging.mkdir()  # not mkdtemp: its mode 0700 would become the output's
         created = () if keep_tokenizer else (TOKENIZER,)  # the user's identical tokenizer.json stays theirs
         if created:  # written from Python, so a full disk is an OSError like every other write here

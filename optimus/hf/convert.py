@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from omegaconf import OmegaConf
 
 from optimus.config import ConfigError, ModelConfig, OptimusConfig
 from optimus.hf.io import check_out_dir, check_save, from_pretrained, replacing_directory, save_state
-from optimus.train.checkpoint import META
-from optimus.train.checkpoint_checks import hash_files
+from optimus.train.checkpoint import META, inspect
+from optimus.train.checkpoint_checks import hash_files, read_meta
 from optimus.train.checkpoint_state import model_state
 from optimus.train.dcp_warning import no_single_process_warning
 
@@ -26,12 +27,54 @@ DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def model_config_of_checkpoint(path: Path) -> ModelConfig:
-    """The model settings a checkpoint was saved with (its config.yaml)."""
+    """The model that checkpoint `path` holds: the `model` record of its meta.json, taken only once the checks
+    that the checkpoint is whole pass (inspect). Its config.yaml is not covered by the checksums, so it is not
+    trusted for the model, only held to agree with the record (it travels with a safetensors export)."""
+    problem, _ = inspect(path)
+    if problem:
+        raise ConfigError(f"checkpoint {path} cannot be read: {problem}; export another checkpoint.")
+    recorded = _model_config(read_meta(path)["model"], path / META)
     config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise ConfigError(f"checkpoint {path} has no config.yaml: export a checkpoint that Optimus saved.")
-    saved = OmegaConf.load(config_file)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved.get("model", {})))
+    if config_file.exists():
+        try:
+            saved = yaml.safe_load(config_file.read_text())
+        except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"{config_file} is not readable YAML ({first}): restore it, or export another checkpoint."
+            ) from None
+        stated = _model_config(saved.get("model") if isinstance(saved, dict) else None, config_file)
+        differs = _first_difference(asdict(stated), asdict(recorded), "model.")
+        if differs:
+            raise ConfigError(
+                f"{config_file} says {differs[0]}={differs[1]!r} but the checkpoint was saved with {differs[2]!r} "
+                f"(its {META}): restore the config.yaml it was saved with, or export another checkpoint."
+            )
+    return recorded
+
+
+def _model_config(record: Any, source: Path) -> ModelConfig:
+    if not isinstance(record, dict):
+        raise ConfigError(f"{source} has no model settings: restore it, or export another checkpoint.")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), record))
+    except (ValueError, KeyError) as err:  # omegaconf's ValidationError, ConfigKeyError
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"the model settings in {source} are not valid ({first}): restore it, or export another checkpoint."
+        ) from None
+
+
+def _first_difference(stated: dict, recorded: dict, prefix: str) -> tuple[str, Any, Any] | None:
+    """(dotted key, value in `stated`, value in `recorded`) of the first setting where two model records differ."""
+    for key, value in stated.items():
+        if isinstance(value, dict):
+            found = _first_difference(value, recorded[key], f"{prefix}{key}.")
+            if found:
+                return found
+        elif value != recorded[key]:
+            return f"{prefix}{key}", value, recorded[key]
+    return None
 
 
 def export_hf(
@@ -42,9 +85,9 @@ def export_hf(
     tokenizer: Any = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write the model of checkpoint `path` (its full state as `read_state(path)` gives it) as a Hugging Face
-    directory `out`; the output and the tokenizer are checked before the checkpoint is read, so a refusal
-    costs no time and writes nothing."""
+    """Write the model of checkpoint `path` (its full state as `read_state(path)` gives it, checksums checked)
+    as a Hugging Face directory `out`. The checkpoint's record of itself is checked first, then the output and
+    the tokenizer, all before its weights are read, so a refusal costs little time and writes nothing."""
     cfg = model_config_of_checkpoint(path)
     check_save(cfg, Path(out), tokenizer, overwrite)
     return save_state(read_state(path), cfg, out, tokenizer, DTYPES[dtype], overwrite=overwrite)

@@ -46,21 +46,16 @@ def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
 class AllGatherDispatcher(EPDispatcher):
     """Expert-parallel dispatcher built on all_gather_into_tensor and reduce_scatter_tensor."""
 
-    _checked_tokens: int | None = None  # the token count every EP rank was last seen to agree on
-
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
-        """Every EP rank must bring the same number of tokens (the all-gathers below assume it). Checked once per
-        token count this rank sees, not every call: the check is a blocking all-gather read on the host, a stall
-        per layer and micro-batch on a GPU, and training's token count is fixed by its config."""
-        if n_tokens == self._checked_tokens:
-            return
+        """Every EP rank must bring the same number of tokens (the all-gathers below assume it). Checked on every
+        call: a rank-local cache of the last agreed count would let one rank skip the check while a peer with a
+        new count issues it, pairing that check with the peer's data all-gather (a hang where this refuses)."""
         sizes = all_gather_sizes(n_tokens, device, self.group)
         if len(set(sizes)) != 1:
             raise ConfigError(
                 f"parallel.dispatcher=allgather needs the same number of tokens on every EP rank, got {sizes}: "
                 "use the same train.micro_batch and train.seq_len everywhere, or parallel.dispatcher=alltoall."
             )
-        self._checked_tokens = n_tokens
 
     def __call__(
         self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts, shared: SharedExperts | None = None

@@ -5,9 +5,11 @@ functional collectives, torch's pipeline schedules and their send/recv), reaches
 `c10d` (or `_c10d_functional`) operator. `CollectiveTrace` is a TorchDispatchMode that sees those operators
 as they are issued and writes one record per call:
 
-    {"op": "all_to_all", "ranks": [0, 1], "dtype": "bfloat16", "bytes": 65536, "phase": "forward layers.1.moe"}
+    {"op": "all_to_all", "group": "3", "ranks": [0, 1], "dtype": "bfloat16", "bytes": 65536,
+     "phase": "forward layers.1.ffn", "splits": {"send": [161, 95], "recv": [161, 169]}}
 
-`ranks` are the global ranks of the group (for `send` and `recv`: this rank and its peer, in that order);
+`group` is the process group's name (every rank names a group alike: groups are made in one order on all
+ranks); `ranks` are the global ranks of the group (for `send` and `recv`: this rank and its peer, in that order);
 `bytes` is the size of this rank's own input (a reduce-scatter's whole buffer, an all-gather's shard);
 `splits` (all-to-all with split sizes only) lists the rows sent to and received from each member.
 `phase` says where the call was issued: `forward`/`backward` and the innermost module (by its name in the
@@ -89,18 +91,19 @@ def _process_group(named: dict[str, Any]) -> dist.ProcessGroup:
 
 
 # Where each schema keeps this rank's own data (the output of a reduce-scatter or all-gather is derived).
-_INPUT_NAMES = ("input", "input_tensor", "inputs", "input_tensors", "tensors")
+_INPUT_NAMES = ("input", "input_tensor", "inputs", "input_tensors", "tensors", "tensor")
 
 
 def _record(op: str, named: dict[str, Any], phase: str) -> dict:
     group = _process_group(named)
     members = dist.get_process_group_ranks(group)
-    tensors = _tensors(next(named[key] for key in _INPUT_NAMES if key in named))
+    tensors = _tensors(next((named[key] for key in _INPUT_NAMES if key in named), []))
     if op in ("send", "recv"):  # the peer is a group rank; the record names (sender, receiver) globally
         peer = dist.get_global_rank(group, int(named["dst" if op == "send" else "src"]))
         members = [dist.get_rank(), peer] if op == "send" else [peer, dist.get_rank()]
     record = {
         "op": op,
+        "group": group.group_name,  # two groups may hold the same ranks (world and EP when dp = 1)
         "ranks": members,
         "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "none",
         "bytes": sum(t.numel() * t.element_size() for t in tensors),
@@ -205,12 +208,13 @@ def _exchange_agrees(calls_by_rank: dict[int, dict], members: tuple[int, ...]) -
 def mismatches(traces: dict[int, list[dict]]) -> list[str]:
     """For each group whose members (all of them traced) do not issue the same sequence of collectives on it,
     one line naming the group, the ranks and the first call that differs; [] when every group agrees."""
-    by_group: dict[tuple[int, ...], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    by_group: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for rank, calls in traces.items():
         for call in calls:
-            by_group[tuple(call["ranks"])][rank].append(call)
+            by_group[(call["group"], *call["ranks"])][rank].append(call)
     problems = []
-    for members, calls_of in by_group.items():
+    for (_, *members), calls_of in by_group.items():
+        members = tuple(members)
         if not set(members) <= traces.keys():
             continue  # a member was not traced: nothing to compare against
         problem = _first_difference(members, {rank: calls_of.get(rank, []) for rank in members})

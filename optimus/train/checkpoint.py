@@ -16,7 +16,8 @@ A save that fails (a full disk, on any rank, while writing or publishing) ends t
 with CheckpointWriteError, one sentence naming the cause and the last good checkpoint;
 its staging directory is removed. A background save (checkpoint.async_save) is checked
 at every step boundary while it runs: the ranks agree that it has ended, on a gloo group
-of its own, so that all of them publish it or stop at the same step.
+of its own, so that all of them publish it or stop at the same step; on that group they
+first agree that every rank copied its state to CPU memory, before any starts writing.
 
 Loading tries `latest` first and then older checkpoints: one whose files are
 missing, short, unreadable or differ from the checksums in its meta.json, or whose
@@ -174,13 +175,13 @@ NO_SPACE = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded
 def write_failure(err: BaseException, root: Path) -> tuple[str, str]:
     """(the cause of a failed save in words, what to do): a full disk is named as such; otherwise the first
     file system error (or any error) that DCP collected from the ranks."""
-    found = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else []
-    for e in list(found or [err]):  # and what each was raised from
+    found = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    for e in list(found):  # and what each was raised from (the error itself comes first)
         found += [c for c in (e.__cause__, e.__context__) if c is not None and c not in found]
-    for e in found or [err]:
+    for e in found:
         if isinstance(e, OSError) and e.errno in NO_SPACE:
             return f"{NO_SPACE[e.errno]} {root}", "free space there"
-    first = next((e for e in found if isinstance(e, OSError)), (found or [err])[0])
+    first = next((e for e in found if isinstance(e, OSError)), found[0])
     text = (str(first).strip() or "no message").splitlines()[0][:300]
     return f"{type(first).__name__}: {text}", f"fix that in {root}"
 
@@ -213,6 +214,17 @@ class PendingSave:
     future: Any  # concurrent.futures.Future of dcp.async_save
     started: float
     blocking_s: float  # time the training loop waited (staging copies)
+
+
+class _PreStagedWriter(dcp.FileSystemWriter):
+    """The writer of a background save whose state was copied to CPU memory beforehand (copy_to_cpu, as the
+    writer's own staging does): dcp.async_save, which stages through its writer, has nothing left to copy."""
+
+    def copy_to_cpu(self, state_dict: dict) -> dict:
+        return super().stage(state_dict)
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
 
 
 @dataclass
@@ -275,12 +287,13 @@ class Checkpointer:
             raise box[0]
         return box[0]
 
-    def _first_problem(self, problem: str | None) -> str | None:
-        """The first rank's problem, the same on every rank."""
-        if self.group is None:
+    def _first_problem(self, problem: str | None, group=None) -> str | None:
+        """The first rank's problem, the same on every rank (agreed on `group`, by default self.group)."""
+        group = self.group if group is None else group
+        if group is None:
             return problem
         problems: list[str | None] = [None] * self.ps.world_size
-        dist.all_gather_object(problems, problem, group=self.group)
+        dist.all_gather_object(problems, problem, group=group)
         return next((p for p in problems if p is not None), None)
 
     # ---- which checkpoint a run starts from ---------------------------------------------------
@@ -340,21 +353,34 @@ class Checkpointer:
             except OSError as err:
                 failed = err
         self._stop_if_failed(step, tmp, failed)  # and every rank sees the fresh directory before writing into it
-        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-        no_dist = self.group is None
         self.last_saved_step = step
+        if self.cfg.checkpoint.async_save and not block:
+            self._start_in_background(step, tmp, state, started)
+            return
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
         try:  # DCP hands every rank the same CheckpointException when any rank failed
             with no_single_process_warning():
-                if self.cfg.checkpoint.async_save and not block:
-                    future = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-                    self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
-                    return
-                dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
+                dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
         except (Exception, CheckpointException) as err:
             failed = err
         digests = None if failed else self._gather_digests(hash_files(tmp, self.ps.rank, self.ps.world_size))
         elapsed = time.perf_counter() - started
         self._finish(step, tmp, failed, elapsed, elapsed, digests)
+
+    def _start_in_background(self, step: int, tmp: Path, state: dict, started: float) -> None:
+        """Copy `state` to CPU memory, then write it in DCP's thread, on every rank or on none: a rank whose
+        copy failed (out of memory) must not leave the others' saves waiting for it in DCP's collectives on
+        self.group. The ranks agree on poll_group, which DCP's thread never uses, before any thread starts."""
+        writer = _PreStagedWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+        failed = staged = None
+        try:
+            staged = writer.copy_to_cpu(state)
+        except Exception as err:
+            failed = err
+        self._stop_if_failed(step, tmp, failed, group=self.poll_group)
+        with no_single_process_warning():
+            future = dcp.async_save(staged, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        self.pending = PendingSave(step, tmp, future, started, time.perf_counter() - started)
 
     def _gather_digests(self, mine: dict[str, str]) -> dict[str, str]:
         """Every rank hashed a share of the files; rank 0 gets them all."""
@@ -399,11 +425,12 @@ class Checkpointer:
                 failed = err
         self._stop_if_failed(step, tmp, failed)
 
-    def _stop_if_failed(self, step: int, tmp: Path, failed: BaseException | None) -> None:
+    def _stop_if_failed(self, step: int, tmp: Path, failed: BaseException | None, group=None) -> None:
         """When saving `step` failed on any rank (`failed`: this rank's error, or None), remove what was written
-        into `tmp` and end the run on every rank with CheckpointWriteError."""
+        into `tmp` and end the run on every rank with CheckpointWriteError (agreed on `group`, by default
+        self.group)."""
         mine = None if failed is None else self._failure_message(step, *write_failure(failed, self.root))
-        message = self._first_problem(mine)
+        message = self._first_problem(mine, group)
         if message is None:
             return
         if self.ps.is_main:  # never published (or, if only `latest` failed, published whole and not named)

@@ -3,8 +3,8 @@
 On a GPU, reading a tensor's value on the host (`.item()`, `.tolist()`, `bool(t)`, `int(t)`) or running an
 op whose output shape depends on values (`nonzero`, `bincount`, boolean indexing, `repeat_interleave`
 without an output size) waits for every kernel queued before it: the launch queue drains and the GPU idles
-until the host catches up. The design needs one such wait per MoE layer and direction (the all-to-all's
-split sizes); each other one is a stall.
+until the host catches up. The design needs one such wait per MoE layer and micro-batch (the all-to-all's
+split sizes, which the backward reuses); each other one is a stall.
 
 `HostSyncCounter` is a TorchDispatchMode that sees those ops as they run (on any device, so a CPU run
 counts the GPU path's syncs wherever the two share code) and `Tensor.tolist`, which reads memory without

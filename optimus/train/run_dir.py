@@ -85,15 +85,17 @@ def clear_run(cfg: OptimusConfig, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The claim: one run at a time in a run directory (a job requeued while its predecessor still runs, a second
-# command started by mistake). Rank 0 holds it from before it touches the directory until the run ends.
+# The claim: one run at a time in a run directory, and in a checkpoint directory (a job requeued while its
+# predecessor still runs, a second command started by mistake, two runs given the same checkpoint.dir). Rank 0
+# holds both from before it touches them until the run ends.
 #
 # CLAIM_FILE records the holder's host and pid; the holder touches it every HEARTBEAT_S (its heartbeat). Where
 # flock works, the holder also holds an flock on it, which the kernel (or the file system's lock manager) drops
 # when the process dies, however it dies. Lustre (Aurora, Frontier) gives flock only on mounts with the `flock`
 # option: elsewhere it fails (ENOSYS and kin) or, with `localflock`, locks only on its own node. So a claim
 # file is also held while its heartbeat is fresh, unless its holder ran on this host and its pid has ended;
-# a successor breaks it once the heartbeat is STALE_AFTER_S old.
+# a successor breaks it once the heartbeat is STALE_AFTER_S old. A holder that was paused that long (SIGSTOP, a
+# frozen file system) may find its claim taken over: it then stops at its next step boundary, writing nothing.
 
 CLAIM_FILE = ".optimus-claim"
 HEARTBEAT_S = 15.0
@@ -102,32 +104,68 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # flock is not offer
 _HOST = socket.gethostname()
 
 
-class RunClaim:
-    """This process's claim on a run directory: the open claim file (and its flock, where flock works) and the
-    thread that beats its heartbeat."""
+class ClaimLost(ConfigError):
+    """Another run took over a directory this run had claimed (its claim went stale while it was paused)."""
 
-    def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
+
+class RunClaim:
+    """This process's claim on a directory: the open claim file (and its flock, where flock works) and the
+    thread that beats its heartbeat. `setting` names the directory in messages ("run.dir", "checkpoint.dir")."""
+
+    def __init__(self, directory: Path, setting: str, fd: int):
+        self.directory, self.setting, self.fd = directory, setting, fd  # the directory as the user named it
+        self.path = directory.resolve() / CLAIM_FILE
+        self.lost: str | None = None  # why the claim is no longer ours, once it was found so
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="optimus-run-claim", daemon=True)
         self._beat.start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            if self.check():
+                return  # taken over: beating would renew the successor's claim (with flock it is the same file)
             try:
                 os.utime(self.fd)  # this file, even if a successor has replaced the path meanwhile
             except OSError:
                 pass  # a passing file-system error: the next beat tries again
 
+    def check(self) -> str | None:
+        """Why the claim is no longer this process's (the file at its path was removed, or replaced or rewritten
+        by a successor), else None."""
+        if self.lost is None:
+            try:
+                holder = _read_holder(self.fd) if _is_current(self.fd, self.path) else None
+            except OSError:
+                return None  # a passing file-system error: the next look decides
+            if not holder or (holder["host"], holder["pid"]) != (_HOST, os.getpid()):
+                self.lost = self._lost_message()
+        return self.lost
+
+    def _lost_message(self) -> str:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            holder = None
+        else:
+            holder = _read_holder(fd)
+            os.close(fd)
+        who = _describe(holder) if holder else "another run (its claim file was removed or rewritten)"
+        return (
+            f"{self.setting}={self.directory} was taken over by {who} after this run's claim on it went stale (no "
+            f"heartbeat for {STALE_AFTER_S:.0f} s: the process was paused or its file system stalled), so this run "
+            f"stopped without writing anything more there: let that run finish, or give this one another "
+            f"{self.setting}."
+        )
+
     def release(self) -> None:
         self._stop.set()
         self._beat.join()
-        if _is_current(self.fd, self.path):
+        if self.check() is None:  # never a successor's file
             self.path.unlink(missing_ok=True)
         os.close(self.fd)  # drops the flock after the file is gone
 
 
-_claims: dict[Path, RunClaim] = {}  # the run directories this process holds
+_claims: dict[Path, RunClaim] = {}  # the directories this process holds
 _previous_sigterm: list = []  # the SIGTERM handler the claim replaced (see _release_on_sigterm)
 
 
@@ -210,18 +248,33 @@ def _flock(fd: int) -> bool | None:
     return True
 
 
-def _busy(run_dir: Path, holder: dict | None) -> ConfigError:
-    if holder:
-        since = f", since {holder['since']}" if "since" in holder else ""
-        who = f"another run (pid {holder['pid']} on host {holder['host']}{since})"
-    else:
-        who = "another run that has not recorded its host and pid yet"
-    return ConfigError(f"run.dir={run_dir} is in use by {who}: wait until it ends, or choose another run.dir.")
+def _describe(holder: dict) -> str:
+    since = f", since {holder['since']}" if "since" in holder else ""
+    return f"another run (pid {holder['pid']} on host {holder['host']}{since})"
 
 
-def _try_claim(run_dir: Path, path: Path) -> RunClaim | ConfigError | None:
+def _busy(directory: Path, setting: str, fd: int, flocked: bool | None) -> ConfigError:
+    """The refusal: who holds the claim in `fd`, and, where its heartbeat decides (no flock of ours could
+    tell), when it expires if that run has ended (a job requeued on another node may be that early)."""
+    holder = _read_holder(fd)
+    who = _describe(holder) if holder else "another run that has not recorded its host and pid yet"
+    if flocked is None:  # its flock: that process is alive
+        return ConfigError(
+            f"{setting}={directory} is in use by {who}: wait until it ends, or choose another {setting}."
+        )
+    expires = os.fstat(fd).st_mtime + STALE_AFTER_S
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(expires))
+    return ConfigError(
+        f"{setting}={directory} is in use by {who}, whose claim expires at {when} (in {expires - time.time():.0f} "
+        f"s) if that run has ended (a running one renews it every {HEARTBEAT_S:.0f} s): run the same command again "
+        f"after that, or choose another {setting}."
+    )
+
+
+def _try_claim(directory: Path, setting: str) -> RunClaim | ConfigError | None:
     """One attempt; None when the file changed under it (released, or broken by another) and it is worth
     another look."""
+    path = directory.resolve() / CLAIM_FILE
     fd = _create(path)
     created = fd is not None
     if fd is None:
@@ -231,18 +284,14 @@ def _try_claim(run_dir: Path, path: Path) -> RunClaim | ConfigError | None:
             return None
     try:
         flocked = _flock(fd)
-        if flocked is None:
-            holder = _read_holder(fd)
-            os.close(fd)
-            return _busy(run_dir, holder)
-        if not _is_current(fd, path):
+        if flocked is not None and not _is_current(fd, path):
             os.close(fd)
             return None
+        if flocked is None or (not created and _held_by_another(fd, flocked)):
+            busy = _busy(directory, setting, fd, flocked)
+            os.close(fd)
+            return busy
         if not created:
-            if _held_by_another(fd, flocked):
-                holder = _read_holder(fd)
-                os.close(fd)
-                return _busy(run_dir, holder)
             if not flocked:  # a stale claim without flock: remove it, then create ours atomically
                 if _is_current(fd, path):  # (two successors breaking the same stale claim: one removes it)
                     path.unlink(missing_ok=True)
@@ -255,17 +304,17 @@ def _try_claim(run_dir: Path, path: Path) -> RunClaim | ConfigError | None:
     except BaseException:
         os.close(fd)
         raise
-    return RunClaim(path, fd)
+    return RunClaim(directory, setting, fd)
 
 
-def claim_run_dir(run_dir: Path) -> ConfigError | None:
-    """Claim run_dir for this process, or say which run holds it."""
-    key = run_dir.resolve()
+def claim_dir(directory: Path, setting: str = "run.dir") -> ConfigError | None:
+    """Claim `directory` (an existing one) for this process, or say which run holds it."""
+    key = directory.resolve()
     if key in _claims:
         return None  # this process holds it already (a second Trainer of the same run)
     try:
         for _ in range(3):  # a claim released or broken while we looked: look again
-            outcome = _try_claim(run_dir, key / CLAIM_FILE)
+            outcome = _try_claim(directory, setting)
             if isinstance(outcome, ConfigError):
                 return outcome
             if outcome is not None:
@@ -275,14 +324,22 @@ def claim_run_dir(run_dir: Path) -> ConfigError | None:
                 return None
     except OSError as err:
         return ConfigError(
-            f"run.dir={run_dir} cannot be claimed for this run ({err.strerror}): choose a run.dir where you may "
-            "create files."
+            f"{setting}={directory} cannot be claimed for this run ({err.strerror}): choose a {setting} where you "
+            "may create files."
         )
-    return _busy(run_dir, None)
+    return ConfigError(
+        f"{setting}={directory} is in use by another run: wait until it ends, or choose another {setting}."
+    )
+
+
+def lost_claim() -> str | None:
+    """Why this process no longer holds a directory it claimed, in one sentence; None while it holds them all
+    (or holds none: ranks other than 0). Rank 0 asks at every step."""
+    return next((lost for claim in _claims.values() if (lost := claim.check())), None)
 
 
 def release_claims() -> None:
-    """Give up every run directory this process holds (the end of a run, or a failed start)."""
+    """Give up every directory this process holds (the end of a run, or a failed start)."""
     while _claims:
         _claims.popitem()[1].release()
     while _previous_sigterm:
@@ -306,37 +363,54 @@ def _release_on_sigterm() -> None:
 atexit.register(release_claims)
 
 
-def _make_run_dir(cfg: OptimusConfig, run_dir: Path) -> Path | ConfigError:
-    if run_dir.exists() and not run_dir.is_dir():
-        return ConfigError(f"run.dir={run_dir} is a file, not a directory: choose another run.dir.")
+def _make_dir(directory: Path, setting: str) -> ConfigError | None:
+    """Create `directory` (recorded, to be removed again if this process leaves it empty) and check that it
+    takes files."""
+    if directory.exists() and not directory.is_dir():
+        return ConfigError(f"{setting}={directory} is a file, not a directory: choose another {setting}.")
     try:
-        if not run_dir.exists():
-            run_dir.mkdir(parents=True)
-            _created.append(run_dir.resolve())
-        probe = run_dir / f".write-test-{os.getpid()}"
+        if not directory.exists():
+            directory.mkdir(parents=True)
+            _created.append(directory.resolve())
+        probe = directory / f".write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as err:
         return ConfigError(
-            f"run.dir={run_dir} cannot be written ({err.strerror}): choose a run.dir where you may write files."
+            f"{setting}={directory} cannot be written ({err.strerror}): choose a {setting} where you may write files."
         )
-    busy = claim_run_dir(run_dir)  # before this run reads or writes anything of the directory's
-    if busy:
-        return busy
-    problem = _refuse_reuse(cfg, run_dir)
-    if problem:
+    return None
+
+
+def _claim_checkpoint_root(cfg: OptimusConfig, run_dir: Path) -> ConfigError | None:
+    """The checkpoint directory is claimed too, unless it is the run directory itself: another run may name it
+    as its checkpoint.dir from another run.dir, and the two would replace each other's checkpoints."""
+    root = checkpoint_root(cfg, run_dir)
+    if root.resolve() == run_dir.resolve() or (root.exists() and not root.is_dir()):
+        return None  # the run directory's claim covers it; a file: the Checkpointer refuses it
+    return _make_dir(root, "checkpoint.dir") or claim_dir(root, "checkpoint.dir")
+
+
+def _make_run_dir(cfg: OptimusConfig, run_dir: Path) -> Path | ConfigError:
+    # Claimed before this run reads or writes anything of the directories' (a refusal releases what it took).
+    refusal = _make_dir(run_dir, "run.dir") or claim_dir(run_dir) or _claim_checkpoint_root(cfg, run_dir)
+    if refusal is None:
+        problem = _refuse_reuse(cfg, run_dir)
+        refusal = ConfigError(problem) if problem else None
+    if refusal:
         release_claims()
-        return ConfigError(problem)
+        return refusal
     if cfg.run.overwrite and (holds_run(run_dir) or has_checkpoint(checkpoint_root(cfg, run_dir))):
         clear_run(cfg, run_dir)
     return run_dir.resolve()
 
 
 def remove_if_empty() -> None:
-    """After a failed start: give up the claim, and drop the run directories this process created and left empty."""
+    """At the end of a run or a failed start: give up the claims, and drop the directories this process created
+    and left empty (a run directory whose run failed to start, a checkpoint directory no checkpoint went into)."""
     release_claims()
     while _created:
-        path = _created.pop()
+        path = _created.pop()  # the newest first: a checkpoint directory inside the run directory goes first
         try:
             path.rmdir()  # only succeeds on an empty directory
         except OSError:

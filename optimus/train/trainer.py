@@ -8,6 +8,7 @@ each followed by one optimizer step, periodic evaluation and logging.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import sys
@@ -59,7 +60,7 @@ from optimus.train.host_syncs import HostSyncCounter
 from optimus.train.intervals import due_every
 from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
 from optimus.train.precision import param_dtype
-from optimus.train.run_dir import release_claims, resolve_run_dir, resume_hint, truncate_metrics
+from optimus.train.run_dir import ClaimLost, lost_claim, remove_if_empty, resolve_run_dir, resume_hint, truncate_metrics
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
@@ -294,7 +295,8 @@ class Trainer:
         # whether the last update left non-finite parameters (the forward has waited for their all-gathers).
         self.optimizer.wait_for_params()
         params_finite = parameters_finite(self.model)
-        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, self.stop_signal.requested, params_finite)
+        stop = self.stop_signal.requested or lost_claim() is not None  # rank 0: another run took its directory
+        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, stop, params_finite)
         if ps.pp_rank > 0:
             flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
         # The tp ranks of a group hold the same LM loss and each a 1/tp share's router losses: their mean
@@ -476,6 +478,7 @@ class Trainer:
                 self.timers.pop_totals()  # drop what evaluation timed (its dispatches)
                 start = time.perf_counter()
                 record = self._traced_step()
+                self._stop_if_claim_lost()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 if record_memory:  # the first step of this process has run every kind of allocation once
@@ -523,9 +526,28 @@ class Trainer:
             bar.close()
             metrics.close()
             self.loader.close()
-            release_claims()  # the run is over: another may use its directory
+            self._let_background_save_end()
+            remove_if_empty()  # the run is over: another may use its directories
         summary.update(steps=self.step, run_dir=str(self.run_dir))
         return summary
+
+    def _stop_if_claim_lost(self) -> None:
+        """When the ranks agreed to stop, ask rank 0 whether it was because another run took over its run or
+        checkpoint directory: then every rank ends here, writing nothing more (no record, no checkpoint)."""
+        if not self.stop_agreed:
+            return
+        lost = [lost_claim() if self.ps.is_main else None]
+        if self.ps.is_distributed:
+            dist.broadcast_object_list(lost, src=0)
+        if lost[0]:
+            raise ClaimLost(lost[0])
+
+    def _let_background_save_end(self) -> None:
+        """fit() ended by an exception with a save in flight: its thread still writes into the checkpoint
+        directory, so the claim waits for it (on this rank alone: no collective on a failing path). It is not
+        published, and its failure does not replace the exception that ended the run."""
+        if self.checkpointer.pending is not None:
+            concurrent.futures.wait([self.checkpointer.pending.future])
 
     # ---- checkpoints ----------------------------------------------------------
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import errno
 import gzip
 import json
+import secrets
 import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -219,3 +222,44 @@ def test_a_full_disk_during_tokenizer_leaves_nothing(corpus_file, tmp_path, monk
         with unchanged(tmp_path):
             assert _tokenizer([corpus_file], out, *extra) == 2
         assert f"writing {out} failed (No space left on device): free space on its file system" in error_of(capsys)
+
+
+# --- no orphans: what a killed job left beside its output ---------------------------------------------------
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been waited for)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of a process that runs while the test does."""
+    child = subprocess.Popen(["sleep", "300"])
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def left_behind(out: Path, host: str, pid: int, kind: str = "tmp") -> Path:
+    """A staging folder of `out` as a writer on `host` with `pid` names it, holding a file, as a kill leaves it."""
+    folder = out.parent / f".{out.name}.{host}.{pid}.{secrets.token_hex(4)}.{kind}"
+    folder.mkdir()
+    (folder / "shard_00000.bin").write_bytes(b"\0" * 64)
+    return folder
+
+
+def test_prepare_removes_what_a_killed_prepare_on_this_host_left(corpus_file, tok_file, tmp_path, live_pid):
+    """Only the staging folders of this output whose writer ran here and is gone: a live writer's and another
+    host's (whose writer may still run) stay, as do other outputs' and the user's files."""
+    out, host = tmp_path / "tokens", socket.gethostname()
+    dead = left_behind(out, host, dead_pid())
+    kept = [left_behind(out, host, live_pid), left_behind(out, "another-host", dead_pid()),
+            left_behind(tmp_path / "other", host, dead_pid())]  # fmt: skip
+    (tmp_path / f".tokens.{host}.notes").write_text("mine")
+    assert _prepare([corpus_file], out, tok_file) == 0
+    assert not dead.exists() and all(folder.is_dir() for folder in kept)
+    expected = [f".tokens.{host}.notes", "tokens", *(folder.name for folder in kept)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)

@@ -10,12 +10,15 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import stat
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from optimus.cli import main
+from tests.data.test_data_refusals import dead_pid, left_behind, live_pid  # noqa: F401 (live_pid: a fixture)
 from tests.hf.test_hf import CASES, random_hf_model
 from tests.unchanged import unchanged
 
@@ -201,3 +204,80 @@ def test_safetensors_export_refuses_to_replace_an_earlier_export(sources, tmp_pa
     assert "layers.0.ffn.experts.w13" in load_file(str(out))
     assert (tmp_path / "model.yaml").read_text() == (ckpt / "config.yaml").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.yaml"]
+
+
+# --- the model of an export is the one the checksummed record names (R6) ----------------------------------
+
+
+def _garble_config(ckpt):
+    (ckpt / "config.yaml").write_text("model: {dim: [64,\n")
+
+
+def _edit_config(ckpt):
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["model"]["rope_theta"] *= 2  # not a shape: the weights still fit, only config.json would be wrong
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def _garble_config_and_drop_checksums(ckpt):
+    _garble_config(ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["files"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "safetensors"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_garble_config, "config.yaml is not readable YAML"),
+        (_edit_config, "config.yaml says model.rope_theta="),
+        (_garble_config_and_drop_checksums, 'has no "files" checksums'),  # the integrity check comes first
+    ],
+    ids=["garbled", "edited", "untrusted"],
+)
+def test_export_refuses_a_config_yaml_that_is_not_the_saved_model(sources, tmp_path, capsys, fmt, damage, words):
+    ckpt = copy(sources / "ckpt", tmp_path)
+    damage(ckpt)
+    out = tmp_path / ("hf" if fmt == "hf" else "model.safetensors")
+    err = refused(["checkpoint", "export", str(ckpt), "--format", fmt, "--out", str(out)], capsys, tmp_path)
+    assert words in err
+
+
+# --- --overwrite through a symlink (R7) and what a killed export left (R5) --------------------------------
+
+
+def test_hf_export_overwrite_through_a_symlink_replaces_the_directory_it_points_to(sources, tmp_path):
+    real, link = tmp_path / "exports" / "hf", tmp_path / "links" / "hf"
+    export = ["checkpoint", "export", str(sources / "ckpt"), "--format", "hf"]
+    assert main([*export, "--out", str(real)]) == 0
+    (real / "earlier.txt").write_text("of the earlier export")
+    link.parent.mkdir()
+    link.symlink_to(real)
+    assert main([*export, "--out", str(link), "--overwrite", "--dtype", "bf16"]) == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((real / "config.json").read_text())["dtype"] == "bfloat16"
+    assert [p.name for p in real.parent.iterdir()] == ["hf"] and [p.name for p in link.parent.iterdir()] == ["hf"]
+
+
+def test_hf_export_clears_what_a_killed_export_on_this_host_left(sources, tmp_path, capsys, live_pid):  # noqa: F811
+    """An export killed between its two renames left the earlier model as `.old` and no --out: it is put back
+    (so an export without --overwrite is still refused); a dead writer's staging folder is removed, a live
+    writer's and another host's stay."""
+    out, host = tmp_path / "hf", socket.gethostname()
+    export = ["checkpoint", "export", str(sources / "ckpt"), "--format", "hf", "--out", str(out)]
+    assert main(export) == 0
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    out.rename(tmp_path / f".hf.{host}.{dead_pid()}.0123abcd.old")
+    dead = left_behind(out, host, dead_pid())
+    kept = [left_behind(out, host, live_pid), left_behind(out, "another-host", dead_pid())]
+    capsys.readouterr()
+    assert main(export) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
+    assert not dead.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", *(f.name for f in kept)])
+
+    stale_old = left_behind(out, host, dead_pid(), "old")  # killed after its rename into place: only a leftover
+    assert main([*export, "--overwrite"]) == 0
+    assert not stale_old.exists() and {p.name: p.read_bytes() for p in out.iterdir()} == earlier

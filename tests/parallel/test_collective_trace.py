@@ -37,6 +37,7 @@ def _known_calls():
             dist.recv(x[0].contiguous(), 0)
         _reduce_scatter_tensor(torch.empty(2, 4), x[:4].contiguous(), group=pair)
         funcol.wait_tensor(funcol.all_reduce(x[:1], "sum", pair))  # DTensor's path: a group name, not a group
+        dist.barrier(group=pair)
     return trace.calls
 
 
@@ -49,6 +50,7 @@ def test_each_call_is_recorded_with_its_group_dtype_bytes_and_splits():
         "send",
         "reduce_scatter",
         "all_reduce",
+        "barrier",
     ]
     assert [c["op"] for c in rank1] == [
         "all_reduce",
@@ -57,10 +59,12 @@ def test_each_call_is_recorded_with_its_group_dtype_bytes_and_splits():
         "recv",
         "reduce_scatter",
         "all_reduce",
+        "barrier",
     ]
     for calls in (rank0, rank1):
-        assert calls[0] | {"phase": None} == {
+        assert calls[0] | {"phase": None, "group": None} == {
             "op": "all_reduce",
+            "group": None,
             "ranks": [0, 1],
             "dtype": "float32",
             "bytes": 32,
@@ -71,6 +75,8 @@ def test_each_call_is_recorded_with_its_group_dtype_bytes_and_splits():
         assert calls[4]["bytes"] == 4 * 4 * 4 and calls[4]["ranks"] == [0, 1]  # the whole input buffer
         assert calls[5]["bytes"] == 16 and calls[5]["ranks"] == [0, 1]
         assert all(c["phase"] == "step" for c in calls)  # outside any module or labelled block
+        # The pair and the world hold the same two ranks but are different groups: kept apart by name.
+        assert calls[0]["group"] == calls[1]["group"] != calls[2]["group"]
     assert rank0[1]["splits"] == {"send": [1, 5], "recv": [1, 2]}
     assert rank1[1]["splits"] == {"send": [2, 4], "recv": [5, 4]}
     assert mismatches({0: rank0, 1: rank1}) == []
@@ -165,4 +171,4 @@ def test_the_host_syncs_of_a_real_step_include_the_designs_one_per_layer_and_mic
         assert all(s["count"] >= 1 for s in syncs)
         # Routing, sorting by expert and regrouping the received rows read nothing back (the counts are a
         # scatter-add of known length, the row total is known on the host).
-        assert not [w for w in counts if w.startswith("optimus/model/") or "regroup" in w]
+        assert not [w for w in counts if w.startswith(("optimus/model/", "optimus/kernels/counting")) or "regroup" in w]

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from optimus.config import ConfigError, MoEConfig, ParallelConfig
 from optimus.model.moe import MoE, RouterStats
 from optimus.parallel.alltoall_dispatch import regroup_by_local_expert
-from optimus.parallel.collective_trace import CollectiveTrace
 from optimus.parallel.collectives import CollectiveError
 from optimus.parallel.expert_parallel import apply_expert_parallel
 from optimus.parallel.state import build_parallel_state
@@ -243,29 +242,6 @@ def test_allgather_rejects_unequal_token_counts():
     messages = run_distributed(allgather_unequal_tokens, 2)
     for msg in messages:
         assert "same number of tokens on every EP rank" in msg and "[16, 17]" in msg
-
-
-def allgather_collectives_per_call() -> list[list[str]]:
-    """The collectives of three calls of an all-gather layer: 16 tokens, 16 again, then 8."""
-    case = {**BASE, "ep": 2, "dispatcher": "allgather"}
-    moe = apply_expert_parallel(
-        make_layer(case), build_parallel_state(2, 60), ParallelConfig(ep=2, dispatcher="allgather")
-    )
-    calls = []
-    for n_tokens in (T, T, T // 2):
-        with CollectiveTrace() as trace:
-            moe(torch.randn(n_tokens, D))
-        calls.append([f"{c['op']} {c['dtype']} {c['bytes']}" for c in trace.calls])
-    return calls
-
-
-def test_allgather_checks_the_token_counts_once_per_count():
-    """The count check is a blocking all-gather of int64 sizes: issued on the first call and when the count
-    changes, not on every call (a host stall per layer and micro-batch on a GPU)."""
-    for first, again, fewer in run_distributed(allgather_collectives_per_call, 2):
-        size_check = "all_gather int64 8"  # this rank's token count, one int64
-        assert first[0] == size_check and fewer[0] == size_check
-        assert again == first[1:] and size_check not in again  # the same exchange without the check
 
 
 def train_until_killed(dispatcher_name: str, timeout_s: float) -> dict:

@@ -5,8 +5,8 @@ of weights only starts a new run (issue 34, items 1, 7, 9 and 10).
   resume is held to: resuming skips that checkpoint like a corrupt one, and export refuses it.
 - A save that cannot be written (a full disk, injected into DCP's file writer or into the publishing of
   meta.json) ends the run with exit code 2 and one sentence naming the cause and the last good checkpoint,
-  in the foreground and in the background (checkpoint.async_save, where two ranks must agree), and leaves
-  the checkpoint directory as it was.
+  in the foreground and in the background (checkpoint.async_save, where two ranks must agree, also when only
+  one of them cannot copy its state to CPU memory), and leaves the checkpoint directory as it was.
 - `optimus checkpoint import`'s checkpoint (weights only) given as plain checkpoint.load trains exactly as
   with checkpoint.load_weights_only=true.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_files
 
@@ -159,9 +160,14 @@ def test_a_save_on_a_full_disk_ends_the_run_naming_the_last_good_step(
 
 def train_on_a_full_disk(overrides: list[str], cache: str, step_name: str) -> str:
     """Body of one rank: train while the save into `step_name` fails; what the run ended with."""
+    dcp_files._write_item = full_disk_write(step_name)  # this process ends with the test
+    return how_training_ends(overrides, cache)
+
+
+def how_training_ends(overrides: list[str], cache: str) -> str:
+    """Train on this rank: "finished", or the sentence of the CheckpointWriteError that ended the run."""
     os.environ["OPTIMUS_CACHE"] = cache
     torch.set_num_threads(1)
-    dcp_files._write_item = full_disk_write(step_name)  # this process ends with the test
     try:
         Trainer(load_config(overrides)).fit()
     except CheckpointWriteError as err:
@@ -182,6 +188,40 @@ def test_a_failed_background_save_ends_every_rank_alike(tmp_path, corpus_file):
     assert f"the last good checkpoint is step 1 ({root / 'step_000001'})" in ended[0]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     assert (root / "latest").read_text().strip() == "step_000001"
+
+
+NO_STAGING_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+
+def train_while_rank_1_cannot_stage(overrides: list[str], cache: str, step_name: str) -> str:
+    """Body of one rank: train while rank 1 alone fails to copy the state of `step_name` to CPU memory."""
+    if dist.get_rank() == 1:
+        real_stage = dcp.FileSystemWriter.stage
+
+        def stage_or_fail(self, state_dict):
+            if Path(self.path).name == step_name + ".tmp":
+                raise RuntimeError(f"{NO_STAGING_MEMORY}: you tried to allocate 1048576 bytes.")
+            return real_stage(self, state_dict)
+
+        dcp.FileSystemWriter.stage = stage_or_fail  # this process ends with the test
+    return how_training_ends(overrides, cache)
+
+
+def test_a_background_save_that_one_rank_cannot_stage_ends_every_rank_alike(tmp_path, corpus_file):
+    """Only rank 1 cannot copy its state of step 2 to CPU memory: both ranks stop at once with the same
+    sentence, rather than rank 1 reporting it on the group where rank 0's save has started (a hang)."""
+    root = tmp_path / "run" / "checkpoints"
+    overrides = [
+        *SMALL_MODEL_RUN, "data=text", f"data.path={corpus_file}", f"run.dir={tmp_path / 'run'}", "train.steps=4",
+        "train.micro_batch=2", "train.eval_sequences=4", "train.eval_interval=100", "checkpoint.interval=1",
+        "checkpoint.async_save=true", "parallel.timeout_s=60",
+    ]  # fmt: skip
+    args = (overrides, str(tmp_path / "cache"), "step_000002")
+    ended = run_distributed(train_while_rank_1_cannot_stage, 2, *args, timeout_s=240)
+    assert ended[0] == ended[1], ended
+    assert f"checkpoint of step 2 could not be written: RuntimeError: {NO_STAGING_MEMORY}" in ended[0]
+    assert f"the last good checkpoint is step 1 ({root / 'step_000001'})" in ended[0]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
 
 
 # ---- a checkpoint of weights only ----------------------------------------------------------------
@@ -213,3 +253,19 @@ def test_an_imported_checkpoint_given_as_plain_load_starts_at_step_0(tmp_path, c
     losses = {name: [json.loads(line)["loss"] for line in lines] for name, lines in metrics.items()}
     assert len(losses["plain"]) == 2 and losses["plain"] == losses["weights_only"]  # steps 1-2, fresh optimizer
     assert summaries["plain"]["first_val_loss"] == summaries["weights_only"]["first_val_loss"]
+
+
+def test_a_full_disk_is_named_even_when_it_interrupted_another_error(tmp_path):
+    """ENOSPC raised while another error was being handled: the disk is the cause to report, not the other."""
+    import errno
+
+    from optimus.train.checkpoint import write_failure
+
+    try:
+        try:
+            raise ValueError("an unrelated earlier problem")
+        except ValueError:
+            raise OSError(errno.ENOSPC, "No space left on device")  # noqa: B904 (the implicit context is the case)
+    except OSError as err:
+        cause, action = write_failure(err, tmp_path)
+    assert cause.startswith("no space left on") and str(tmp_path) in cause and action == "free space there"
