@@ -98,11 +98,13 @@ def unpack_step_flags(reduced: torch.Tensor, n_micro_batches: int) -> StepFlags:
 
 
 def parameters_finite(model: torch.nn.Module) -> torch.Tensor:
-    """A bool scalar on the parameters' device: every value this rank holds of the parameters is finite (the
-    largest magnitude, one fused pass per dtype, is nan or inf otherwise). The caller makes sure the optimizer
-    has finished writing them (optimizer.wait_for_params())."""
+    """A bool scalar on the parameters' device: every value this rank holds of the parameters is finite. Their
+    2-norm is nan or inf otherwise (it is inf also for values past ~1e19, which no trainable model holds). The
+    2-norm, not the max: torch's fused per-dtype norm makes it one cheap pass (the default model's 11M bf16
+    parameters: 2.2 ms against 136 ms for the inf-norm, measured side by side on 2 cores), and it runs every
+    step. The caller makes sure the optimizer has finished writing them (optimizer.wait_for_params())."""
     params = [local_tensor(p).detach() for p in model.parameters()]
-    return torch.isfinite(get_total_norm(params, float("inf")))
+    return torch.isfinite(get_total_norm(params, 2.0))
 
 
 def parameters_finite_on_every_rank(model: torch.nn.Module) -> bool:
