@@ -93,7 +93,7 @@ def dead_staging(target: Path) -> list[Path]:
     name = re.compile(rf"\.{re.escape(target.name)}\.(?P<host>.+)\.(?P<pid>\d{{1,9}})\.[0-9a-f]{{8}}\.[a-z]+")
     host = socket.gethostname()
     found = [(path, name.fullmatch(path.name)) for path in target.parent.iterdir()]
-    return sorted(path for path, m in found if m and m["host"] == host and not _runs(int(m["pid"])))
+    return sorted(path for path, m in found if m and m["host"] == host and not process_exists(int(m["pid"])))
 
 
 def remove_dead_staging(target: Path) -> None:
@@ -105,13 +105,14 @@ def remove_dead_staging(target: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def _runs(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (another user's included)."""
     try:
         os.kill(pid, 0)  # signal 0 only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, under another user
-        pass
+        return True
     return True
 
 

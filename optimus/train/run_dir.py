@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from optimus.config import ConfigError, OptimusConfig
+from optimus.data.cache import process_exists
 from optimus.parallel import ParallelState
 from optimus.train.checkpoint import LATEST, TMP_SUFFIX, checkpoint_root, has_checkpoint, published
 
@@ -218,13 +219,7 @@ def _read_holder(fd: int) -> dict | None:
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # a record left by an earlier process that had this pid: this process holds no claim here
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+    return process_exists(pid)
 
 
 def _held_by_another(fd: int, flocked: bool) -> bool:
