@@ -47,7 +47,7 @@ LAYOUTS = {
 def run(overrides: list[str], run_dir: Path, steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "optimus", "train", *COMMON, f"train.steps={steps}", f"run.dir={run_dir}", *overrides]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # the steps
 
 
 def fp64_step1_norm(work: Path, micro_batch: int) -> float:

@@ -50,7 +50,7 @@ def measure(schedule: str, pp: int, m: int, steps: int, corpus: Path, root: Path
     batch = [f"train.global_batch={2 * m}", f"train.steps={steps}", f"train.eval_interval={steps}"]
     data = ["data=text", f"data.path={corpus}", "train.eval_sequences=2", "profile.timers=true"]
     assert optimus_main(["train", *MODEL, *TRAIN, *layout, *batch, *data, f"run.dir={run_dir}"]) == 0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]  # from step 2
     bubbles, stage_imbalance = [], []
     for r in records:
         busy = r["time_forward_s"] + r["time_backward_s"]

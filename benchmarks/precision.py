@@ -32,7 +32,7 @@ def run(dtype: str, steps: int, seed: int, run_dir: Path) -> dict:
     overrides = [f"train.dtype={dtype}", f"train.steps={steps}", f"train.seed={seed}", f"train.eval_interval={steps}"]
     cmd = [sys.executable, "-m", "optimus", "train", *overrides, "logging.progress=false", f"run.dir={run_dir}"]
     subprocess.run(cmd, check=True, capture_output=True, env=os.environ)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # 0: start
     info = json.loads((run_dir / "run_info.json").read_text())
     rank0, total = info["per_rank"][0], info["params"]["total"]
     return {

@@ -39,7 +39,7 @@ examples:
   optimus checkpoint export runs/tiny/checkpoints --out tiny.safetensors          # the latest checkpoint
   optimus checkpoint export runs/tiny/checkpoints/step_000300 --out tiny-300.safetensors
   optimus checkpoint export runs/tiny/checkpoints --format hf --out tiny-hf --dtype bf16   # a HF model directory
-  optimus checkpoint import OLMoE-1B-7B --out olmoe-ckpt        # then run the `optimus train` line it prints
+  optimus checkpoint import allenai/OLMoE-1B-7B-0924 --out olmoe-ckpt   # then run the `optimus train` line it prints
 """
 
 
@@ -154,7 +154,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert a Hugging Face model directory into an Optimus checkpoint (a step directory that any "
         "layout loads) with the model recipe that builds it, and print the command that continues pretraining.",
     )
-    imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors weights")
+    imp.add_argument(
+        "hf_dir", metavar="HF_DIR",
+        help="directory with config.json and safetensors weights, or a Hugging Face Hub id (e.g. "
+        "allenai/OLMoE-1B-7B-0924: downloaded into, or with HF_HUB_OFFLINE=1 read from, the Hugging Face cache)",
+    )  # fmt: skip
     imp.add_argument("--out", required=True, metavar="CKPT", help="new directory for the checkpoint")
     imp.add_argument("--name", help="model recipe name (default: from HF_DIR)")
     imp.add_argument(
@@ -166,10 +170,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "import":
-        from optimus.hf.convert import import_hf
+        from optimus.hf.convert import data_keys, import_hf
 
         done = import_hf(args.hf_dir, args.out, args.name, args.overwrite)
-        print(f"Wrote checkpoint {done.checkpoint} and recipe {done.recipe}; continue pretraining with:")
+        print(f"Wrote checkpoint {done.checkpoint} and model recipe {done.recipe}.")
+        print(f"Training objective (the source's, as transformers computes it): {done.objective}")
+        print(f"Continue pretraining with the command below, once filled in ({data_keys(done)}):")
         print(f"  {done.command}")
         return 0
     if args.format == "hf":

@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
+# Before anything imports torch: its OpenMP runtime reads this once, as it loads. Threads that wait for the rest of
+# their team then sleep instead of spinning; on cores that other processes share, a spinning thread holds the core
+# the thread it waits for needs, and one process ran 5-8x slower than with sleeping threads (docs/ARCHITECTURE.md,
+# "CPU threads"). A value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from optimus.config import ConfigError, OptimusConfig, validate
 from optimus.data.errors import DataError
 from optimus.ranks import LaunchError, SpawnError
@@ -27,6 +33,7 @@ Commands:
   checkpoint import HF_DIR --out CKPT  an Optimus checkpoint + model recipe from an OLMoE/Qwen3-MoE/Mixtral dir
   report RUN_DIR...     scaling-efficiency report (throughput, MFU, step-time breakdown) of a series of runs
   plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
+  plan --dry-run [...]  one training step of the layout at its real size on fake tensors: memory, collectives
 
 Run `optimus <command> --help` for the options of one command.
 """
@@ -61,7 +68,7 @@ def _worker(cfg: OptimusConfig) -> dict:
     """Body of one rank: join the process group (if any), train, leave."""
     import torch.distributed as dist
 
-    from optimus.platform import detect_platform, keep_cpu_allocations, share_cpu_threads
+    from optimus.platform import detect_platform, keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
     from optimus.ranks import discover, init_process_group
     from optimus.train.memory_check import check_cpu_memory
     from optimus.train.run_dir import remove_if_empty
@@ -73,6 +80,7 @@ def _worker(cfg: OptimusConfig) -> dict:
         check_cpu_memory(cfg, info.world_size, info.local_world_size)
         share_cpu_threads(info.local_world_size)
         keep_cpu_allocations()
+        quiet_gloo_alltoall_fallback()
     if info.world_size > 1:
         init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
     try:
@@ -158,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             from optimus.report.cli import main as report_main
 
             return report_main(rest)
+        if command == "plan" and "--dry-run" in rest:
+            from optimus.dry_run import main as dry_run_main
+
+            return dry_run_main(rest)
         if command == "plan":
             from optimus.plan import main as plan_main
 

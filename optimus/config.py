@@ -36,6 +36,9 @@ class MoEConfig:
     # Load-balancing loss E * sum_e f_e P_e (f_e counts all k choices: k when balanced), OLMoE's convention.
     aux_loss_coef: float | None = None  # null = 0.01 for softmax, 0 for sigmoid (see moe_aux_loss_coef)
     aux_loss_scope: str = "micro_batch"  # micro_batch | global (f_e counted over the data-parallel ranks)
+    # mean: each MoE layer's loss with its own f_e, averaged over layers; pooled: f_e and P_e pooled over the
+    # layers first, as transformers' load_balancing_loss_func (see docs/ARCHITECTURE.md, router losses).
+    aux_loss_layers: str = "mean"
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (1 when balanced)
     z_loss_coef: float = 0.001
     bias_update_rate: float = 0.001  # sigmoid router: aux-loss-free balancing step size
@@ -157,6 +160,9 @@ class CheckpointConfig:
     keep: int = 2  # published checkpoints kept (the newest ones)
     load: str | None = None  # checkpoint (step dir or checkpoint root) to start from when checkpoint.dir has none
     load_weights_only: bool = False  # with `load`: take its weights, start a new run (step 0, fresh optimizer)
+    # A start from `load`'s weights in a model whose top_k, router, norm_topk, qk_norm, rope_theta, ... differ
+    # from the checkpoint's (what its weights were trained to compute): refused unless this confirms it.
+    allow_architecture_change: bool = False
     async_save: bool = False  # write in a background thread (DCP async_save); `async` is a Python keyword
 
 
@@ -180,6 +186,7 @@ class ProfileConfig:
     torch_steps: str = "3-5"  # first-last optimizer step (1-based, inclusive) of the trace
     collectives: bool = False  # every collective of the first step, per rank, into run.dir/collectives/
     host_syncs: bool = False  # the first step's host synchronisations by source line, into run.dir/host_syncs/
+    memory: bool = False  # the first step's peak memory by category (torch's MemTracker), into run.dir/memory/
 
 
 @dataclass
@@ -289,6 +296,7 @@ def validate_model(m: ModelConfig) -> None:
 
 def _validate_balancing(moe: MoEConfig) -> None:
     check_choice(moe.aux_loss_scope, "model.moe.aux_loss_scope", ("micro_batch", "global"))
+    check_choice(moe.aux_loss_layers, "model.moe.aux_loss_layers", ("mean", "pooled"))
     for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
         if getattr(moe, key) is not None:  # aux_loss_coef: null = the router's default (moe_aux_loss_coef)
             _non_negative(getattr(moe, key), f"model.moe.{key}", "off")
@@ -490,6 +498,11 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} cannot fill parallel.pp x parallel.pp_virtual = "
             f"{p.pp * p.pp_virtual} pipeline stages: use fewer stages or more layers."
+        )
+    if cfg.model.moe.n_experts and cfg.model.moe.aux_loss_layers == "pooled":
+        raise ConfigError(
+            "model.moe.aux_loss_layers=pooled does not combine with parallel.pp > 1 (a stage sees only its own "
+            "layers' expert counts): set model.moe.aux_loss_layers=mean or parallel.pp=1."
         )
     if cfg.model.tie_embeddings and cfg.optim.zero == 2:
         raise ConfigError(

@@ -31,12 +31,13 @@ measures them, and the peak, within 5%). With TP > 1 each term is one tp rank's
 tokens, else r = 1; G = D a with sequence parallelism (the [t, D] input that attention, a dense FFN and the
 head all-gather and keep), else 0:
 
-    norms         4 D a r + O    both pre-norms' input and normalised input, and the attention norm's output
+    norms         2 D a r + O    both pre-norms' input (their backward recomputes the normalised rows from it and
+                                 one fp32 number per token, optimus.model.norm), and the attention norm's output
                                  O = D a, the projections' input (O = 0 with sequence parallelism: they keep it
                                  gathered, G); the ffn norm's output counts as the FFN's input below
     attention     G + (3 D + 2 D_kv) a / TP + 4 n_heads / TP + Q   its gathered input; q/k/v and output of
                                  SDPA with its fp32 log-sum-exp, out-projection input, split by heads;
-                                 Q: q/k before and after QK-norm, (2 D + 2 D_kv) a, / TP for qk_norm=head;
+                                 Q: q/k before QK-norm (the norm's input), (D + D_kv) a, / TP for qk_norm=head;
                                  for qk_norm=full at TP > 1 (D + D_kv)(4 + a) / TP + 8 (q/k kept in fp32
                                  before the width-split norm, two fp32 inverse norms); 0 without QK-norm
                                  (D_kv = n_kv_heads x head_dim)
@@ -49,7 +50,7 @@ head all-gather and keep), else 0:
                   2 K D a / TP   the exchanged rows: expert inputs and expert outputs
                   4 K F a / TP   the routed experts' SwiGLU (as the dense FFN, per routed copy)
                   4 F_s a / TP   shared experts, F_s = n_shared x F
-    head          3 D a + V a + 16   final norm (as a pre-norm: 2 D a r + G with sequence parallelism), ids
+    head          2 D a + V a + 16   final norm (as a pre-norm: D a r + G with sequence parallelism), ids
                                  and the logits' gradient in the compute dtype, which the fused cross-entropy
                                  (optimus.model.loss) makes in its forward (pp = 1, tp = 1); the last pipeline
                                  stage's plain cross-entropy keeps the logits and fp32 log-probabilities
@@ -152,6 +153,16 @@ def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, worl
     return rank_zero2_staging_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, bucket, p.tp)
 
 
+def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, world: int) -> int:
+    """ZeRO-2 reduces in the last micro-batch's backward: with several micro-batches per step the earlier ones'
+    gradients add up in a full-size buffer until then (the parameters' .grad, or the hooks' partial sums in
+    optim.grad_dtype), alive from the first backward to the end of the step, which is where the peak is."""
+    p = cfg.parallel
+    if cfg.optim.zero != 2 or grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp)) == 1:
+        return 0
+    return DTYPE_BYTES[cfg.optim.grad_dtype] * share.per_device(p.tp, p.ep)
+
+
 def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
     """(per layer, embedding, final norm + LM head): the parameters that tensor parallelism splits over the tp
     ranks (attention's q/k/v/out projections, dense SwiGLU layers, embedding and LM head rows), counted on the
@@ -234,14 +245,15 @@ def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> 
     # a norm's output, kept by the projections it feeds; with sequence parallelism they keep it gathered instead
     # (an MoE layer keeps only its share of the tokens: "moe_input")
     norm_output = 0 if gathered else d * a
-    # q and k before and after QK-norm, split like the heads. "full" under tp (optimus.parallel.tensor_parallel's
-    # width-split norm) keeps q and k in fp32 before the norm and each token's two inverse norms (fp32)
-    qk_norm = {"none": 0, "head": (2 * d + 2 * d_kv) * a / tp, "full": (2 * d + 2 * d_kv) * a}[qk]
+    # q and k before QK-norm (the norm's input; its output is attention's q/k), split like the heads. "full" under
+    # tp (optimus.parallel.tensor_parallel's width-split norm) keeps q and k in fp32 before the norm and each
+    # token's two inverse norms (fp32)
+    qk_norm = {"none": 0, "head": (d + d_kv) * a / tp, "full": (d + d_kv) * a}[qk]
     if qk == "full" and tp > 1:
         qk_norm = (d + d_kv) * (4 + a) / tp + 2 * 4
     return {
-        # both pre-norms' input and normalised input, and the attention norm's output
-        "norms": 4 * d * a * residual + norm_output,
+        # both pre-norms' input (optimus.model.norm recomputes the normalised rows), the attention norm's output
+        "norms": 2 * d * a * residual + norm_output,
         "attention_input": gathered,  # gathered before the attention module runs: kept when it is recomputed
         "attention": ((3 * d + 2 * d_kv) * a + 4 * m.n_heads) / tp + qk_norm,
         "dense_ffn": 4 * m.ffn_dim * a / tp + gathered + norm_output,  # + its input, the ffn norm's output
@@ -253,7 +265,7 @@ def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> 
         "expert_mlp": 4 * k * f * a / tp,
         "shared": 4 * moe.n_shared_experts * f * a / tp,
         "block_input": d * a * residual,
-        "head_input": 2 * d * a * residual + norm_output + gathered,  # the final norm's, and the head's input
+        "head_input": d * a * residual + norm_output + gathered,  # the final norm's, and the head's input
         "grads": d * a * (1 + residual),  # the residual stream's gradient and a region's input gradient
     }
 
@@ -387,12 +399,18 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
              "tp": p.tp, "sp": p.sp, "head_work": True, "staging": staging}  # fmt: skip
+    accumulated = zero2_accumulated_bytes(cfg, share, world)
+
+    def peak(mode: str) -> int:
+        return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated
+
     act = {
         "micro_batch": t.micro_batch,
-        "no_checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "none", **where),
-        "selective": activation_bytes(m, t.micro_batch, t.seq_len, a, "selective", **where),
-        "checkpointing": activation_bytes(m, t.micro_batch, t.seq_len, a, "full", **where),
-        "configured": activation_bytes(m, t.micro_batch, t.seq_len, a, t.activation_checkpointing, **where),
+        "no_checkpointing": peak("none"),
+        "selective": peak("selective"),
+        "checkpointing": peak("full"),
+        "configured": peak(t.activation_checkpointing),
+        "zero2_accumulated": accumulated,
         "configured_mode": t.activation_checkpointing,
         "zero2_staging": staging,  # (during the backward, at its end)
     }
@@ -558,7 +576,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="optimus plan",
         description="Predict per-device memory (parameters, gradients, optimizer state for each sharding scheme, "
@@ -568,6 +586,18 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--nodes", type=int, help="nodes of machine.ranks_per_node ranks each")
     where.add_argument("--world", type=int, help="total ranks (default: parallel.nproc)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    dry = p.add_argument_group("dry run", "one training step of the layout at its world size, on fake tensors")
+    dry.add_argument("--dry-run", action="store_true", help="run one step of the real code for some ranks")
+    dry.add_argument("--rank", type=int, action="append", help="a rank to run (repeatable; default: the busiest)")
+    dry.add_argument(
+        "--imbalance", type=float, default=1.0, help="the busiest expert's share of the routed tokens over the mean"
+    )
+    dry.add_argument("--device", default="cpu", help="cpu, or cuda: a fake GPU (needs a CUDA build of torch)")
+    dry.add_argument("--out", help="write DIR/rank<R>.json (memory, collectives, host syncs) per rank")
+    dry.add_argument("--overwrite", action="store_true", help="replace an earlier dry run's --out")
+    dry.add_argument(
+        "--check-groups", action="store_true", help="also run enough ranks to check that each group's members agree"
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
     return p
 
@@ -593,8 +623,12 @@ def world_size(cfg: OptimusConfig, nodes: int | None, world: int | None) -> int:
 def main(argv: list[str]) -> int:
     from optimus.recipes import load_config
 
-    opts = _parser().parse_intermixed_args(argv)
+    opts = parser().parse_intermixed_args(argv)
     cfg = load_config(opts.overrides)
-    plan = make_plan(cfg, world_size(cfg, opts.nodes, opts.world))
+    world = world_size(cfg, opts.nodes, opts.world)
+    dry_only = [flag for flag in ("dry_run", "rank", "out", "check_groups") if getattr(opts, flag)]
+    if dry_only:  # optimus.cli hands `plan --dry-run` to optimus.dry_run.main
+        raise ConfigError(f"--{dry_only[0].replace('_', '-')} belongs to a dry run: run `optimus plan --dry-run`.")
+    plan = make_plan(cfg, world)
     sys.stdout.write((json.dumps(plan.as_dict(), indent=2) if opts.json else format_plan(plan)) + "\n")
     return 0

@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import platform as _pyplatform
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -288,6 +289,13 @@ def peak_memory_bytes(platform: Platform) -> int:
     return peak_resident_bytes()
 
 
+def available_cores() -> set[int]:
+    """The cores this process may run on (its CPU affinity; every core where the OS has no affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
 def share_cpu_threads(local_world_size: int) -> int:
     """Give each of the ranks on this host an equal share of its cores (unless OMP_NUM_THREADS says otherwise).
 
@@ -296,9 +304,56 @@ def share_cpu_threads(local_world_size: int) -> int:
     small matmul hundreds of times slower. Returns the thread count in effect.
     """
     if "OMP_NUM_THREADS" not in os.environ and local_world_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // local_world_size))
+        torch.set_num_threads(max(1, len(available_cores()) // local_world_size))
     return torch.get_num_threads()
+
+
+def cpu_list(cores: set[int]) -> str:
+    """Core numbers in Linux's cpulist form (`taskset -c`, /sys/devices/system/cpu/online): {0, 1, 2, 5} -> "0-2,5"."""
+    ordered, runs = sorted(cores), []
+    for core in ordered:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The cores of a cpulist ("0-2,5" -> {0, 1, 2, 5})."""
+    cores = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def cpu_share() -> dict:
+    """This process's host, the cores it may run on (a cpulist) and its intra-op threads: run_info.json records
+    them per rank, so that `optimus report` can tell a run whose ranks' threads outnumbered their cores."""
+    return {"host": socket.gethostname(), "cpus": cpu_list(available_cores()), "threads": torch.get_num_threads()}
+
+
+# What DTensor logs, once per process, when tensor parallelism re-shards a tensor on a CPU mesh: gloo has no
+# all-to-all, so it gathers and slices instead. On a CPU that is the only way, and every rank printing it tells
+# the user nothing to act on.
+GLOO_ALLTOALL_FALLBACK = "CPU process group does not support alltoall yet, falling back with allgather + chunk!"
+
+
+class _WithoutMessage(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def quiet_gloo_alltoall_fallback() -> None:
+    """Drop DTensor's GLOO_ALLTOALL_FALLBACK message from its logger (every other message of it still shows)."""
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
+        logger.addFilter(_WithoutMessage(GLOO_ALLTOALL_FALLBACK))
 
 
 # glibc mallopt parameters (malloc.h).

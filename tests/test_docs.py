@@ -76,3 +76,38 @@ def test_names_in_api_md_exist():
         if obj is None:
             missing.append(name)
     assert not missing, f"API.md names what does not exist: {missing}"
+
+
+def readme_train_commands() -> list[list[str]]:
+    """The arguments of every `optimus train` command in the README's code blocks, in order (continuation lines
+    joined, comments dropped)."""
+    import shlex
+
+    commands = []
+    for block in FENCE.finditer((ROOT / "README.md").read_text()):
+        for line in block.group(0).replace("\\\n", " ").splitlines():
+            if line.startswith("optimus train "):
+                commands.append(shlex.split(line, comments=True)[2:])
+    return commands
+
+
+def test_readme_reuses_a_run_dir_only_to_resume_it():
+    """A README command that names the run.dir of an earlier one must be that command again (the resume): any
+    other would be refused, the directory holding another run."""
+    first_use: dict[str, list[str]] = {}
+    for args in readme_train_commands():
+        for run_dir in [a.split("=", 1)[1] for a in args if a.startswith("run.dir=")]:
+            earlier = first_use.setdefault(run_dir, args)
+            assert earlier == args, f"README: `optimus train {' '.join(args)}` reuses run.dir={run_dir} of another run"
+
+
+def test_api_md_gives_build_parallel_state_its_real_parameters():
+    """API.md's signature names every parameter, in order (it once stopped at timeout_s: no pp, no tp)."""
+    import inspect
+
+    from optimus.parallel import build_parallel_state
+
+    documented = re.search(r"`build_parallel_state\(([^)]*)\)", (ROOT / "docs" / "API.md").read_text()).group(1)
+    assert [p.split("=")[0].strip() for p in documented.split(",")] == list(
+        inspect.signature(build_parallel_state).parameters
+    )

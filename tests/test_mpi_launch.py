@@ -35,4 +35,4 @@ def test_mpiexec_trains_with_expert_parallelism(tmp_path, corpus_file):
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["layout"]["world"] == 2 and info["layout"]["ep"] == 2
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2, 3]  # 0: the starting evaluation

@@ -167,11 +167,13 @@ def test_activation_bytes_by_hand():
     tests/train/test_activation_checkpointing.py)."""
     t, a = 2 * 16, 2  # micro_batch 2, seq_len 16, bf16
     d, d_kv, n, k, f, fs, e, ffn, v = 64, 32, 4, 2, 48, 48, 8, 96, 512  # vocab 500 pads to 512
-    norms, attn = 6 * d * a, (5 * d + 4 * d_kv) * a + 4 * n
+    # norms: both pre-norms' input, the attention norm's output, the FFN's input; attention: q/k/v, SDPA's output
+    # and the out-projection's input, and q/k before QK-norm
+    norms, attn = 4 * d * a, (4 * d + 3 * d_kv) * a + 4 * n
     router, rows, experts, shared = 4 * d + 8 * e + 28 * k, 2 * k * d * a, 4 * k * f * a, 4 * fs * a
     dense, moe = norms + attn + 4 * ffn * a, norms + attn + router + rows + experts + shared
     # the fused cross-entropy keeps the logits' gradient in bf16; the plain one logits and fp32 log-probs
-    head = {True: 3 * d * a + v * a + 16, False: 3 * d * a + v * (a + 4) + 16}
+    head = {True: 2 * d * a + v * a + 16, False: 2 * d * a + v * (a + 4) + 16}
     assert t * v * (4 + a) > max(v * d * a + 2 * t * d * a, 10 * t * d)  # the fused head's forward chunk is largest
     for fused in (True, False):
         kept = {  # one dense block, then two MoE blocks
@@ -339,15 +341,16 @@ def test_tensor_parallel_activation_bytes_by_hand(sp):
     d, d_kv, n, k, f, fs, e, ffn, v = 64, 32, 4, 2, 48, 48, 8, 96, 512
     model = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
     residual, gathered = (1 / tp, d * a) if sp else (1, 0)
-    # both norms' input and normalised input; a norm's output is kept by the projections it feeds, gathered with
-    # sp; an MoE layer keeps its 1/tp of the tokens as its input (the local output with sp, else a copy of a slice)
+    # both norms' input (optimus.model.norm recomputes the normalised rows); a norm's output is kept by the
+    # projections it feeds, gathered with sp; an MoE layer keeps its 1/tp of the tokens as its input (the local
+    # output with sp, else a copy of a slice)
     norm_output = 0 if sp else d * a
-    norms = 4 * d * a * residual + norm_output
+    norms = 2 * d * a * residual + norm_output
     attn = ((3 * d + 2 * d_kv) * a + 4 * n) / tp  # the region `selective` and `full` recompute
     dense = norms + gathered + attn + 4 * ffn * a / tp + gathered + norm_output
     routed = d * a + 4 * d + 8 * e + 28 * k + 2 * k * d * a + 4 * k * f * a + 4 * fs * a
     moe = norms + gathered + attn + routed / tp
-    head = 2 * d * a * residual + norm_output + gathered + v * a / tp + 16
+    head = d * a * residual + norm_output + gathered + v * a / tp + 16
     moe_regions = (attn, 4 * k * f * a / tp, 4 * fs * a / tp)  # recomputed one at a time under full
     moe_full = moe - sum(moe_regions)
     kept = {
@@ -370,13 +373,14 @@ def test_tensor_parallel_activation_bytes_by_hand(sp):
 
 @pytest.mark.parametrize("qk_norm", ["head", "full"])
 def test_tensor_parallel_qk_norm_activations(qk_norm):
-    """q and k before and after QK-norm, split with the heads: 2 D + 2 D_kv values per token and layer over tp
-    for a per-head norm; for the full-width norm q and k before it in fp32 and two fp32 inverse norms per token."""
+    """q and k before QK-norm (its output is attention's q and k), split with the heads: D + D_kv values per token
+    and layer over tp for a per-head norm; for the full-width norm q and k before it in fp32 and two fp32 inverse
+    norms per token."""
     d, d_kv, a, t = 64, 32, 2, 2 * 16
     plain = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
     normed = ModelConfig(**{**SMALL.__dict__, "qk_norm": qk_norm})
     extra = [activation_bytes(m, 2, 16, a, "none", recompute=False, tp=2) for m in (normed, plain)]
-    per_token = (2 * d + 2 * d_kv) * a / 2 if qk_norm == "head" else (d + d_kv) * (4 + a) / 2 + 8
+    per_token = (d + d_kv) * a / 2 if qk_norm == "head" else (d + d_kv) * (4 + a) / 2 + 8
     assert extra[0] - extra[1] == round(t * SMALL.n_layers * per_token)
 
 

@@ -2,7 +2,9 @@
 
 Reading refuses what Optimus does not compute the same way (another activation, RoPE
 scaling, attention biases, sliding windows, a head size other than dim / n_heads), so
-an imported model either gives the same logits or is not imported at all.
+an imported model either gives the same logits or is not imported at all. Its router
+losses are those transformers trains it with (TRANSFORMERS_LOSSES), so that continued
+pretraining optimises the source's objective; `loss_sources` says where each came from.
 """
 
 from __future__ import annotations
@@ -14,6 +16,21 @@ from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coe
 from optimus.hf.formats import QWEN3_MOE, HFFormat, format_of_hf_config
 
 DEFAULT_MAX_POSITIONS = 4096  # Optimus has no position limit (RoPE is computed for any length)
+
+# The router losses of transformers' OLMoE, Qwen3-MoE and Mixtral: router_aux_loss_coef x load_balancing_loss_func,
+# which pools the counts of every MoE layer of one forward pass, and nothing else (no z-loss, no sequence-wise
+# loss, no capacity limit). The aux coefficient comes from config.json.
+TRANSFORMERS_LOSSES = dict(
+    aux_loss_layers="pooled", aux_loss_scope="micro_batch", z_loss_coef=0.0, seq_aux_loss_coef=0.0,
+    capacity_factor=None,
+)  # fmt: skip
+_WHY_TRANSFORMERS = {
+    "aux_loss_layers": "load_balancing_loss_func pools the MoE layers",
+    "aux_loss_scope": "it balances each forward pass",
+    "z_loss_coef": "it has no router z-loss",
+    "seq_aux_loss_coef": "it has no sequence-wise loss",
+    "capacity_factor": "it routes without a capacity limit",
+}
 
 
 _REQUIRED = object()  # the default of a setting that config.json must give
@@ -111,7 +128,8 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> tuple[ModelConfig, HF
         n_shared_experts=0,
         router="softmax",
         norm_topk=True if fmt.always_norm_topk else _flag(hf, "norm_topk_prob", fmt, False),
-        aux_loss_coef=_number(hf, "router_aux_loss_coef", fmt, 0.01),
+        aux_loss_coef=_number(hf, "router_aux_loss_coef", fmt, fmt.aux_loss_coef),
+        **TRANSFORMERS_LOSSES,
     )
     cfg = ModelConfig(
         name=name,
@@ -132,6 +150,24 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> tuple[ModelConfig, HF
     )
     validate_model(cfg)
     return cfg, fmt
+
+
+def loss_sources(hf: dict[str, Any], fmt: HFFormat) -> dict[str, str]:
+    """model.moe key -> where model_config_from_hf took its value from, for the comments of an imported recipe."""
+    defaults = MoEConfig()
+    if "router_aux_loss_coef" in hf:
+        aux = "router_aux_loss_coef of the source config.json"
+    else:
+        aux = f"transformers' default for {fmt.architecture} (the source config.json gives no router_aux_loss_coef)"
+    if not hf.get("output_router_logits"):
+        aux += "; transformers adds it only with output_router_logits=true, which this config.json leaves off"
+    sources = {"aux_loss_coef": aux}
+    for key, why in _WHY_TRANSFORMERS.items():
+        default = getattr(defaults, key)
+        note = "also Optimus's default" if default == TRANSFORMERS_LOSSES[key] else f"Optimus's default: {default}"
+        sources[key] = f"as transformers: {why} ({note})"
+    sources["bias_update_rate"] = "Optimus's default (read by router=sigmoid only)"
+    return sources
 
 
 def hf_config_from_model(cfg: ModelConfig, fmt: HFFormat, dtype: str = "float32") -> dict[str, Any]:

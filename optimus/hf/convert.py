@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -16,8 +18,12 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from omegaconf import OmegaConf
 
-from optimus.config import ConfigError, ModelConfig, OptimusConfig
-from optimus.hf.io import check_out_dir, check_save, from_pretrained, replacing_directory, save_state
+from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
+from optimus.hf.config_map import loss_sources
+from optimus.hf.formats import format_of_hf_config
+from optimus.hf.hub import hub_snapshot, is_hub_id
+from optimus.hf.io import check_save, from_pretrained, read_hf_config, recipe_name, save_state
+from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.train.checkpoint import META, inspect
 from optimus.train.checkpoint_checks import hash_files, read_meta
 from optimus.train.checkpoint_state import model_state
@@ -95,33 +101,86 @@ def export_hf(
 
 @dataclass
 class Imported:
-    checkpoint: Path  # step directory to give checkpoint.load
+    checkpoint: Path  # step directory to give checkpoint.load (absolute)
     recipe: Path  # <checkpoint>/model/<name>.yaml
     tokenizer: Path | None  # <checkpoint>/tokenizer.json when the HF directory had one
-    command: str  # continues pretraining from the imported weights
+    command: str  # continues pretraining from the imported weights, once its DATA_PATH is filled in
+    objective: str  # what the recipe trains, and the overrides for Optimus's defaults
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, name: str | None = None, overwrite: bool = False) -> Imported:
-    """Write the model of HF directory `hf_dir` as an Optimus checkpoint `out` (a step directory that any
-    layout loads) with the model recipe that builds it in `out/model/`; an existing checkpoint there is
-    replaced only with `overwrite`. The whole directory is written beside `out` and renamed at the end."""
-    out, hf_dir = Path(out), Path(hf_dir)
-    check_out_dir(out, overwrite, META, "an Optimus checkpoint")
-    model, cfg = from_pretrained(hf_dir, name=name)
+DATA_PATH = "DATA_PATH"  # the placeholder of the printed command (see data_keys)
+
+
+def import_hf(source: str | Path, out: str | Path, name: str | None = None, overwrite: bool = False) -> Imported:
+    """Write the model of `source`, a HF directory or a Hub id (downloaded into, or read from, huggingface_hub's
+    cache), as an Optimus checkpoint `out` (a step directory that any layout loads) with the model recipe that
+    builds it in `out/model/`; an existing checkpoint there is replaced only with `overwrite`. The output is
+    checked before anything is downloaded; the whole directory is written beside `out` and renamed at the end."""
+    check_out_dir(Path(out), overwrite, META, "an Optimus checkpoint")
+    out = Path(os.path.abspath(out))  # the printed command works from any directory
+    hub_id = str(source) if is_hub_id(source) else None
+    hf_dir = hub_snapshot(hub_id) if hub_id else Path(source)
+    model, cfg = from_pretrained(hf_dir, name=name or recipe_name(source))
+    hf = read_hf_config(hf_dir)
     state = model_state(model)
     del model
+    origin = f"{hub_id} (Hugging Face Hub, cached at {hf_dir.resolve()})" if hub_id else str(hf_dir.resolve())
     with replacing_directory(out) as tmp:
-        _write_checkpoint(state, cfg, hf_dir, tmp)
+        _write_checkpoint(state, cfg, hf_dir, tmp, origin, loss_sources(hf, format_of_hf_config(hf)))
     tokenizer = out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None
-    command = (
-        f"optimus train hydra.searchpath=[file://{out.resolve()}] model={cfg.name} "
-        f"checkpoint.load={out} checkpoint.load_weights_only=true"
-        + (f" data.tokenizer={tokenizer}" if tokenizer else "")
+    command = shlex.join([
+        "optimus", "train", f"hydra.searchpath=[file://{out}]", f"model={cfg.name}", f"checkpoint.load={out}",
+        "checkpoint.load_weights_only=true", "data=text", f"data.path={DATA_PATH}",
+        f"data.tokenizer={tokenizer or 'TOKENIZER'}",
+    ])  # fmt: skip
+    return Imported(out, out / "model" / f"{cfg.name}.yaml", tokenizer, command, _objective(cfg, hf))
+
+
+def data_keys(imported: Imported) -> str:
+    """What the user fills into the printed command: the data, and the tokenizer where the source had none."""
+    tokenizer = imported.tokenizer or "TOKENIZER"
+    keys = (
+        f"{DATA_PATH}: your .txt/.jsonl/.parquet files or a directory of them; or data=tokens data.path=DIR, "
+        f"a directory made by `optimus data prepare --tokenizer {tokenizer}`"
     )
-    return Imported(out, out / "model" / f"{cfg.name}.yaml", tokenizer, command)
+    if imported.tokenizer is None:
+        keys += "; TOKENIZER: the tokenizer the model was trained with (a tokenizer.json or a Hugging Face name)"
+    return keys
 
 
-def _write_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: Path, out: Path) -> None:
+def _objective(cfg: ModelConfig, hf: dict[str, Any]) -> str:
+    """The training objective the imported recipe sets (the source's, as transformers computes it), and the
+    overrides that change it."""
+    moe, defaults = cfg.moe, MoEConfig()
+    text = (
+        f"cross-entropy + {moe.aux_loss_coef} x load_balancing_loss_func pooled over the MoE layers "
+        "(model.moe.aux_loss_layers=pooled, parallel.pp=1 only), no router z-loss"
+    )
+    if not hf.get("output_router_logits"):
+        text += (
+            "; with output_router_logits=false, as in its config.json, transformers' own loss leaves the aux loss "
+            "out: add model.moe.aux_loss_coef=0 for that"
+        )
+    return (
+        f"{text}; Optimus's defaults instead: model.moe.aux_loss_layers={defaults.aux_loss_layers} "
+        f"model.moe.z_loss_coef={defaults.z_loss_coef}."
+    )
+
+
+def annotated_recipe(cfg: ModelConfig, sources: dict[str, str]) -> str:
+    """The model recipe of `cfg` as YAML, each model.moe key of `sources` followed by a comment saying where
+    its value came from."""
+    lines = OmegaConf.to_yaml(OmegaConf.structured(cfg)).splitlines()
+    for i, line in enumerate(lines):
+        key = line.strip().split(":", 1)[0]
+        if line.startswith("  ") and not line.startswith("   ") and key in sources:  # a key of the moe block
+            lines[i] = f"{line}  # {sources[key]}"
+    return "\n".join(lines) + "\n"
+
+
+def _write_checkpoint(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: Path, out: Path, origin: str, sources: dict[str, str]
+) -> None:
     # The per-expert entries are views of [E, ...] stacks, which DCP would copy all at once before writing;
     # copying them here one by one frees each stack as soon as its last view is replaced (peak ~1 model).
     for key, tensor in state.items():
@@ -133,16 +192,15 @@ def _write_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: 
     state["trainer/world"] = torch.tensor(1)
     with no_single_process_warning():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=True), no_dist=True)
-    source = hf_dir.resolve()
     meta = {
         "step": 0, "world": 1, "dp": 1, "ep": 1, "sharding": "none", "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "model": asdict(cfg), "imported_from": str(source),
+        "model": asdict(cfg), "imported_from": origin,
         "files": hash_files(out),  # the integrity record a trained checkpoint carries, checked on load and export
     }  # fmt: skip
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(OptimusConfig(model=cfg))))
     (out / "model").mkdir()
-    header = f"# {cfg.name}: imported from {source} by `optimus checkpoint import`.\n"
-    (out / "model" / f"{cfg.name}.yaml").write_text(header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    header = f"# {cfg.name}: imported from {origin} by `optimus checkpoint import`.\n"
+    (out / "model" / f"{cfg.name}.yaml").write_text(header + annotated_recipe(cfg, sources))
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copyfile(hf_dir / "tokenizer.json", out / "tokenizer.json")

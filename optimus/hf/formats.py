@@ -27,23 +27,24 @@ class HFFormat:
     n_experts_key: str  # config key of the number of experts
     dense_layers: bool  # supports leading dense layers (first_k_dense)
     always_norm_topk: bool  # the router always renormalises the top-k weights
+    aux_loss_coef: float  # transformers' router_aux_loss_coef when config.json gives none
 
 
 _SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 OLMOE = HFFormat(
     architecture="OlmoeForCausalLM", model_type="olmoe", qk_norm="full", moe_prefix="mlp",
     expert_names=_SWIGLU_NAMES, expert_dim_key="intermediate_size", n_experts_key="num_experts", dense_layers=False,
-    always_norm_topk=False,
+    always_norm_topk=False, aux_loss_coef=0.01,
 )  # fmt: skip
 QWEN3_MOE = HFFormat(
     architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", qk_norm="head", moe_prefix="mlp",
     expert_names=_SWIGLU_NAMES, expert_dim_key="moe_intermediate_size", n_experts_key="num_experts", dense_layers=True,
-    always_norm_topk=False,
+    always_norm_topk=False, aux_loss_coef=0.001,
 )  # fmt: skip
 MIXTRAL = HFFormat(
     architecture="MixtralForCausalLM", model_type="mixtral", qk_norm="none", moe_prefix="block_sparse_moe",
     expert_names=("w1", "w3", "w2"), expert_dim_key="intermediate_size", n_experts_key="num_local_experts",
-    dense_layers=False, always_norm_topk=True,
+    dense_layers=False, always_norm_topk=True, aux_loss_coef=0.001,
 )  # fmt: skip
 FORMATS = {f.model_type: f for f in (OLMOE, QWEN3_MOE, MIXTRAL)}
 

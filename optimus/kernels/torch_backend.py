@@ -22,16 +22,25 @@ import functools
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
+from optimus.kernels.host_reads import group_bounds, token_row_starts
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _address(t: torch.Tensor) -> int:
+    """t's address; for a fake tensor, which has no memory, its offset into a storage that starts 16-byte aligned
+    (as every allocator's does)."""
+    return t.storage_offset() * t.element_size() if isinstance(t, FakeTensor) else t.data_ptr()
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
     """`_grouped_mm` needs every non-unit stride and the base address 16-byte aligned."""
     for t in tensors:
-        if t.data_ptr() % 16:
+        if _address(t) % 16:
             return False
         for size, stride in zip(t.shape, t.stride()):
             if size > 1 and stride != 1 and (stride * t.element_size()) % 16:
@@ -122,6 +131,32 @@ def _wgrad_window(a_AK: torch.Tensor, g_AN: torch.Tensor, out_KN: torch.Tensor, 
     torch.mm(a_AK.t()[:, lo : lo + rows], g_AN[lo : lo + rows], out=out_KN)
 
 
+class RowBounds:
+    """Each expert's rows: `offsets_E` (int32 [E], the end row of each expert, `n_rows` in all) where they live,
+    and `ints`, [0] + offsets as host integers, read back only when first asked for.
+
+    Reading them is a host synchronisation on a GPU (the launch queue drains while the host waits), so only
+    the per-expert loops ask, which slice rows by host integers: the CPU's paths, and a GPU's where
+    `torch._grouped_mm` cannot run (`_use_grouped`). `torch._grouped_mm` takes the offsets where they are.
+    """
+
+    def __init__(self, offsets_E: torch.Tensor, n_rows: int):
+        self.offsets_E, self.n_rows = offsets_E, n_rows
+
+    @functools.cached_property
+    def ints(self) -> list[int]:
+        return group_bounds(self.offsets_E, self.n_rows)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm: [A, K] x [E, K, N] -> [A, N], or [K, A] x [A, N] -> [E, K, N]. Fake tensors (a dry run)
+    run its meta kernel, which refuses all but bf16 (the CUDA kernel's rule) where the CPU kernel takes fp32 and
+    fp16 too: for those it gives the empty output of the shape the CPU kernel would, as a fake kernel does."""
+    if isinstance(a, FakeTensor) and a.dtype != torch.bfloat16:
+        return a.new_empty((a.shape[0], b.shape[2]) if b.dim() == 3 else (offsets_E.shape[0], a.shape[0], b.shape[1]))
+    return torch._grouped_mm(a, b, offsets_E)
+
+
 def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """grouped_mm with every GEMM on a cached row count (`_mm_window`)."""
     y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])  # [A, N]
@@ -139,40 +174,36 @@ def _grouped_wgrad_cached_rows(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: l
     return dw_EKN
 
 
-def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """y[rows of e] = x[rows of e] @ w[e]  -> [A, N]. `bounds` = [0] + offsets as Python ints."""
+def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: RowBounds) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]  -> [A, N]."""
     if _builds_kernel_per_shape(x_AK):
-        return _grouped_mm_cached_rows(x_AK, w_EKN, bounds)
+        return _grouped_mm_cached_rows(x_AK, w_EKN, bounds.ints)
     if _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
-        return torch._grouped_mm(x_AK, w_EKN, offsets_E)
+        return _grouped_mm(x_AK, w_EKN, bounds.offsets_E)
     y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
     for e in range(w_EKN.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
+        lo, hi = bounds.ints[e], bounds.ints[e + 1]
         if hi > lo:
             torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
     return y_AN
 
 
-def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: RowBounds) -> torch.Tensor:
     """dw[e] = x[rows of e]^T @ g[rows of e]  -> [E, K, N]; zero for experts without rows."""
     if _builds_kernel_per_shape(x_AK):
-        return _grouped_wgrad_cached_rows(x_AK, g_AN, bounds)
+        return _grouped_wgrad_cached_rows(x_AK, g_AN, bounds.ints)
     x_KA = x_AK.t()
-    if _use_grouped(offsets_E.shape[0], x_KA, g_AN):
-        return torch._grouped_mm(x_KA, g_AN, offsets_E)
-    n_experts = offsets_E.shape[0]
+    n_experts = bounds.offsets_E.shape[0]
+    if _use_grouped(n_experts, x_KA, g_AN):
+        return _grouped_mm(x_KA, g_AN, bounds.offsets_E)
     dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])
     for e in range(n_experts):
-        lo, hi = bounds[e], bounds[e + 1]
+        lo, hi = bounds.ints[e], bounds.ints[e + 1]
         if hi > lo:
             torch.mm(x_KA[:, lo:hi], g_AN[lo:hi], out=dw_EKN[e])
         else:
             dw_EKN[e].zero_()
     return dw_EKN
-
-
-def _bounds(offsets_E: torch.Tensor) -> list[int]:
-    return [0] + offsets_E.tolist()
 
 
 def _no_autocast(device_type: str):
@@ -203,7 +234,9 @@ def _scatter_sum(src_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A, n_to
     On CPUs a [T, A] CSR matrix times src (MKL sparse, multi-threaded) is several times faster
     than `index_add_`, which runs serially there; elsewhere `index_add_` is the fast one.
     """
-    if src_AD.device.type == "cpu" and acc in (torch.float32, torch.float64) and src_AD.shape[0]:
+    # Sparse CSR tensors do not run on fake tensors: a dry run (optimus plan --dry-run) takes index_add here.
+    csr = src_AD.device.type == "cpu" and not isinstance(src_AD, FakeTensor)
+    if csr and acc in (torch.float32, torch.float64) and src_AD.shape[0]:
         return _csr_scatter_sum(src_AD, token_idx_A, weight_A, n_tokens, acc)
     src_AD = src_AD.to(acc)
     if weight_A is not None:
@@ -224,14 +257,14 @@ def _csr_scatter_sum(src_AD, token_idx_A, weight_A, n_tokens: int, acc) -> torch
     n_rows = src_AD.shape[0]
     order_A = torch.argsort(token_idx_A, stable=True)  # rows in token order
     crow_T1 = torch.zeros(n_tokens + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(token_idx_A, minlength=n_tokens), 0, out=crow_T1[1:])
+    torch.cumsum(count_ids(token_idx_A, n_tokens), 0, out=crow_T1[1:])
     values_A = torch.ones(n_rows, dtype=acc) if weight_A is None else weight_A.to(acc)[order_A]
     if src_AD.dtype == acc:
         return torch.sparse.mm(_csr_matrix(crow_T1, order_A, values_A, (n_tokens, n_rows)), src_AD)
     out_TD = src_AD.new_empty(n_tokens, src_AD.shape[1], dtype=acc)
     tokens_per_block = max(1, _WIDEN_BLOCK_ROWS * n_tokens // n_rows)
     block_starts = list(range(0, n_tokens, tokens_per_block)) + [n_tokens]
-    row_starts = crow_T1[block_starts].tolist()
+    row_starts = token_row_starts(crow_T1[block_starts], block_starts, n_rows, n_tokens)
     local_col = torch.arange(n_rows)
     for t0, t1, r0, r1 in zip(block_starts[:-1], block_starts[1:], row_starts[:-1], row_starts[1:]):
         if r1 == r0:  # no token of the block kept a row (capacity drops)
@@ -307,14 +340,14 @@ def _swiglu_backward(dh_RF: torch.Tensor, h13_RF2: torch.Tensor, silu_RF: torch.
     torch.ops.aten.silu_backward.grad_input(dh_RF, gate_RF, grad_input=dh13_RF2[:, :n_ffn])
 
 
-def _swiglu_mlp_forward(x_AD, w13_EDF2, w2_EFD, offsets_E, bounds):
+def _swiglu_mlp_forward(x_AD, w13_EDF2, w2_EFD, bounds: RowBounds):
     """-> h13 [A, 2F], silu(gate) [A, F], h [A, F], y [A, D]: the whole-tensor schedule, each GEMM over all experts
     and each elementwise pass over all rows."""
     n_rows, n_ffn = x_AD.shape[0], w2_EFD.shape[1]
-    h13_AF2 = grouped_mm(x_AD, w13_EDF2, offsets_E, bounds)  # [A, 2F]
+    h13_AF2 = grouped_mm(x_AD, w13_EDF2, bounds)  # [A, 2F]
     silu_AF, h_AF = h13_AF2.new_empty(n_rows, n_ffn), h13_AF2.new_empty(n_rows, n_ffn)  # [A, F] each
     _swiglu(h13_AF2, silu_AF, h_AF)
-    return h13_AF2, silu_AF, h_AF, grouped_mm(h_AF, w2_EFD, offsets_E, bounds)
+    return h13_AF2, silu_AF, h_AF, grouped_mm(h_AF, w2_EFD, bounds)
 
 
 def _swiglu_mlp_forward_by_expert(x_AD, w13_EDF2, w2_EFD, bounds):
@@ -335,15 +368,15 @@ def _swiglu_mlp_forward_by_expert(x_AD, w13_EDF2, w2_EFD, bounds):
     return h13_AF2, silu_AF, h_AF, y_AD
 
 
-def _swiglu_mlp_backward(saved, dy_AD, offsets_E, bounds, needs):
+def _swiglu_mlp_backward(saved, dy_AD, bounds: RowBounds, needs):
     """-> dx [A, D], dw13 [E, D, 2F], dw2 [E, F, D] (None where not needed): the whole-tensor schedule."""
     x_AD, w13_EDF2, w2_EFD, h13_AF2, silu_AF, h_AF = saved
-    dh_AF = grouped_mm(dy_AD, w2_EFD.transpose(1, 2), offsets_E, bounds)  # [A, F]
-    dw2_EFD = grouped_wgrad(h_AF, dy_AD, offsets_E, bounds) if needs[2] else None
+    dh_AF = grouped_mm(dy_AD, w2_EFD.transpose(1, 2), bounds)  # [A, F]
+    dw2_EFD = grouped_wgrad(h_AF, dy_AD, bounds) if needs[2] else None
     dh13_AF2 = torch.empty_like(h13_AF2)  # [A, 2F] = [d gate | d up]
     _swiglu_backward(dh_AF, h13_AF2, silu_AF, dh13_AF2)
-    dx_AD = grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, bounds) if needs[0] else None
-    dw13_EDF2 = grouped_wgrad(x_AD, dh13_AF2, offsets_E, bounds) if needs[1] else None
+    dx_AD = grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), bounds) if needs[0] else None
+    dw13_EDF2 = grouped_wgrad(x_AD, dh13_AF2, bounds) if needs[1] else None
     return dx_AD, dw13_EDF2, dw2_EFD
 
 
@@ -399,7 +432,8 @@ def _padded_index(bounds: list[int], rows: int, device: torch.device) -> torch.T
     starts_E = torch.tensor(bounds[:-1], dtype=torch.int64)
     shift_E = torch.arange(len(starts_E), dtype=torch.int64) * rows - starts_E
     counts_E = torch.tensor(bounds[1:], dtype=torch.int64) - starts_E
-    return (torch.arange(bounds[-1]) + torch.repeat_interleave(shift_E, counts_E)).to(device)  # [A]
+    shift_A = torch.repeat_interleave(shift_E, counts_E, output_size=bounds[-1])
+    return (torch.arange(bounds[-1]) + shift_A).to(device)  # [A]
 
 
 def _pad(x_AD: torch.Tensor, index_A: torch.Tensor, n_experts: int, rows: int) -> torch.Tensor:
@@ -440,12 +474,12 @@ def _swiglu_mlp_backward_padded(saved, dy_AD, bounds, needs):
     return dx_AD, dw13_EDF2, dw2_EFD
 
 
-def _schedule(x_AD: torch.Tensor, bounds: list[int], n_ffn: int) -> tuple[str, int]:
+def _schedule(x_AD: torch.Tensor, bounds: RowBounds, n_ffn: int) -> tuple[str, int]:
     """How the SwiGLU MLP runs, and its padded row count: "padded" (rows > 0) or "by_expert" for 16-bit rows on
     a CPU, else "whole_tensor"."""
     if not _builds_kernel_per_shape(x_AD):
         return "whole_tensor", 0
-    rows = padded_rows(bounds, x_AD.shape[1], n_ffn)
+    rows = padded_rows(bounds.ints, x_AD.shape[1], n_ffn)
     return ("padded" if rows else "by_expert"), rows
 
 
@@ -455,20 +489,20 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
         math = math_dtype(dtype, x_AD.device)
-        bounds = _bounds(offsets_E)
+        bounds = RowBounds(offsets_E, x_AD.shape[0])
         x_m = round_to(x_AD, dtype, math)
         w13_m = round_to(w13_EDF2, dtype, math)
         w2_m = round_to(w2_EFD, dtype, math)
         ctx.schedule, rows = _schedule(x_m, bounds, w2_m.shape[1])
         if ctx.schedule == "padded":
-            x_m, h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_padded(x_m, w13_m, w2_m, bounds, rows)
+            x_m, h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_padded(x_m, w13_m, w2_m, bounds.ints, rows)
         elif ctx.schedule == "by_expert":
-            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_by_expert(x_m, w13_m, w2_m, bounds)
+            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward_by_expert(x_m, w13_m, w2_m, bounds.ints)
         else:
-            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward(x_m, w13_m, w2_m, offsets_E, bounds)
+            h13_AF2, silu_AF, h_AF, y_AD = _swiglu_mlp_forward(x_m, w13_m, w2_m, bounds)
         # Saved (padded [E, R, .] in the padded schedule): backward needs silu(gate) twice and h once, so it
-        # recomputes nothing.
-        ctx.save_for_backward(x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF)
+        # recomputes nothing. The offsets go in `ctx.bounds`, with their host integers if the forward read them.
+        ctx.save_for_backward(x_m, w13_m, w2_m, h13_AF2, silu_AF, h_AF)
         ctx.bounds, ctx.dtype, ctx.math = bounds, dtype, math
         ctx.in_dtypes = (x_AD.dtype, w13_EDF2.dtype, w2_EFD.dtype)
         return y_AD.to(dtype)
@@ -476,17 +510,16 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     @_backward_without_autocast
     def backward(ctx, dy_AD):
-        x_m, w13_m, w2_m, offsets_E, h13_AF2, silu_AF, h_AF = ctx.saved_tensors
-        saved = (x_m, w13_m, w2_m, h13_AF2, silu_AF, h_AF)
+        saved = ctx.saved_tensors  # x, w13, w2, h13, silu(gate), h
         # _grouped_mm's own backward rejects stride-0 grads; ours needs dense rows too.
         dy_m = round_to(dy_AD, ctx.dtype, ctx.math).contiguous()
         needs = ctx.needs_input_grad[:3]
         if ctx.schedule == "padded":
-            grads = _swiglu_mlp_backward_padded(saved, dy_m, ctx.bounds, needs)
+            grads = _swiglu_mlp_backward_padded(saved, dy_m, ctx.bounds.ints, needs)
         elif ctx.schedule == "by_expert":
-            grads = _swiglu_mlp_backward_by_expert(saved, dy_m, ctx.bounds, needs)
+            grads = _swiglu_mlp_backward_by_expert(saved, dy_m, ctx.bounds.ints, needs)
         else:
-            grads = _swiglu_mlp_backward(saved, dy_m, offsets_E, ctx.bounds, needs)
+            grads = _swiglu_mlp_backward(saved, dy_m, ctx.bounds, needs)
         grads = [None if g is None else g.to(in_dtype) for g, in_dtype in zip(grads, ctx.in_dtypes)]
         return *grads, None, None
 
@@ -518,22 +551,22 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_AK, w_EKN, offsets_E, dtype):
         math = math_dtype(dtype, x_AK.device)
-        bounds = _bounds(offsets_E)
+        bounds = RowBounds(offsets_E, x_AK.shape[0])
         x_m, w_m = round_to(x_AK, dtype, math), round_to(w_EKN, dtype, math)
-        ctx.save_for_backward(x_m, w_m, offsets_E)
+        ctx.save_for_backward(x_m, w_m)
         ctx.bounds, ctx.dtype, ctx.math, ctx.in_dtypes = bounds, dtype, math, (x_AK.dtype, w_EKN.dtype)
-        return grouped_mm(x_m, w_m, offsets_E, bounds).to(dtype)
+        return grouped_mm(x_m, w_m, bounds).to(dtype)
 
     @staticmethod
     @_backward_without_autocast
     def backward(ctx, dy_AN):
-        x_m, w_m, offsets_E = ctx.saved_tensors
+        x_m, w_m = ctx.saved_tensors
         dy_m = round_to(dy_AN, ctx.dtype, ctx.math).contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm(dy_m, w_m.transpose(1, 2), offsets_E, ctx.bounds).to(ctx.in_dtypes[0])
+            dx = grouped_mm(dy_m, w_m.transpose(1, 2), ctx.bounds).to(ctx.in_dtypes[0])
         if ctx.needs_input_grad[1]:
-            dw = grouped_wgrad(x_m, dy_m, offsets_E, ctx.bounds).to(ctx.in_dtypes[1])
+            dw = grouped_wgrad(x_m, dy_m, ctx.bounds).to(ctx.in_dtypes[1])
         return dx, dw, None, None
 
 

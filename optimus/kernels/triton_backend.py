@@ -1,8 +1,16 @@
-"""The Triton expert path: autograd.Functions over the kernels in `triton_kernels`.
+"""The Triton expert path: custom operators (namespace `optimus`) over the kernels in `triton_kernels`.
 
-Imported only when the triton backend is chosen (it imports triton). Everything runs in
-the compute dtype (autocast dtype under autocast, else the input's dtype) with fp32
-accumulation; weight gradients come back in the weights' own dtype.
+Each differentiable operation is a `torch.library.custom_op` with a fake implementation (its outputs' shapes,
+dtypes and strides from its inputs' alone) and a registered backward built from further custom operators. So
+the path runs on fake tensors (`FakeTensorMode`, a dry run), forward and backward, and torch.compile can trace
+it without looking inside a kernel.
+
+Imported only when the triton backend is chosen (it imports triton). Everything runs in the compute dtype
+(autocast dtype under autocast, else the input's dtype) with fp32 accumulation; weight gradients come back in
+the weights' own dtype. The casts into the compute dtype happen inside the operators, since an operator's
+output may not alias its input and weight gradients are written in the weights' dtype straight from fp32.
+Backward casts the saved inputs again: a copy only of what autocast narrows (the fp32 weights), which is not
+held from forward to backward.
 
 Token <-> assignment maps: permute's backward and combine's forward sum, for each token, its
 assignments. They walk the assignments sorted by token (a stable argsort, so the sum order
@@ -10,121 +18,231 @@ is fixed), so no atomics are needed and results are deterministic.
 """
 
 import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
 
 
-def _token_segments(token_idx_A: torch.Tensor, n_tokens: int):
+def _token_segments(token_idx_A: Tensor, n_tokens: int):
     """(assignments sorted by token -> [A], cumulative end of each token's run -> [T], int32)."""
     order_A = torch.argsort(token_idx_A, stable=True)
     seg_end_T = torch.cumsum(count_ids(token_idx_A, n_tokens), 0)
     return order_A, seg_end_T.to(torch.int32)
 
 
-def _check_rows(offsets_E: torch.Tensor, n_rows: int) -> None:
-    if offsets_E.numel() and offsets_E.device.type == "cpu" and int(offsets_E[-1]) != n_rows:
+def _check_rows(offsets_E: Tensor, n_rows: int) -> None:
+    """On a CPU, where reading it costs nothing, the last offset must be the row count (the interpreted kernels
+    would read past x's end). Fake tensors hold no value to check."""
+    readable = offsets_E.device.type == "cpu" and not isinstance(offsets_E, FakeTensor)
+    if offsets_E.numel() and readable and int(offsets_E[-1]) != n_rows:
         raise ValueError(f"offsets_E ends at {int(offsets_E[-1])} but x has {n_rows} rows; they must match.")
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, token_idx_A, dtype):
-        ctx.save_for_backward(token_idx_A)
-        ctx.n_tokens, ctx.x_dtype = x_TD.shape[0], x_TD.dtype
-        return tk.gather_rows(x_TD.to(dtype), token_idx_A)  # [A, D]
-
-    @staticmethod
-    def backward(ctx, dy_AD):
-        (token_idx_A,) = ctx.saved_tensors
-        order_A, seg_end_T = _token_segments(token_idx_A, ctx.n_tokens)
-        return tk.segment_sum(dy_AD, order_A, seg_end_T, None, ctx.x_dtype), None, None
+# ---- operators used by the backward passes (no autograd of their own) ----
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_AD, token_idx_A, weight_A, n_tokens, dtype):
-        y_c = y_AD.to(dtype).contiguous()
-        order_A, seg_end_T = _token_segments(token_idx_A, n_tokens)
-        ctx.save_for_backward(y_c, token_idx_A, weight_A)
-        ctx.y_dtype = y_AD.dtype
-        return tk.segment_sum(y_c, order_A, seg_end_T, weight_A, dtype)  # [T, D]
-
-    @staticmethod
-    def backward(ctx, dout_TD):
-        y_c, token_idx_A, weight_A = ctx.saved_tensors
-        dy_AD, dw_A = tk.combine_backward(dout_TD, y_c, token_idx_A, weight_A, ctx.y_dtype, weight_A.dtype)
-        return dy_AD, None, dw_A, None, None
+@torch.library.custom_op("optimus::triton_segment_sum", mutates_args=())
+def _segment_sum(src_AD: Tensor, order_A: Tensor, seg_end_T: Tensor, dtype: torch.dtype) -> Tensor:
+    """out[t] = sum of src's rows of token t -> [T, D] in `dtype` (permute's backward)."""
+    return tk.segment_sum(src_AD, order_A, seg_end_T, None, dtype)
 
 
-class _SwiGLUExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
-        x_c, w13_c, w2_c = x_AD.to(dtype), w13_EDF2.to(dtype), w2_EFD.to(dtype)
-        h13_AF2, h_AF = tk.swiglu_forward(x_c, w13_c, offsets_E)  # [A, 2F], [A, F]
-        y_AD = tk.grouped_gemm(h_AF, w2_c, offsets_E)  # [A, D]
-        ctx.save_for_backward(x_c, w13_c, w2_c, offsets_E, h13_AF2, h_AF)
-        ctx.dtype, ctx.in_dtypes = dtype, (x_AD.dtype, w13_EDF2.dtype, w2_EFD.dtype)
-        return y_AD
-
-    @staticmethod
-    def backward(ctx, dy_AD):
-        x_c, w13_c, w2_c, offsets_E, h13_AF2, h_AF = ctx.saved_tensors
-        dy_c = dy_AD.to(ctx.dtype)
-        dh13_AF2 = tk.swiglu_backward(dy_c, w2_c, h13_AF2, offsets_E)  # [A, 2F]
-        dx_AD = dw13 = dw2 = None
-        if ctx.needs_input_grad[0]:
-            dx_AD = tk.grouped_gemm(dh13_AF2, w13_c.transpose(1, 2), offsets_E).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:
-            dw13 = tk.grouped_wgrad(x_c, dh13_AF2, offsets_E, ctx.in_dtypes[1])  # [E, D, 2F]
-        if ctx.needs_input_grad[2]:
-            dw2 = tk.grouped_wgrad(h_AF, dy_c, offsets_E, ctx.in_dtypes[2])  # [E, F, D]
-        return dx_AD, dw13, dw2, None, None
+@_segment_sum.register_fake
+def _(src_AD, order_A, seg_end_T, dtype):
+    return src_AD.new_empty(seg_end_T.shape[0], src_AD.shape[1], dtype=dtype)
 
 
-class _GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_AK, w_EKN, offsets_E, dtype):
-        x_c, w_c = x_AK.to(dtype), w_EKN.to(dtype)
-        ctx.save_for_backward(x_c, w_c, offsets_E)
-        ctx.dtype, ctx.in_dtypes = dtype, (x_AK.dtype, w_EKN.dtype)
-        return tk.grouped_gemm(x_c, w_c, offsets_E)
-
-    @staticmethod
-    def backward(ctx, dy_AN):
-        x_c, w_c, offsets_E = ctx.saved_tensors
-        dy_c = dy_AN.to(ctx.dtype)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
-            dx = tk.grouped_gemm(dy_c, w_c.transpose(1, 2), offsets_E).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:
-            dw = tk.grouped_wgrad(x_c, dy_c, offsets_E, ctx.in_dtypes[1])
-        return dx, dw, None, None
+@torch.library.custom_op("optimus::triton_combine_grads", mutates_args=())
+def _combine_grads(
+    dout_TD: Tensor, y_AD: Tensor, token_idx_A: Tensor, weight_A: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(d y -> [A, D] in y's dtype, d weight -> [A] in weight's dtype) of combine computed in `dtype`."""
+    return tk.combine_backward(dout_TD, y_AD.to(dtype), token_idx_A, weight_A, y_AD.dtype, weight_A.dtype)
 
 
-def permute(x_TD: torch.Tensor, token_idx_A: torch.Tensor) -> torch.Tensor:
+@_combine_grads.register_fake
+def _(dout_TD, y_AD, token_idx_A, weight_A, dtype):
+    return y_AD.new_empty(y_AD.shape), weight_A.new_empty(y_AD.shape[0])
+
+
+@torch.library.custom_op("optimus::triton_swiglu_backward", mutates_args=())
+def _swiglu_backward(dy_AD: Tensor, w2_EFD: Tensor, h13_AF2: Tensor, offsets_E: Tensor) -> Tensor:
+    """[d gate | d up] -> [A, 2F] from dy (in the compute dtype), w2 and the saved h13."""
+    return tk.swiglu_backward(dy_AD, w2_EFD.to(dy_AD.dtype), h13_AF2, offsets_E)
+
+
+@_swiglu_backward.register_fake
+def _(dy_AD, w2_EFD, h13_AF2, offsets_E):
+    return torch.empty_like(h13_AF2)
+
+
+@torch.library.custom_op("optimus::triton_grouped_wgrad", mutates_args=())
+def _grouped_wgrad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype`."""
+    return tk.grouped_wgrad(x_AM, g_AN, offsets_E, dtype)
+
+
+@_grouped_wgrad.register_fake
+def _(x_AM, g_AN, offsets_E, dtype):
+    return x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=dtype)
+
+
+# ---- the differentiable operators ----
+
+
+@torch.library.custom_op("optimus::triton_permute", mutates_args=())
+def _permute(x_TD: Tensor, token_idx_A: Tensor, dtype: torch.dtype) -> Tensor:
+    """x_AD[a] = x_TD[token_idx_A[a]] in `dtype`."""
+    return tk.gather_rows(x_TD.to(dtype), token_idx_A)
+
+
+@_permute.register_fake
+def _(x_TD, token_idx_A, dtype):
+    return x_TD.new_empty(token_idx_A.shape[0], x_TD.shape[1], dtype=dtype)
+
+
+def _permute_setup(ctx, inputs, output):
+    x_TD, token_idx_A, _ = inputs
+    ctx.save_for_backward(token_idx_A)
+    ctx.n_tokens, ctx.x_dtype = x_TD.shape[0], x_TD.dtype
+
+
+def _permute_backward(ctx, dy_AD):
+    (token_idx_A,) = ctx.saved_tensors
+    order_A, seg_end_T = _token_segments(token_idx_A, ctx.n_tokens)
+    return _segment_sum(dy_AD, order_A, seg_end_T, ctx.x_dtype), None, None
+
+
+_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("optimus::triton_combine", mutates_args=())
+def _combine(y_AD: Tensor, token_idx_A: Tensor, weight_A: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
+    """out[t] = sum over assignments a of token t of weight_A[a] * y_AD[a] -> [T, D] in `dtype`."""
+    order_A, seg_end_T = _token_segments(token_idx_A, n_tokens)
+    return tk.segment_sum(y_AD.to(dtype), order_A, seg_end_T, weight_A, dtype)
+
+
+@_combine.register_fake
+def _(y_AD, token_idx_A, weight_A, n_tokens, dtype):
+    return y_AD.new_empty(n_tokens, y_AD.shape[1], dtype=dtype)
+
+
+def _combine_setup(ctx, inputs, output):
+    y_AD, token_idx_A, weight_A, _, dtype = inputs
+    ctx.save_for_backward(y_AD, token_idx_A, weight_A)
+    ctx.dtype = dtype
+
+
+def _combine_backward(ctx, dout_TD):
+    y_AD, token_idx_A, weight_A = ctx.saved_tensors
+    dy_AD, dw_A = _combine_grads(dout_TD, y_AD, token_idx_A, weight_A, ctx.dtype)
+    return dy_AD, None, dw_A, None, None
+
+
+_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("optimus::triton_swiglu_mlp", mutates_args=())
+def _swiglu_mlp(
+    x_AD: Tensor, w13_EDF2: Tensor, w2_EFD: Tensor, offsets_E: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y [A, D], h13 = x @ w13[e] [A, 2F], h = silu(gate) * up [A, F]), all in `dtype`; h13 and h are returned
+    for the backward, which recomputes nothing."""
+    h13_AF2, h_AF = tk.swiglu_forward(x_AD.to(dtype), w13_EDF2.to(dtype), offsets_E)
+    return tk.grouped_gemm(h_AF, w2_EFD.to(dtype), offsets_E), h13_AF2, h_AF
+
+
+@_swiglu_mlp.register_fake
+def _(x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
+    n_rows, n_ffn2 = x_AD.shape[0], w13_EDF2.shape[2]
+    y_AD = x_AD.new_empty(n_rows, w2_EFD.shape[2], dtype=dtype)
+    return y_AD, x_AD.new_empty(n_rows, n_ffn2, dtype=dtype), x_AD.new_empty(n_rows, n_ffn2 // 2, dtype=dtype)
+
+
+def _swiglu_mlp_setup(ctx, inputs, output):
+    x_AD, w13_EDF2, w2_EFD, offsets_E, dtype = inputs
+    _, h13_AF2, h_AF = output
+    ctx.mark_non_differentiable(h13_AF2, h_AF)
+    ctx.set_materialize_grads(False)  # no zero gradients for h13 and h, which nothing downstream uses
+    ctx.save_for_backward(x_AD, w13_EDF2, w2_EFD, offsets_E, h13_AF2, h_AF)
+    ctx.dtype = dtype
+
+
+def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
+    x_AD, w13_EDF2, w2_EFD, offsets_E, h13_AF2, h_AF = ctx.saved_tensors
+    dy_c = dy_AD.to(ctx.dtype)
+    dh13_AF2 = _swiglu_backward(dy_c, w2_EFD, h13_AF2, offsets_E)  # [A, 2F]
+    dx_AD = dw13 = dw2 = None
+    if ctx.needs_input_grad[0]:
+        dx_AD = _grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, ctx.dtype).to(x_AD.dtype)
+    if ctx.needs_input_grad[1]:
+        dw13 = _grouped_wgrad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, w13_EDF2.dtype)  # [E, D, 2F]
+    if ctx.needs_input_grad[2]:
+        dw2 = _grouped_wgrad(h_AF, dy_c, offsets_E, w2_EFD.dtype)  # [E, F, D]
+    return dx_AD, dw13, dw2, None, None
+
+
+_swiglu_mlp.register_autograd(_swiglu_mlp_backward, setup_context=_swiglu_mlp_setup)
+
+
+@torch.library.custom_op("optimus::triton_grouped_mm", mutates_args=())
+def _grouped_mm(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+    """y[rows of e] = x[rows of e] @ w[e] -> [A, N] in `dtype`; w may be any strided view (e.g. a transpose)."""
+    return tk.grouped_gemm(x_AK.to(dtype), w_EKN.to(dtype), offsets_E)
+
+
+@_grouped_mm.register_fake
+def _(x_AK, w_EKN, offsets_E, dtype):
+    return x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2], dtype=dtype)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x_AK, w_EKN, offsets_E, dtype = inputs
+    ctx.save_for_backward(x_AK, w_EKN, offsets_E)
+    ctx.dtype = dtype
+
+
+def _grouped_mm_backward(ctx, dy_AN):
+    x_AK, w_EKN, offsets_E = ctx.saved_tensors
+    dy_c = dy_AN.to(ctx.dtype)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
+        dx = _grouped_mm(dy_c, w_EKN.transpose(1, 2), offsets_E, ctx.dtype).to(x_AK.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = _grouped_wgrad(x_AK.to(ctx.dtype), dy_c, offsets_E, w_EKN.dtype)
+    return dx, dw, None, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---- the backend's interface ----
+
+
+def permute(x_TD: Tensor, token_idx_A: Tensor) -> Tensor:
     """x_AD[a] = x_TD[token_idx_A[a]]."""
-    return _Permute.apply(x_TD, token_idx_A, compute_dtype(x_TD))
+    return _permute(x_TD, token_idx_A, compute_dtype(x_TD))
 
 
-def expert_swiglu_mlp(
-    x_AD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor
-) -> torch.Tensor:
+def expert_swiglu_mlp(x_AD: Tensor, w13_EDF2: Tensor, w2_EFD: Tensor, offsets_E: Tensor) -> Tensor:
     """Per-expert SwiGLU MLP over expert-sorted rows (see reference.expert_swiglu_mlp)."""
     _check_rows(offsets_E, x_AD.shape[0])
-    return _SwiGLUExperts.apply(x_AD, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), compute_dtype(x_AD))
+    return _swiglu_mlp(x_AD, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), compute_dtype(x_AD))[0]
 
 
-def combine(y_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A: torch.Tensor, n_tokens: int) -> torch.Tensor:
+def combine(y_AD: Tensor, token_idx_A: Tensor, weight_A: Tensor, n_tokens: int) -> Tensor:
     """out[t] = sum over assignments a of token t of weight_A[a] * y_AD[a]."""
-    return _Combine.apply(y_AD, token_idx_A, weight_A, n_tokens, compute_dtype(y_AD))
+    return _combine(y_AD, token_idx_A, weight_A, n_tokens, compute_dtype(y_AD))
 
 
-def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     """Differentiable grouped GEMM: y[rows of e] = x[rows of e] @ w[e]."""
     _check_rows(offsets_E, x_AK.shape[0])
-    return _GroupedMM.apply(x_AK, w_EKN, offsets_E.to(torch.int32), compute_dtype(x_AK))
+    return _grouped_mm(x_AK, w_EKN, offsets_E.to(torch.int32), compute_dtype(x_AK))
 
 
 def smoke_test() -> bool:

@@ -104,13 +104,37 @@ def vocab_parallel_cross_entropy(logits_Tv: torch.Tensor, targets_T: torch.Tenso
         return F.cross_entropy(logits, targets, reduction="none").to_local()
 
 
-def head_cross_entropy(head: torch.nn.Linear, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy [B, S] of the LM head `head` applied to `h_BSD`: fused (linear_cross_entropy),
-    or vocab-parallel when tensor parallelism split the head (its weight is a DTensor; the module then
-    returns this rank's logits [B, S, V / tp])."""
+def mask_padded_logits(logits_Xv: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:
+    """`logits_Xv`, the logits of token ids first_id.. (its last dimension), with those of ids >= `vocab_size`
+    (the padding rows of the LM head) set to -inf: they get no probability, and no gradient."""
+    n_real = vocab_size - first_id
+    if n_real >= logits_Xv.shape[-1]:
+        return logits_Xv
+    padding_v = torch.arange(logits_Xv.shape[-1], device=logits_Xv.device) >= n_real
+    # Not in place: under tensor parallelism the logits are a view made by DTensor's to_local.
+    return logits_Xv.masked_fill(padding_v, float("-inf"))
+
+
+def head_logits(head: torch.nn.Linear, h_BSD: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The LM head's logits [B, S, V] of `h_BSD`, -inf past `vocab_size`; under tensor parallelism (the head's
+    weight a DTensor split into equal row blocks) this rank's columns [B, S, V / tp]."""
+    logits_BSv = head(h_BSD)
+    first_id = 0
     if isinstance(head.weight, DTensor):
-        logits_BSv = head(h_BSD)
-        loss_T = vocab_parallel_cross_entropy(logits_BSv.flatten(0, 1), targets_BS.reshape(-1), head.weight.device_mesh)
+        first_id = head.weight.device_mesh.get_local_rank() * logits_BSv.shape[-1]
+    return mask_padded_logits(logits_BSv, vocab_size, first_id)
+
+
+def head_cross_entropy(
+    head: torch.nn.Linear, h_BSD: torch.Tensor, targets_BS: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Per-token cross-entropy [B, S] over the first `vocab_size` logits of the LM head `head` applied to
+    `h_BSD`: fused (linear_cross_entropy, over the head's first `vocab_size` rows), or vocab-parallel when
+    tensor parallelism split the head (its weight is a DTensor; see head_logits)."""
+    if isinstance(head.weight, DTensor):
+        logits_Tv = head_logits(head, h_BSD, vocab_size).flatten(0, 1)
+        loss_T = vocab_parallel_cross_entropy(logits_Tv, targets_BS.reshape(-1), head.weight.device_mesh)
     else:
-        loss_T = linear_cross_entropy(h_BSD.flatten(0, 1), head.weight, targets_BS.reshape(-1))
+        weight_VD = head.weight if head.weight.shape[0] == vocab_size else head.weight[:vocab_size]
+        loss_T = linear_cross_entropy(h_BSD.flatten(0, 1), weight_VD, targets_BS.reshape(-1))
     return loss_T.view_as(targets_BS)

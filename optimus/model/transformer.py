@@ -12,13 +12,16 @@ from optimus.config import ConfigError, ModelConfig
 from optimus.kernels import KernelUnavailable
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
-from optimus.model.loss import head_cross_entropy
+from optimus.model.loss import head_cross_entropy, head_logits
 from optimus.model.mlp import SwiGLU
 from optimus.model.moe.layer import MoE
-from optimus.model.moe.stats import RouterStats
+from optimus.model.moe.stats import PooledBalance, RouterStats
+from optimus.model.norm import RMSNorm
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    """The rows of the embedding and the LM head: the vocabulary rounded up for even GEMM and tp shapes. The
+    rows past the vocabulary are never looked up and their logits are -inf (optimus.model.loss)."""
     return math.ceil(vocab_size / multiple) * multiple
 
 
@@ -30,9 +33,9 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: str):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         moe_ids = moe_layer_ids(cfg)
         self.is_moe = layer_idx in moe_ids
         if self.is_moe:
@@ -52,8 +55,10 @@ class Transformer(nn.Module):
     Blocks live in `layers`, a ModuleDict keyed by their global index ("0", "1", ...), so a parameter
     has the same name (`layers.3.attn.wq.weight`) in every stage layout. The forward takes tokens [B, S]
     when the stage holds the embedding, else hidden states [B, S, D], and returns logits [B, S, V] when
-    it holds the head, else hidden states: one tensor in, one out. Router losses travel on the
-    backward and routing statistics go to a `RouterStats` (see `attach_router_stats`).
+    it holds the head, else hidden states: one tensor in, one out. V is the padded vocabulary; the logits
+    of its padding rows are -inf, so that the model is a softmax over its own `cfg.vocab_size` tokens.
+    Router losses travel on the backward and routing statistics go to a `RouterStats` (see
+    `attach_router_stats`).
     """
 
     def __init__(
@@ -73,7 +78,7 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
         except KernelUnavailable as err:  # the `kernels` key of a config: the user's to change, like any other
             raise ConfigError(str(err)) from None
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.dim, self.vocab_size, bias=False) if head else None
         self.tie_weights()
 
@@ -100,6 +105,8 @@ class Transformer(nn.Module):
         With `targets_BS` (and the head): the per-token cross-entropy [B, S] in fp32 instead of the
         logits, fused with the LM head so that the [B, S, V] logits are never materialised.
         """
+        if self.cfg.moe.aux_loss_layers == "pooled":
+            self._share_balance_pool()
         h_BSD = self.embed(x) if self.embed is not None else x
         for block in self.layers.values():
             h_BSD = block(h_BSD)
@@ -107,8 +114,15 @@ class Transformer(nn.Module):
             return h_BSD
         h_BSD = self.norm(h_BSD)
         if targets_BS is not None:
-            return head_cross_entropy(self.lm_head, h_BSD, targets_BS)
-        return self.lm_head(h_BSD)  # [B, S, V]; under tensor parallelism this rank's [B, S, V / tp]
+            return head_cross_entropy(self.lm_head, h_BSD, targets_BS, self.cfg.vocab_size)
+        return head_logits(self.lm_head, h_BSD, self.cfg.vocab_size)  # under tensor parallelism [B, S, V / tp]
+
+    def _share_balance_pool(self) -> None:
+        """aux_loss_layers=pooled: one PooledBalance for this forward pass, shared by every MoE layer. A model
+        that holds only some MoE layers (a pipeline stage) would pool those only: validate_pipeline refuses it."""
+        pool = PooledBalance()
+        for moe in self.moe_layers:
+            moe.pooled_balance = pool
 
     def init_weights(self, seed: int | torch.Generator = 0) -> None:
         """Initialise every parameter from `seed` (a Generator stands for its initial seed): see optimus.model.init."""

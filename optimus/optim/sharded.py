@@ -591,6 +591,14 @@ class ShardedAdamW:
 
     # ---- reporting and checkpoints -------------------------------------------
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The persistent tensors this optimizer allocated: gradient buffers, fp32 master, moments (what
+        memory_bytes counts besides the parameters)."""
+        held = []
+        for g in self.groups.values():
+            held += [t for t in (g.full_grad, g.grad_shard, g.master, g.exp_avg, g.exp_avg_sq) if t is not None]
+        return held
+
     def memory_bytes(self) -> dict[str, int]:
         """Persistent bytes on this rank (parameters, gradients, fp32 master, moments, and the padding in them)."""
         total = StateBytes()

@@ -44,7 +44,14 @@ def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
 
 
 class AllGatherDispatcher(EPDispatcher):
-    """Expert-parallel dispatcher built on all_gather_into_tensor and reduce_scatter_tensor."""
+    """Expert-parallel dispatcher built on all_gather_into_tensor and reduce_scatter_tensor.
+
+    `check_tokens`: check on every call that the EP ranks bring equal token counts (off where the caller
+    guarantees it: optimus.parallel.expert_parallel.apply_expert_parallel's `equal_tokens`)."""
+
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, check_tokens: bool = True):
+        super().__init__(group, ep_size, ep_rank, n_local_experts)
+        self.check_tokens = check_tokens
 
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
         """Every EP rank must bring the same number of tokens (the all-gathers below assume it). Checked on every
@@ -63,8 +70,9 @@ class AllGatherDispatcher(EPDispatcher):
         self.check_layer(experts)
         x_in_TD = x_TD
         n_tokens, top_k = routing.expert_idx_TK.shape
-        with self.timed("dispatch_comm"):
-            self._check_equal_tokens(n_tokens, x_TD.device)
+        if self.check_tokens:
+            with self.timed("dispatch_comm"):
+                self._check_equal_tokens(n_tokens, x_TD.device)
         keep_TK = (
             routing.keep_TK if routing.keep_TK is not None else torch.ones_like(routing.expert_idx_TK, dtype=torch.bool)
         )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.load_model import exchange_rows
 from optimus.model.moe.dispatch import Assignments, SharedExperts, add_shared, run_experts, sort_by_expert
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
@@ -95,8 +96,8 @@ class AllToAllDispatcher(EPDispatcher):
         # [P, C, L]: row j (every chunk's counts for rank j's experts) goes to rank j.
         send_PCL = torch.stack([a.counts_E.view(self.ep_size, self.n_local) for a in assigns], dim=1)
         recv_PCL = all_to_all_counts(send_PCL.reshape(self.ep_size, -1), self.group).view_as(send_PCL)
-        # One host sync: uneven splits and the grouped GEMM offsets need the counts on the CPU.
-        send_CP, recv_CP = torch.stack([send_PCL.sum(2).T, recv_PCL.sum(2).T]).tolist()
+        assignments_C = [a.token_idx_A.shape[0] for a in assigns]
+        send_CP, recv_CP = exchange_rows(send_PCL, recv_PCL, assignments_C, self.ep_rank)  # one host sync
         return [
             Chunk(tokens, assign, recv_PCL[:, c], send_CP[c], recv_CP[c])
             for c, (tokens, assign) in enumerate(zip(slices, assigns))

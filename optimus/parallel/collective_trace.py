@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d operator name -> the name a trace records (the torch.distributed function a reader knows).
@@ -151,12 +152,18 @@ class CollectiveTrace(TorchDispatchMode):
     def _where(self) -> str:
         modules = [name for name in self._modules.parents if name != "Global"]
         if modules:
-            innermost = max(modules, key=lambda name: name.count("."))
+            # In a backward several modules can be open at once: the deepest, ties broken by name (the tracker's
+            # set has no order of its own, and string hashes differ between processes).
+            innermost = max(modules, key=lambda name: (name.count("."), name))
             # The tracker names modules from the first root it saw (e.g. `Transformer.layers.1.moe`).
             return ("backward " if self._modules.is_bw else "forward ") + innermost.partition(".")[2]
         return self._labels[-1] if self._labels else "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # A mode runs before tensor subclasses and is off while it runs the op: let DTensor turn the op into
+            # local ops first, its collectives among them, which then come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
         if func.namespace in _NAMESPACES and name not in _NOT_COLLECTIVES:

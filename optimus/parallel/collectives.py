@@ -192,10 +192,11 @@ def reduce_scatter_sum(out: torch.Tensor, src: torch.Tensor, group, async_op: bo
     1.4-1.9x over 2 and 4 CPU ranks). On gloo it is therefore an all-to-all of the blocks, each
     rank receiving every peer's copy of its own block (a reduce-scatter's traffic), and a local
     sum, which takes half the time or less; it needs a receive buffer the size of `src` while in
-    flight. Other backends (NCCL, RCCL, XCCL) use their native reduce-scatter. With `async_op`,
-    returns an object whose `wait()` completes it (the sum happens there)."""
+    flight. Other backends (NCCL, RCCL, XCCL) use their native reduce-scatter. CPU tensors are what gloo
+    carries (the device, not the group's backend, decides: a dry run's fake group issues what the real
+    backend would). With `async_op`, returns an object whose `wait()` completes it (the sum happens there)."""
     world = group_size(group)
-    if dist.get_backend(group) != "gloo":
+    if src.device.type != "cpu":
         return _reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     received = torch.empty_like(src)  # [world x block]: every rank's copy of this rank's block
     exchange = _SummedExchange(dist.all_to_all_single(received, src, group=group, async_op=True), received, out, world)

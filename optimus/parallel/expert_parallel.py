@@ -40,8 +40,14 @@ def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
     return end - start
 
 
-def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConfig) -> nn.Module:
-    """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place."""
+def apply_expert_parallel(
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False
+) -> nn.Module:
+    """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place.
+
+    `equal_tokens`: the caller guarantees that every EP rank brings the same number of tokens to each call
+    (the trainer does: one micro-batch shape on every rank, optimus.config.validate). The all-gather
+    dispatcher then skips its per-call check, a blocking all-gather of the counts and a host sync."""
     check_choice(cfg.dispatcher, "parallel.dispatcher", DISPATCHERS)
     if ps.ep == 1:
         return model
@@ -52,7 +58,7 @@ def apply_expert_parallel(model: nn.Module, ps: ParallelState, cfg: ParallelConf
         experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
     dispatcher_cls = DISPATCHER_CLASSES[cfg.dispatcher]
     # validate() has checked that only the all-to-all dispatcher is asked for chunks.
-    options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {}
+    options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
         moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, **options)

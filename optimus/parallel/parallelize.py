@@ -19,12 +19,14 @@ def install_balance_group(model: nn.Module, ps: ParallelState) -> None:
             module.balance_group = ps.world_group or dist.group.WORLD
 
 
-def parallelize_model(model: nn.Module, ps: ParallelState, cfg: ParallelConfig) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False
+) -> nn.Module:
     """Shard experts over the EP group and install the EP dispatcher (a no-op for EP = 1); hand global
-    load balancing its process group."""
+    load balancing its process group. `equal_tokens`: see apply_expert_parallel."""
     install_balance_group(model, ps)
     if ps.ep == 1:
         return model
     from optimus.parallel.expert_parallel import apply_expert_parallel
 
-    return apply_expert_parallel(model, ps, cfg)
+    return apply_expert_parallel(model, ps, cfg, equal_tokens)

@@ -8,7 +8,7 @@ from pathlib import Path
 from optimus.report.compare import check_comparable, infer_mode
 from optimus.report.runs import ReportError, load_run
 from optimus.report.summary import add_efficiency, summarize_run
-from optimus.report.write import check_out, print_table, write_report
+from optimus.report.write import check_out, print_table, shared_core_notes, write_report
 
 
 def build_report(
@@ -37,6 +37,8 @@ def build_report(
     rows = add_efficiency(summaries, mode)
     write_report(rows, mode, warmup_steps, list(notes), Path(out))
     print_table(rows, mode)
+    for note in shared_core_notes(rows):
+        print(f"Ranks shared cores: {note}")
     return rows
 
 

@@ -17,13 +17,18 @@ def _label(row: dict) -> str:
 
 
 def plot_efficiency(rows: list[dict], mode: str, path: Path) -> None:
+    """Efficiency vs devices, for the runs that have one (none where ranks shared cores)."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
     devices = [r["devices"] for r in rows]
-    ax.plot(devices, [r["efficiency"] for r in rows], "o-", label="measured")
+    measured = [r for r in rows if r["efficiency"] is not None]
+    if measured:
+        ax.plot([r["devices"] for r in measured], [r["efficiency"] for r in measured], "o-", label="measured")
+    else:  # the base run's ranks shared cores: nothing to plot but the axes
+        ax.set_xlim(min(devices) / 1.5, max(devices) * 1.5)
     ax.axhline(1.0, color="gray", linestyle="--", label="ideal")
     ax.set_xscale("log", base=2)
     ax.set_xticks(devices, [str(d) for d in devices])
-    ax.set_ylim(0, max(1.1, max(r["efficiency"] for r in rows) * 1.1))
+    ax.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in measured]))
     ax.set_xlabel("devices")
     ax.set_ylabel(f"{mode} scaling efficiency")
     ax.legend()

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from optimus.config import ConfigError
+from optimus.platform import parse_cpu_list
 
 
 class ReportError(ConfigError):
@@ -20,7 +21,7 @@ class Run:
     path: Path
     config: dict  # the resolved config.yaml
     info: dict  # run_info.json
-    records: list[dict]  # metrics.jsonl, one per optimizer step
+    records: list[dict]  # metrics.jsonl, one per optimizer step (the starting evaluation, step 0, left out)
 
     @property
     def name(self) -> str:
@@ -30,9 +31,17 @@ class Run:
     def world(self) -> int:
         return int(self.info["layout"]["world"])
 
+    # From world, pp, tp and ep rather than read: run_info.json's `dp` held the expert-data-parallel degree
+    # (world / (pp x ep)) before it was named `edp`, so runs written before that still read right.
     @property
     def dp(self) -> int:
-        return int(self.info["layout"]["dp"])
+        """The data-parallel degree, world / (pp x tp): ranks that read different batches."""
+        return self.world // (self.pp * self.tp)
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree, world / (pp x ep): the replicas of each expert."""
+        return self.world // (self.pp * self.ep)
 
     @property
     def ep(self) -> int:
@@ -70,7 +79,7 @@ class Run:
 
 
 # What the report reads from each file; a run directory that lacks one is named with the key.
-INFO_NEEDS = ("layout.world", "layout.dp", "layout.ep", "tokens_per_step", "flops_per_token")
+INFO_NEEDS = ("layout.world", "layout.ep", "tokens_per_step", "flops_per_token")
 CONFIG_NEEDS = ("train.global_batch",)
 
 
@@ -115,6 +124,8 @@ def _read_metrics(path: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
+        if isinstance(record, dict) and record.get("step") == 0:
+            continue  # the starting evaluation: no step was run, nothing was timed
         timed = isinstance(record, dict) and (record.get("step_time_s") is not None or "tokens_per_s" in record)
         if not (timed and isinstance(record.get("step"), int)):
             raise ReportError(
@@ -137,6 +148,27 @@ def load_run(path: str | Path) -> Run:
     _require(config, CONFIG_NEEDS, path / "config.yaml")
     _require(info, INFO_NEEDS, path / "run_info.json")
     return Run(path, config, info, _read_metrics(path / "metrics.jsonl"))
+
+
+def shared_cores(run: Run) -> str | None:
+    """On a CPU, where one host's ranks ran more intra-op threads than the cores they could run on (run_info.json's
+    per-rank host, cpus and threads), a phrase saying so: their step times then measure the contention, not the
+    layout. None otherwise, for accelerator runs (whose CPU threads mostly wait) and for runs without the record."""
+    per_rank = run.info.get("per_rank") or []
+    if run.info.get("device", {}).get("type") != "cpu" or not all(
+        isinstance(r, dict) and {"host", "cpus", "threads"} <= r.keys() for r in per_rank
+    ):
+        return None
+    hosts: dict[str, list] = {}  # host -> [ranks, threads, cores]
+    for rank in per_rank:
+        host = hosts.setdefault(rank["host"], [0, 0, set()])
+        host[0] += 1
+        host[1] += int(rank["threads"])
+        host[2] |= parse_cpu_list(rank["cpus"])
+    for name, (ranks, threads, cores) in hosts.items():
+        if threads > len(cores):
+            return f"its {ranks} ranks ran {threads} threads on the {len(cores)} cores of {name}"
+    return None
 
 
 def measured_records(run: Run, warmup_steps: int) -> list[dict]:

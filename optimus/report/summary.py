@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from optimus.report.runs import Run, measured_records, step_time
+from optimus.report.runs import Run, measured_records, shared_cores, step_time
 from optimus.train.timers import PHASES, phase_key
 
 
@@ -71,6 +71,7 @@ def summarize_run(run: Run, warmup_steps: int) -> dict:
         "tp": run.tp,
         "dp": run.dp,
         "ep": run.ep,
+        "edp": run.edp,
         "global_batch": run.global_batch,
         "tokens_per_step": run.tokens_per_step,
         "steps_measured": len(times),
@@ -83,6 +84,7 @@ def summarize_run(run: Run, warmup_steps: int) -> dict:
         "step_time_p50_s": percentile(times, 50),
         "step_time_p90_s": percentile(times, 90),
         "breakdown_s": breakdown(records, mean_step),
+        "shared_cores": shared_cores(run),
     }
 
 
@@ -94,11 +96,15 @@ def phase_order(rows: list[dict]) -> list[str]:
 
 
 def add_efficiency(summaries: list[dict], mode: str) -> list[dict]:
-    """Sort by device count and add `efficiency` (and `speedup` for strong scaling) relative to the smallest run."""
+    """Sort by device count and add `efficiency` (and `speedup` for strong scaling) relative to the smallest run;
+    None where that run or this one ran its ranks on shared cores (the ratio would measure the contention: a
+    starved run makes every other look super-linear)."""
     rows = sorted(summaries, key=lambda s: (s["devices"], s["ep"]))
     base = rows[0]
     for row in rows:
-        if mode == "weak":
+        if row["shared_cores"] or base["shared_cores"]:
+            row["efficiency"] = row["speedup"] = None
+        elif mode == "weak":
             row["efficiency"] = row["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
             row["speedup"] = None
         else:

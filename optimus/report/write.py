@@ -13,9 +13,9 @@ from optimus.report.runs import ReportError
 from optimus.report.summary import layout_label, phase_order
 
 COLUMNS = (
-    "run", "devices", "pp", "tp", "dp", "ep", "global_batch", "steps_measured", "tokens_per_s",
+    "run", "devices", "pp", "tp", "dp", "ep", "edp", "global_batch", "steps_measured", "tokens_per_s",
     "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s",
-    "step_time_p90_s", "speedup", "efficiency",
+    "step_time_p90_s", "speedup", "efficiency", "shared_cores",
 )  # fmt: skip
 REPORT_FILES = ("report.md", "report.csv", "report.json", "efficiency.png", "throughput.png", "breakdown.png")
 
@@ -26,6 +26,22 @@ def _fmt(value, digits: int = 3) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
     return str(value)
+
+
+def _efficiency_cell(row: dict) -> str:
+    if row["efficiency"] is not None:
+        return f"{100 * row['efficiency']:.1f}%"
+    return "shared cores" if row["shared_cores"] else "- (base shared cores)"
+
+
+def shared_core_notes(rows: list[dict]) -> list[str]:
+    """One sentence per run whose ranks shared cores (summary.add_efficiency gives no efficiency there)."""
+    return [
+        f"{r['run']}: {r['shared_cores']}, so its step times measure contention, not scaling (no efficiency given): "
+        "rerun it with fewer ranks per host, or fewer threads per rank (OMP_NUM_THREADS)."
+        for r in rows
+        if r["shared_cores"]
+    ]
 
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -40,7 +56,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             _fmt(None if r["mfu"] is None else 100 * r["mfu"]),
             f"{1e3 * r['step_time_mean_s']:.1f} ({1e3 * r['step_time_std_s']:.1f})",
             f"{1e3 * r['step_time_p50_s']:.1f} / {1e3 * r['step_time_p90_s']:.1f}",
-            _fmt(r["speedup"]), f"{100 * r['efficiency']:.1f}%",
+            _fmt(r["speedup"]), _efficiency_cell(r),
         ])  # fmt: skip
     return header, cells
 
@@ -77,7 +93,8 @@ rest of the step (loss reductions for logging, Python)."""
 def write_markdown(rows: list[dict], mode: str, warmup: int, notes: list[str], plots: list[str], path: Path) -> None:
     devices = sorted({r["device"] for r in rows})
     parts = [f"# {mode.capitalize()} scaling report", ""]
-    parts += [f"- {n}" for n in notes] + [f"- Device: {', '.join(devices)}", f"- Warm-up steps dropped: {warmup}", ""]
+    parts += [f"- {n}" for n in notes] + [f"- Device: {', '.join(devices)}", f"- Warm-up steps dropped: {warmup}"]
+    parts += [f"- Ranks shared cores: {n}" for n in shared_core_notes(rows)] + [""]
     parts += [_markdown_table(*table_rows(rows)), ""]
     bd = breakdown_table(rows)
     if bd is not None:

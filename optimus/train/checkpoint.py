@@ -55,6 +55,8 @@ from optimus.parallel import ParallelState
 from optimus.train.checkpoint_checks import (
     changed_setting,
     hash_files,
+    meaning_changes,
+    model_differences,
     read_meta,
     run_identity,
     untrusted_record,
@@ -80,6 +82,11 @@ META = "meta.json"
 TMP_SUFFIX = ".tmp"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_KEYS = ("trainer/step", "trainer/samples_consumed", "trainer/skipped_in_row", "trainer/world", "optim/step")
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as it is written on the command line (true, null, 0.01, full)."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
 
 
 def step_dir_name(step: int) -> str:
@@ -250,6 +257,11 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1: it is how many checkpoints are kept.")
         if c.load_weights_only and not c.load:
             raise ConfigError("checkpoint.load_weights_only=true needs checkpoint.load=PATH: name the checkpoint.")
+        if c.allow_architecture_change and not c.load:
+            raise ConfigError(
+                "checkpoint.allow_architecture_change=true needs checkpoint.load=PATH: name the checkpoint whose "
+                "weights start the run."
+            )
         self.cfg, self.ps, self.device_type = cfg, ps, device_type
         self.data_identity = data_identity  # recorded at save, compared on resume (with the data settings)
         self.root = checkpoint_root(cfg, run_dir)
@@ -515,6 +527,8 @@ class Checkpointer:
     def _check_settings(self, path: Path, meta: dict, weights_only: bool) -> None:
         changed = changed_setting(meta, self.cfg, self.data_identity, weights_only)
         if changed is None:
+            if weights_only:
+                self._check_architecture(path, meta)
             return
         key, saved, now = changed
         if weights_only:
@@ -530,6 +544,24 @@ class Checkpointer:
             "start a new one (another run.dir, or run.overwrite=true; checkpoint.load=PATH "
             "checkpoint.load_weights_only=true starts from its weights)."
         )
+
+    def _check_architecture(self, path: Path, meta: dict) -> None:
+        """A start from the weights of `path` (their shapes already match): every other model setting that
+        differs from its record is named in one line; those that change what the weights compute are refused
+        unless checkpoint.allow_architecture_change=true confirms them."""
+        differences = model_differences(meta.get("model") or {}, self.cfg.model)
+        refused = meaning_changes(differences)
+        if refused and not self.cfg.checkpoint.allow_architecture_change:
+            saved = ", ".join(f"{key}={_shown(was)}" for key, was, _ in refused)
+            now = ", ".join(_shown(now) for _, _, now in refused)
+            raise ConfigError(
+                f"checkpoint {path} was saved with {saved}, which this run changes (to {now}) and which change what "
+                "its weights compute: set them back, or set checkpoint.allow_architecture_change=true to train "
+                "its weights in the changed model."
+            )
+        if differences:
+            changes = ", ".join(f"{key} {_shown(was)} -> {_shown(now)}" for key, was, now in differences)
+            log.warning(f"Model settings that differ from those checkpoint {path} was saved with: {changes}.")
 
     def _read(self, path: Path, targets: dict[str, torch.Tensor]) -> str | None:
         """Load `targets` in place; returns why it failed on any rank (the same on all), or None."""

@@ -16,10 +16,11 @@ vouch for the checkpoint, which is then treated like a corrupt one.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from optimus.config import OptimusConfig
+from optimus.config import ModelConfig, MoEConfig, OptimusConfig, moe_aux_loss_coef, qk_norm_mode
 from optimus.data.cache import sha256_file
 
 # Settings that define the sample stream: changing one mid-run silently trains on other data. The data itself
@@ -40,6 +41,8 @@ ARCH_KEYS = (
     "moe.topk_groups", "moe.routed_scaling_factor",
 )  # fmt: skip
 SKIP_FILES = ("meta.json", "config.yaml")  # written after the hashes are taken
+# Model keys a start from a checkpoint's weights does not compare: a label, and the initialisation they replace.
+UNCOMPARED_MODEL_KEYS = ("name", "init_std")
 
 
 def _get(tree: Any, dotted: str) -> Any:
@@ -75,6 +78,36 @@ def changed_setting(
         if saved is not None and current is not None and _plain(saved) != _plain(current):
             return key, saved, current
     return None
+
+
+def _settings(model: dict) -> dict[str, Any]:
+    """A model record as {dotted key: value as it computes}: an old boolean qk_norm as the mode it meant, and
+    aux_loss_coef null as the coefficient it stands for."""
+    flat = {}
+    for key, value in model.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in _settings(value).items()})
+        else:
+            flat[key] = qk_norm_mode(value) if key == "qk_norm" else _plain(value)
+    if "router" in flat and "aux_loss_coef" in flat:  # the moe record
+        flat["aux_loss_coef"] = moe_aux_loss_coef(MoEConfig(router=flat["router"], aux_loss_coef=flat["aux_loss_coef"]))
+    return flat
+
+
+def model_differences(saved: dict, model: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(model.KEY, saved value, value now) of each model setting that differs from a checkpoint's `model`
+    record `saved`, in ModelConfig's order; settings the record lacks, and UNCOMPARED_MODEL_KEYS, are not."""
+    recorded, now = _settings(saved), _settings(asdict(model))
+    return [
+        (f"model.{key}", recorded[key], value)
+        for key, value in now.items()
+        if key in recorded and key not in UNCOMPARED_MODEL_KEYS and recorded[key] != value
+    ]
+
+
+def meaning_changes(differences: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """Those of `differences` (model_differences) that change what the same weights compute (ARCH_KEYS)."""
+    return [d for d in differences if d[0].removeprefix("model.") in ARCH_KEYS]
 
 
 def hash_files(directory: Path, rank: int = 0, world: int = 1) -> dict[str, str]:

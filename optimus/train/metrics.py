@@ -11,12 +11,21 @@ from typing import Any
 import torch
 
 
-def expert_load_imbalance(tokens_per_expert_LE: torch.Tensor | None) -> float | None:
-    """Mean over MoE layers of max/mean tokens per expert (1.0 = perfectly balanced)."""
+def expert_tokens(tokens_per_expert_LE: torch.Tensor | None) -> list[list[int]] | None:
+    """`tokens_per_expert_LE` (per MoE layer, the step's assignments to each expert over the global batch: a token
+    counts once for each of its top_k experts) as lists of ints, read to the host in one transfer; None for a
+    model without MoE layers."""
     if tokens_per_expert_LE is None:
         return None
-    mean_L = tokens_per_expert_LE.mean(dim=1).clamp_min(1e-9)
-    return (tokens_per_expert_LE.max(dim=1).values / mean_L).mean().item()
+    return [[int(n) for n in row] for row in tokens_per_expert_LE.tolist()]
+
+
+def expert_load_imbalance(expert_tokens_LE: list[list[int]] | None) -> float | None:
+    """Mean over MoE layers of max/mean tokens per expert (1.0 = perfectly balanced)."""
+    if not expert_tokens_LE:
+        return None
+    ratios = [max(row) / max(sum(row) / len(row), 1e-9) for row in expert_tokens_LE]
+    return sum(ratios) / len(ratios)
 
 
 def throughput(tokens: int, seconds: float, flops_per_token: float, world_size: int, peak_flops: float | None) -> dict:
@@ -33,12 +42,24 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-class MetricsLog:
-    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only), and to wandb if enabled."""
+def wandb_values(record: dict, moe_layer_ids: list[int]) -> dict:
+    """A record as wandb charts it: `expert_tokens` (a list of lists, which wandb cannot plot) becomes one number
+    per MoE layer and expert, `expert_tokens/layer_<block index>/expert_<e>`; None values are left out."""
+    values = {k: v for k, v in record.items() if v is not None and k != "expert_tokens"}
+    for layer_idx, row in zip(moe_layer_ids, record.get("expert_tokens") or []):
+        values.update({f"expert_tokens/layer_{layer_idx}/expert_{e}": n for e, n in enumerate(row)})
+    return values
 
-    def __init__(self, run_dir: Path, enabled: bool, wandb_run=None):
+
+class MetricsLog:
+    """Appends one JSON object per optimizer step, and one for a fresh run's starting evaluation (step 0), to
+    metrics.jsonl (rank 0 only), and to wandb if enabled; the rows of a record's `expert_tokens` are the MoE
+    layers `moe_layer_ids` (block indices), in order."""
+
+    def __init__(self, run_dir: Path, enabled: bool, wandb_run=None, moe_layer_ids: list[int] = ()):
         self.enabled = enabled
         self.wandb_run = wandb_run
+        self.moe_layer_ids = list(moe_layer_ids)
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
 
     def log(self, record: dict) -> None:
@@ -48,7 +69,7 @@ class MetricsLog:
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in clean.items() if v is not None}, step=record["step"])
+            self.wandb_run.log(wandb_values(clean, self.moe_layer_ids), step=record["step"])
 
     def close(self) -> None:
         if self.file is not None:

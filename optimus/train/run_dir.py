@@ -35,17 +35,20 @@ def resume_hint(cfg: OptimusConfig, run_dir: Path) -> str:
 
 
 def holds_run(run_dir: Path) -> bool:
-    """True when run_dir has step records; an empty metrics.jsonl is a run that died before its first step."""
+    """True when run_dir has step records; a metrics.jsonl that is empty, or holds only the starting evaluation
+    (step 0), is a run that died before its first step."""
     path = Path(run_dir) / "metrics.jsonl"
-    return path.exists() and path.stat().st_size > 0
+    return path.exists() and any(_record_step(line) > 0 for line in path.read_text().splitlines())
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Keep the records of steps <= `step` (a resumed run re-does, and re-logs, the steps after its checkpoint)."""
+    """Keep the records of steps <= `step` (a resumed run re-does, and re-logs, the steps after its checkpoint);
+    a run that starts at step 0 keeps none (it logs its starting evaluation again)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True) if _record_step(line) <= step]
+    lines = path.read_text().splitlines(keepends=True) if step > 0 else []
+    kept = [line for line in lines if _record_step(line) <= step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)

@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps, validate
 from optimus.data import BatchLoader, build_data, eval_batches
+from optimus.host_syncs import HostSyncCounter
 from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.model.loss import vocab_parallel_cross_entropy
 from optimus.model.moe import RouterStats, router_loss
@@ -35,6 +37,7 @@ from optimus.parallel.collective_trace import CollectiveTrace, write_trace
 from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids, stage_sizes
 from optimus.platform import (
     Platform,
+    cpu_share,
     detect_platform,
     peak_flops_per_device,
     peak_memory_bytes,
@@ -42,6 +45,7 @@ from optimus.platform import (
     resolve_dtype,
     synchronize,
 )
+from optimus.train import step_memory
 from optimus.train.activation_checkpointing import apply_activation_checkpointing
 from optimus.train.build import build_model
 from optimus.train.checkpoint import Checkpointer
@@ -56,11 +60,18 @@ from optimus.train.faults import (
     too_many_skipped_message,
     unpack_step_flags,
 )
-from optimus.train.host_syncs import HostSyncCounter
 from optimus.train.intervals import due_every
-from optimus.train.metrics import MetricsLog, console_line, expert_load_imbalance, throughput, write_json_atomic
+from optimus.train.metrics import (
+    MetricsLog,
+    console_line,
+    expert_load_imbalance,
+    expert_tokens,
+    throughput,
+    write_json_atomic,
+)
 from optimus.train.precision import param_dtype
 from optimus.train.run_dir import ClaimLost, lost_claim, remove_if_empty, resolve_run_dir, resume_hint, truncate_metrics
+from optimus.train.step_memory import step_memory_tracker
 from optimus.train.timers import Timers, TorchTrace, attach_timers
 
 
@@ -120,20 +131,15 @@ def step_loss_sums(lm_losses_M: torch.Tensor, router_losses_M3: torch.Tensor, mo
 
 class Trainer:
     def __init__(self, cfg: OptimusConfig, local_rank: int = 0):
-        self.cfg = cfg
-        self.platform = detect_platform(cfg.machine, local_rank)
-        if self.platform.device_type != "cpu":
-            torch.get_device_module(self.platform.device_type).set_device(self.platform.device)
+        platform = detect_platform(cfg.machine, local_rank)
+        if platform.device_type != "cpu":
+            torch.get_device_module(platform.device_type).set_device(platform.device)
+        self._init_layout(cfg, platform)
         p = cfg.parallel
-        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp)
-        validate(cfg, self.ps.world_size)
-        cfg.train.dtype = resolve_dtype(cfg.train.dtype, self.platform.device_type)  # recorded in config.yaml
-        self.accum = grad_accum_steps(cfg, self.ps.data_parallel)  # micro-batches per rank and step
         if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
             compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
             check_collectives(self.ps, self.platform.device, compute_dtype, p.dispatcher)
         self.run_dir = resolve_run_dir(cfg, self.ps)
-        self.device = self.platform.device
 
         self.data = build_data(cfg.data, cfg.train.seq_len, cfg.train.seed)
         if self.data.vocab_size > cfg.model.vocab_size:
@@ -142,21 +148,14 @@ class Trainer:
                 f"set model.vocab_size >= {self.data.vocab_size}."
             )
         self.memory_before_model = peak_memory_bytes(self.platform)  # CPU: the interpreter, libraries, data
-        self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
-        self.model = self._build_model() if cfg.parallel.pp == 1 else self._build_pipeline()
-        # The routers' losses, tokens per expert and bias updates, per step; their gradients follow the
-        # LM loss's 1 / accum.
-        self.router_stats = RouterStats(moe_layer_ids(cfg.model), cfg.model.moe.n_experts, self.device)
-        self.router_stats.grad_scale = 1.0 / self.accum
-        self.model.attach_router_stats(self.router_stats)
         # Where the run starts: its own latest checkpoint, else checkpoint.load. Weights-only loads come
         # before the optimizer is built, since it takes its own copy of the parameters.
         self.checkpointer = Checkpointer(
             cfg, self.run_dir, self.ps, self.platform.device_type, data_identity=self.data.identity
         )
         start_mode, start_paths = self.checkpointer.start_point()
-        if start_mode == "weights":
-            self.checkpointer.load_weights(start_paths[0], self.model)
+        weights_only = start_mode == "weights"
+        self._init_step(partial(self.checkpointer.load_weights, start_paths[0]) if weights_only else None)
         # A pipeline rank holds some layers only: count the whole model from the config.
         self.param_counts = (
             count_params(self.model, cfg.model) if self.pipeline is None else count_params_of_config(cfg.model)
@@ -165,20 +164,9 @@ class Trainer:
         # On a CPU the peak is a matmul probe in the dtype the run computes in.
         compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops_per_device(self.platform, cfg.machine, compute_dtype)
-        # profile.timers: the dispatchers and the optimizer time their collectives through this object.
-        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
-        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
-        if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
-            self.optimizer.overlap_param_gather(self.pipeline.stages if self.pipeline else [self.model])
-        if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
-            self.pipeline.before_backward = self.optimizer.set_last_micro_batch
-            self.pipeline.after_weight_backward = self.optimizer.grads_assigned
-            self.pipeline.timers = self.timers
-        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
-        p = cfg.profile
-        self.trace = TorchTrace(p.torch, p.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type)
-        self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
-        self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
+        self.trace = TorchTrace(
+            cfg.profile.torch, cfg.profile.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type
+        )
 
         # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
         t, data_rank, data_world = cfg.train, self.ps.data_rank, self.ps.data_parallel
@@ -191,10 +179,6 @@ class Trainer:
             for batch, weight in eval_batches(self.data.val, t.eval_sequences, t.micro_batch, data_rank, data_world)
         ]
         self.eval_tokens = min(t.eval_sequences, len(self.data.val)) * t.seq_len
-        self.step = 0
-        self.skipped_in_row = 0
-        self.stop_signal = StopSignal()
-        self.stop_agreed = False
         if start_mode in ("resume", "load"):
             restored = self.checkpointer.resume(
                 start_paths, start_mode == "load", self.model, self.optimizer, self.loader
@@ -206,6 +190,61 @@ class Trainer:
             self.pipeline.copy_tied_weight()
         if self.ps.is_main:
             truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
+
+    @classmethod
+    def for_one_step(cls, cfg: OptimusConfig, platform: Platform, tensor_mode=None) -> Trainer:
+        """What `train_step` needs and nothing more: the layout, model, router statistics and optimizer; the
+        caller sets `.loader` (whose `next_step()` gives a step's `accum` micro-batches). `optimus plan
+        --dry-run` runs this on fake tensors: no collective check, run directory, data, checkpoint or
+        evaluation. The model and optimizer are built inside `tensor_mode` (a FakeTensorMode), the process
+        groups outside it (a DeviceMesh reads its ranks back)."""
+        trainer = cls.__new__(cls)
+        trainer._init_layout(cfg, platform)
+        with tensor_mode or nullcontext():
+            trainer._init_step()
+        return trainer
+
+    def _init_layout(self, cfg: OptimusConfig, platform: Platform) -> None:
+        """The device, the process groups of the layout, and the micro-batches per rank and step."""
+        self.cfg, self.platform = cfg, platform
+        p = cfg.parallel
+        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, platform.device_type, p.sp)
+        validate(cfg, self.ps.world_size)
+        cfg.train.dtype = resolve_dtype(cfg.train.dtype, platform.device_type)  # recorded in config.yaml
+        self.accum = grad_accum_steps(cfg, self.ps.data_parallel)  # micro-batches per rank and step
+        self.device = platform.device
+
+    def _init_step(self, load_weights=None) -> None:
+        """The model (or this rank's pipeline stages), its router statistics and the optimizer;
+        `load_weights(model)` fills the parameters before the optimizer copies them."""
+        cfg = self.cfg
+        self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
+        self.model = self._build_model() if cfg.parallel.pp == 1 else self._build_pipeline()
+        # The routers' losses, tokens per expert and bias updates, per step; their gradients follow the
+        # LM loss's 1 / accum.
+        self.router_stats = RouterStats(moe_layer_ids(cfg.model), cfg.model.moe.n_experts, self.device)
+        self.router_stats.grad_scale = 1.0 / self.accum
+        self.model.attach_router_stats(self.router_stats)
+        if load_weights is not None:
+            load_weights(self.model)
+        # profile.timers: the dispatchers and the optimizer time their collectives through this object.
+        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
+        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
+        if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
+            self.optimizer.overlap_param_gather(self.pipeline.stages if self.pipeline else [self.model])
+        if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
+            self.pipeline.before_backward = self.optimizer.set_last_micro_batch
+            self.pipeline.after_weight_backward = self.optimizer.grads_assigned
+            self.pipeline.timers = self.timers
+        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
+        p = cfg.profile
+        self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
+        self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
+        self.profile_memory = p.memory  # and its memory by category
+        self.step = 0
+        self.skipped_in_row = 0
+        self.stop_signal = StopSignal()
+        self.stop_agreed = False
 
     def _build_model(self, **stage) -> Transformer:
         """The model, or with `stage` (layer_ids, embed, head) one pipeline stage of it."""
@@ -224,7 +263,7 @@ class Trainer:
             sp=cfg.parallel.sp,
             **stage,
         )
-        parallelize_model(model, ps, cfg.parallel)
+        parallelize_model(model, ps, cfg.parallel, equal_tokens=True)  # one micro-batch shape on every rank
         return apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
 
     def _build_pipeline(self) -> Transformer:
@@ -291,6 +330,8 @@ class Trainer:
         router_losses_M3 = self.router_stats.micro_batch_means(len(micro_batches), ps.pp_group)
         sums_4 = step_loss_sums(lm_losses_M, router_losses_M3, cfg.model.moe)
         counts_LE = self.router_stats.tokens_per_expert()  # [L, E] or None
+        if counts_LE is not None:  # integers, summed exactly over the ranks whatever the batch
+            counts_LE = counts_LE.to(torch.int64)
         # One reduction agrees on the losses, on which ranks saw a non-finite loss, on a stop signal, and on
         # whether the last update left non-finite parameters (the forward has waited for their all-gathers).
         self.optimizer.wait_for_params()
@@ -327,10 +368,13 @@ class Trainer:
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
             for moe in self.model.moe_layers:
                 moe.update_bias(counts_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
+        # Each rank routed its own tokens (a tp rank 1/tp of its group's, a pipeline rank its stages' layers), so
+        # the all-reduced counts hold every layer's assignments over the global batch once.
+        tokens_LE = expert_tokens(counts_LE)
         record = {
             "loss": means[0], "lm_loss": means[1], "aux_loss": means[2], "z_loss": means[3],
             "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
-            "expert_load_imbalance": expert_load_imbalance(counts_LE),
+            "expert_load_imbalance": expert_load_imbalance(tokens_LE), "expert_tokens": tokens_LE,
         }  # fmt: skip
         if agreed.nonfinite_ranks:
             record["nonfinite_ranks"] = agreed.nonfinite_ranks
@@ -342,9 +386,10 @@ class Trainer:
         return self.collectives.phase(label) if self.collectives is not None else nullcontext()
 
     def _traced_step(self) -> dict:
-        """train_step; the process's first step records its collectives (profile.collectives) and its host
-        synchronisations (profile.host_syncs) into the run directory."""
-        recorders = [r for r in (self.collectives, self.host_syncs) if r is not None]
+        """train_step; the process's first step records its collectives (profile.collectives), its host
+        synchronisations (profile.host_syncs) and its memory (profile.memory) into the run directory."""
+        memory = step_memory_tracker(self.model, self.optimizer) if self.profile_memory else None
+        recorders = [r for r in (self.collectives, self.host_syncs, memory) if r is not None]
         if not recorders:
             return self.train_step()
         with ExitStack() as stack:
@@ -357,7 +402,11 @@ class Trainer:
         if self.host_syncs is not None:
             (self.run_dir / "host_syncs").mkdir(exist_ok=True)
             write_json_atomic(self.run_dir / "host_syncs" / name, self.host_syncs.as_list())
+        if memory is not None:
+            (self.run_dir / "memory").mkdir(exist_ok=True)
+            write_json_atomic(self.run_dir / "memory" / name, step_memory.record(memory))
         self.collectives = self.host_syncs = None  # one step is recorded
+        self.profile_memory = False
         return record
 
     @torch.no_grad()
@@ -379,12 +428,12 @@ class Trainer:
     # ---- the run ------------------------------------------------------------
 
     def write_run_info(self) -> None:
-        memory = self.optimizer.memory_bytes()
+        mine = {**self.optimizer.memory_bytes(), **cpu_share()}  # cpu_share: whether ranks shared cores
         per_rank = [None] * self.ps.world_size
         if self.ps.is_distributed:
-            dist.all_gather_object(per_rank, memory)
+            dist.all_gather_object(per_rank, mine)
         else:
-            per_rank = [memory]
+            per_rank = [mine]
         if not self.ps.is_main:
             return
         counts = self.param_counts
@@ -393,10 +442,13 @@ class Trainer:
             "params_dense": counts.dense,
             "params_expert": counts.expert,
             "flops_per_token": self.flops_per_token,
+            # dp: the data-parallel degree world / (pp x tp), as optimus plan counts it; edp: the expert-data-
+            # parallel degree world / (pp x ep), the replicas of each expert.
             "layout": {
-                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "ep": self.ps.ep, "tp": self.ps.tp,
-                "accum": self.accum,
+                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.data_parallel, "tp": self.ps.tp,
+                "ep": self.ps.ep, "edp": self.ps.dp, "accum": self.accum,
             },
+            "moe_layers": self.router_stats.layer_ids,  # the block index of each row of expert_tokens
             "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},
             "device": {
                 "type": self.platform.device_type, "name": self.platform.device_name, "backend": self.platform.backend,
@@ -461,7 +513,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         self.write_run_info()
         wandb_run = self._start_wandb() if ps.is_main and cfg.logging.wandb else None
-        metrics = MetricsLog(self.run_dir, enabled=ps.is_main, wandb_run=wandb_run)
+        metrics = MetricsLog(self.run_dir, ps.is_main, wandb_run, moe_layer_ids=self.router_stats.layer_ids)
         tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         # A batch job's log (stdout redirected to a file) gets the periodic step lines only, not the bar's
         # carriage-return updates.
@@ -469,6 +521,8 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True)
         summary = {"first_val_loss": self.evaluate()}
         self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
+        if self.step == 0:  # where the curve starts; a resumed run's start is its checkpoint step's record
+            metrics.log({"step": 0, "tokens": 0, "val_loss": summary["first_val_loss"]})
         trace = self.trace
         record_memory = True
         self.stop_signal.install()

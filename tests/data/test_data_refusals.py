@@ -54,7 +54,7 @@ def test_resume_follows_the_tokens_not_their_path(corpus_file, tok_file, tmp_pat
             "data=tokens", f"run.dir={run_dir}"]  # fmt: skip
     assert main(["train", *base, "data.path=tokens", "train.steps=2"]) == 0
     assert main(["train", *base, f"data.path={tmp_path / 'tokens'}", "train.steps=3"]) == 0
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()] == [0, 1, 2, 3]
 
     other = write_corpus(tmp_path / "other.jsonl", seed=1)
     assert _prepare([other], "tokens", tok_file, "--overwrite") == 0

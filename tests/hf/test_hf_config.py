@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from optimus.config import ConfigError, ModelConfig, MoEConfig, validate_model
 from optimus.hf import MIXTRAL, OLMOE, QWEN3_MOE, format_for_model, from_pretrained, save_pretrained
-from optimus.hf.config_map import hf_config_from_model, model_config_from_hf
+from optimus.hf.config_map import TRANSFORMERS_LOSSES, hf_config_from_model, model_config_from_hf
 from optimus.model import Transformer
 from optimus.model.attention import Attention, apply_rope, rope_tables
 
@@ -19,7 +19,8 @@ SHAPE = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=300, rope_t
 
 
 def config(qk_norm: str, **overrides) -> ModelConfig:
-    moe = MoEConfig(n_experts=5, top_k=3, expert_dim=24, norm_topk=True, aux_loss_coef=0.02)
+    """A model that a HF directory holds whole: its router losses are those transformers trains with."""
+    moe = MoEConfig(n_experts=5, top_k=3, expert_dim=24, norm_topk=True, aux_loss_coef=0.02, **TRANSFORMERS_LOSSES)
     return ModelConfig(**{**SHAPE, "name": "m", "qk_norm": qk_norm, "moe": moe, **overrides})
 
 

@@ -261,6 +261,6 @@ def test_overlapped_training_matches_one_chunk(tmp_path, corpus_file, single_thr
     }
     metrics, _ = train_layouts(tmp_path, runs, [*COMMON, *data])
     reference = metrics["chunks=1"]
-    assert len({round(m["loss"], 6) for m in reference}) == len(reference)  # the loss moves
+    assert len({round(m["loss"], 6) for m in reference[1:]}) == len(reference) - 1  # the loss moves (after step 0)
     for layout, m in metrics.items():
         assert_same_trajectory(m, reference, layout)

@@ -18,7 +18,7 @@ from optimus.model import padded_vocab_size
 from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes
 from optimus.parallel.state import ParallelState, edp_group_ranks, pp_group_ranks, stage_group_ranks
 from tests.conftest import TINY_MODEL
-from tests.trajectories import assert_same_trajectory, read_metrics, train_layouts
+from tests.trajectories import assert_same_trajectory, read_metrics, step_records, train_layouts
 
 STEPS = 8
 COMMON = [
@@ -150,12 +150,12 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
     metrics, _ = train_layouts(tmp_path, runs, [*COMMON, *data])
 
     reference = metrics.pop("nproc=1")
-    assert len({round(m["loss"], 6) for m in reference}) == STEPS  # the loss moves: the comparison means something
+    assert len({round(m["loss"], 6) for m in step_records(reference)}) == STEPS  # the loss moves: it means something
     worst = {}
     for layout, run in metrics.items():
         worst[layout] = assert_same_trajectory(run, reference, layout)
         if "profile.timers=true" in runs[layout]:  # every stage's forward + backward time, from every stage
-            assert all(len(m["stage_time_s"]) == 4 and min(m["stage_time_s"]) > 0 for m in run), layout
+            assert all(len(m["stage_time_s"]) == 4 and min(m["stage_time_s"]) > 0 for m in step_records(run)), layout
     print("max relative differences per layout:", worst)
 
 
@@ -172,9 +172,9 @@ def test_tied_embeddings_across_stages_match_single_process(tmp_path, corpus_fil
     assert main(["train", *common, *layout, f"run.dir={tmp_path / 'pp'}"]) == 0
     load = f"checkpoint.load={tmp_path / 'pp' / 'checkpoints' / 'step_000002'}"
     assert main(["train", *common, load, f"run.dir={tmp_path / 'resumed'}"]) == 0
-    reference = read_metrics(tmp_path / "ref")
+    reference = step_records(read_metrics(tmp_path / "ref"))
     for run_dir, steps in (("pp", [1, 2, 3, 4]), ("resumed", [3, 4])):
-        run = read_metrics(tmp_path / run_dir)
+        run = step_records(read_metrics(tmp_path / run_dir))
         assert [m["step"] for m in run] == steps, run_dir
         for m in run:
             ref = reference[m["step"] - 1]
@@ -209,7 +209,7 @@ def test_scaled_down_mula_recipes_train_at_their_pipeline_layout(model, layout, 
     common = [f"model={model}", *SCALED_DOWN, "data=text", f"data.path={corpus_file}", "model.n_layers=8"]
     assert main(["train", *common, f"run.dir={tmp_path / 'ref'}"]) == 0
     assert main(["train", *common, *layout, "parallel.nproc=4", f"run.dir={tmp_path / 'pp'}"]) == 0
-    reference, run = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
+    reference, run = step_records(read_metrics(tmp_path / "ref")), step_records(read_metrics(tmp_path / "pp"))
     assert [m["step"] for m in run] == [1, 2, 3, 4]
     assert reference[-1]["loss"] < reference[0]["loss"]  # it trains
     for m, ref in zip(run, reference):

@@ -19,8 +19,9 @@ SEQ_LEN = 100
 
 
 def make_run(root, name, world, ep, global_batch, step_times, *, timers=None, config=None, device="Test GPU",
-             peak=1e12, flops_per_token=1e6, legacy=False):  # fmt: skip
-    """A run directory as `optimus train` writes it; `legacy` logs tokens_per_s only (no step_time_s)."""
+             peak=1e12, flops_per_token=1e6, legacy=False, device_type="cuda", per_rank=()):  # fmt: skip
+    """A run directory as `optimus train` writes it (metrics.jsonl starting with the step-0 evaluation);
+    `legacy` logs tokens_per_s only (no step_time_s)."""
     run = root / name
     run.mkdir()
     cfg = OmegaConf.to_container(OmegaConf.structured(OptimusConfig()))
@@ -34,14 +35,14 @@ def make_run(root, name, world, ep, global_batch, step_times, *, timers=None, co
     tokens = global_batch * SEQ_LEN
     info = {
         "flops_per_token": flops_per_token,
-        "layout": {"world": world, "dp": world // ep, "ep": ep, "accum": 1},
-        "device": {"type": "cuda", "name": device, "backend": "nccl", "peak_flops": peak},
+        "layout": {"world": world, "dp": world, "ep": ep, "edp": world // ep, "accum": 1},
+        "device": {"type": device_type, "name": device, "backend": "nccl", "peak_flops": peak},
         "kernels": "torch",
         "tokens_per_step": tokens,
-        "per_rank": [],
+        "per_rank": list(per_rank),
     }
     (run / "run_info.json").write_text(json.dumps(info))
-    lines = []
+    lines = [json.dumps({"step": 0, "tokens": 0, "val_loss": 5.0})]
     for step, t in enumerate(step_times, start=1):
         record = {"step": step, "loss": 1.0, "tokens": step * tokens, "tokens_per_s": tokens / t}
         if not legacy:
@@ -104,14 +105,29 @@ def test_layout_names_pipeline_and_tensor_parallelism(tmp_path):
     base = make_run(tmp_path, "n1", 1, 1, 8, [5.0, 2.0, 2.0])
     split = make_run(tmp_path, "n8", 8, 2, 64, [5.0, 2.0, 2.0])
     info = json.loads((split / "run_info.json").read_text())
-    info["layout"].update(pp=2, tp=2, dp=1)  # 8 = pp 2 x tp 2 x dp 1 x ep 2
+    info["layout"].update(pp=2, tp=2, dp=2, edp=2)  # 8 = pp 2 x dp 2 x tp 2; experts: edp 2 x ep 2 per stage
     (split / "run_info.json").write_text(json.dumps(info))
     rows = build_report([base, split], tmp_path / "out", warmup_steps=1)
-    assert [(r["pp"], r["tp"], r["dp"], r["ep"]) for r in rows] == [(1, 1, 1, 1), (2, 2, 1, 2)]
+    assert [(r["pp"], r["tp"], r["dp"], r["ep"], r["edp"]) for r in rows] == [(1, 1, 1, 1, 1), (2, 2, 2, 2, 2)]
     table = list(csv.DictReader(open(tmp_path / "out" / "report.csv")))
-    assert [(r["pp"], r["tp"]) for r in table] == [("1", "1"), ("2", "2")]
+    assert [(r["pp"], r["tp"], r["edp"]) for r in table] == [("1", "1", "1"), ("2", "2", "2")]
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| 8 | pp2 tp2 dp1 ep2 |" in report and "| 1 | dp1 ep1 |" in report
+    assert "| 8 | pp2 tp2 dp2 ep2 |" in report and "| 1 | dp1 ep1 |" in report
+
+
+def test_dp_is_the_data_parallel_degree_also_in_runs_written_before_edp(tmp_path):
+    """Before run_info.json named `edp`, its `dp` held the expert-data-parallel degree world / (pp x ep); the
+    report gives every run optimus plan's dp, world / (pp x tp), and the edp beside it."""
+    from optimus.plan import make_plan
+    from optimus.recipes import load_config
+
+    old = make_run(tmp_path, "old", 4, 2, 16, [1.0, 1.0, 1.0])
+    info = json.loads((old / "run_info.json").read_text())
+    info["layout"] = {"world": 4, "dp": 2, "ep": 2, "accum": 1}  # as optimus train wrote it then
+    (old / "run_info.json").write_text(json.dumps(info))
+    (row,) = build_report([old], tmp_path / "out", warmup_steps=1)
+    plan = make_plan(load_config(["parallel.ep=2", "train.micro_batch=2"]), 4)
+    assert (row["dp"], row["edp"]) == (plan.dp, plan.edp) == (4, 2)
 
 
 def test_runs_may_differ_in_ignored_and_allowed_keys(tmp_path):
@@ -195,3 +211,51 @@ def test_an_earlier_report_is_replaced_only_with_overwrite(tmp_path, capsys):
     names = sorted(p.name for p in out.iterdir())  # the old breakdown.png goes with the report it belonged to
     assert names == ["efficiency.png", "notes.txt", "report.csv", "report.json", "report.md", "throughput.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "plain", "timed"]  # no temporary left
+
+
+def cpu_ranks(n: int, threads: int, cpus: str = "0-1", host: str = "box") -> list[dict]:
+    return [{"host": host, "cpus": cpus, "threads": threads} for _ in range(n)]
+
+
+def test_a_cpu_run_whose_ranks_shared_cores_gets_no_efficiency(tmp_path, capsys):
+    """On 2 cores: one rank with 2 threads and 2 ranks with 1 each fit; 4 ranks with 1 each share cores. The
+    4-rank run would show 125% efficiency; the report says instead that its ranks shared cores."""
+    kwargs = dict(device_type="cpu", device="Test CPU")
+    one = make_run(tmp_path, "n1", 1, 1, 16, [9.0, 2.0, 2.0], per_rank=cpu_ranks(1, 2), **kwargs)
+    two = make_run(tmp_path, "n2", 2, 1, 16, [9.0, 1.25, 1.25], per_rank=cpu_ranks(2, 1), **kwargs)
+    four = make_run(tmp_path, "n4", 4, 1, 16, [9.0, 0.4, 0.4], per_rank=cpu_ranks(4, 1), **kwargs)
+    assert main(["report", str(one), str(two), str(four), "--out", str(tmp_path / "out"), "--warmup-steps", "1"]) == 0
+    rows = json.loads((tmp_path / "out" / "report.json").read_text())["runs"]
+    assert [r["efficiency"] for r in rows[:2]] == pytest.approx([1.0, 2.0 / (1.25 * 2)])
+    assert rows[2]["efficiency"] is None and rows[2]["speedup"] is None
+    assert rows[2]["shared_cores"] == "its 4 ranks ran 4 threads on the 2 cores of box"
+    out = capsys.readouterr().out
+    assert "Ranks shared cores: n4: its 4 ranks ran 4 threads on the 2 cores of box" in out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| shared cores |" in report and "- Ranks shared cores: n4:" in report and "125.0%" not in report
+    assert [r["efficiency"] for r in csv.DictReader(open(tmp_path / "out" / "report.csv"))][2] == ""
+
+
+def test_a_base_run_that_shared_cores_gives_no_efficiency_to_any(tmp_path):
+    crowded = make_run(tmp_path, "n1", 1, 1, 16, [9.0, 2.0, 2.0], device_type="cpu", per_rank=cpu_ranks(1, 4))
+    two = make_run(tmp_path, "n2", 2, 1, 16, [9.0, 1.0, 1.0], device_type="cpu", per_rank=cpu_ranks(2, 1))
+    rows = build_report([crowded, two], tmp_path / "out", warmup_steps=1)
+    assert [r["efficiency"] for r in rows] == [None, None] and rows[1]["shared_cores"] is None
+    assert "| - (base shared cores) |" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "device_type, per_rank",
+    [
+        ("cpu", cpu_ranks(1, 2, "0-3") + cpu_ranks(1, 2, "4-7")),  # pinned to their own cores
+        ("cpu", cpu_ranks(2, 4, "0-7", "a") + cpu_ranks(2, 4, "0-7", "b")),  # two hosts of 8 cores
+        ("cuda", cpu_ranks(2, 64, "0-7")),  # a GPU run's CPU threads mostly wait
+        ("cpu", []),  # written before run_info.json recorded cores and threads
+    ],
+)
+def test_ranks_that_fit_their_cores_are_not_flagged(tmp_path, device_type, per_rank):
+    base = make_run(tmp_path, "n1", 1, 1, 16, [9.0, 2.0, 2.0], device_type=device_type, per_rank=per_rank[:1])
+    run = make_run(tmp_path, "n2", len(per_rank) or 2, 1, 16, [9.0, 1.0, 1.0], device_type=device_type,
+                   per_rank=per_rank)  # fmt: skip
+    rows = build_report([base, run], tmp_path / "out", warmup_steps=1)
+    assert [r["shared_cores"] for r in rows] == [None, None] and rows[1]["efficiency"] is not None

@@ -113,9 +113,12 @@ def train_modes(overrides: list[str], root: str, cache: str) -> dict[str, list[d
 
 def assert_same_trajectory(runs: dict[str, list[dict]]) -> None:
     *reference, info = runs["none"]
-    assert [m["step"] for m in reference] == [1, 2, 3]
+    assert [m["step"] for m in reference] == [0, 1, 2, 3]
+    for mode in ("selective", "full"):  # the held-out loss before training
+        assert runs[mode][0]["val_loss"] == pytest.approx(reference[0]["val_loss"], rel=1e-6), mode
+    reference = reference[1:]
     for mode in ("selective", "full"):
-        *metrics, _ = runs[mode]
+        _, *metrics, _ = runs[mode]
         for m, ref in zip(metrics, reference, strict=True):
             for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "expert_load_imbalance"):
                 assert m[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-12), f"{mode}: step {m['step']} {key}"

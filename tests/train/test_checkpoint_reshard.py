@@ -100,7 +100,7 @@ PIPELINE = ["model.n_layers=4", "optim.zero=2"]  # 4 layers: pp=4 puts one on ea
 def assert_continues(run_dir, ref_dir) -> None:
     """Steps 3-4 and the final parameters of `run_dir` (started from step 2) equal those of the reference."""
     ref_metrics, metrics = read_metrics(ref_dir), read_metrics(run_dir)
-    assert sorted(ref_metrics) == [1, 2, 3, 4]
+    assert sorted(ref_metrics) == [0, 1, 2, 3, 4]  # step 0: the starting evaluation
     assert sorted(metrics) == [3, 4]  # the run started at the checkpoint's step
     for step in (3, 4):
         for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "expert_load_imbalance"):

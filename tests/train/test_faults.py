@@ -36,7 +36,9 @@ COMMON = [
 
 
 def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The records of the run's optimizer steps (without the starting evaluation, step 0)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["step"] > 0]
 
 
 def test_step_flags_pack_and_unpack():
@@ -167,7 +169,7 @@ def test_sigterm_or_ctrl_c_to_a_training_process_saves_and_exits_zero(tmp_path, 
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # step 0, then 2 steps
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
             time.sleep(0.1)
         proc.send_signal(sig)
@@ -223,7 +225,7 @@ def test_a_stop_signal_to_a_local_two_rank_run_saves_and_ends_every_process(tmp_
     try:
         deadline = time.monotonic() + 180
         metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # step 0, then 2 steps
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
             time.sleep(0.1)
         ranks = _descendants(proc.pid)

@@ -2,8 +2,8 @@
 
 import torch
 
+from optimus.host_syncs import HostSyncCounter
 from optimus.optim.grad_norm import global_grad_norm
-from optimus.train.host_syncs import HostSyncCounter
 
 
 def test_each_kind_of_sync_is_counted_and_tensors_keep_their_tolist():

@@ -103,7 +103,7 @@ def test_a_second_run_is_refused_while_the_first_runs_and_resumes_after_it(tmp_p
     assert not (run_dir / CLAIM_FILE).exists()
     last = steps_of(run_dir)[-1]
     assert main(["train", *overrides, f"train.steps={last + 1}"]) == 0  # the same command resumes after it
-    assert steps_of(run_dir) == list(range(1, last + 2))
+    assert steps_of(run_dir) == list(range(0, last + 2))
     assert not (run_dir / CLAIM_FILE).exists()
 
 
@@ -122,7 +122,7 @@ def test_without_flock_a_fresh_claim_of_another_host_refuses_a_run_and_a_stale_o
     assert f"claim expires at {expires} (in " in err and "run the same command again after that" in err
     write_claim(run_dir, "other-node", 4242, age_s=STALE_AFTER_S + 1)  # its heartbeat stopped
     assert main(["train", *overrides]) == 0
-    assert steps_of(run_dir) == [1, 2] and not claim.exists()
+    assert steps_of(run_dir) == [0, 1, 2] and not claim.exists()
 
 
 @pytest.mark.parametrize("flock", ["works", "missing"])
@@ -226,7 +226,7 @@ def test_a_run_whose_claim_was_taken_over_stops_at_the_next_step_without_writing
     err = error_of(capsys)
     assert err.count("\n") == 1
     assert f"run.dir={run_dir} was taken over by another run (pid 4242 on host other-node) after " in err
-    assert steps_of(run_dir) == [1]  # no record of step 2, and no checkpoint of it
+    assert steps_of(run_dir) == [0, 1]  # no record of step 2, and no checkpoint of it
     assert not list((run_dir / "checkpoints").glob("step_*")) and not (run_dir / "checkpoints" / "latest").exists()
     assert json.loads((run_dir / CLAIM_FILE).read_text())["pid"] == 4242  # the successor's claim stays
 

@@ -54,7 +54,7 @@ def test_a_same_size_corruption_falls_back_with_a_warning_naming_the_file(small_
         assert main(["train", *overrides]) == 0
     assert f"{bad} does not match the checksum" in caplog.text
     assert "step_000002 (step 2;" in caplog.text  # resumed from the previous checkpoint
-    assert steps_of(run_dir) == [1, 2, 3, 4]
+    assert steps_of(run_dir) == [0, 1, 2, 3, 4]
 
 
 def test_no_loadable_checkpoint_refuses_and_keeps_them_all(small_run, tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_no_loadable_checkpoint_refuses_and_keeps_them_all(small_run, tmp_path, 
     assert main(["train", *overrides]) == 2
     assert "none of the 2 checkpoint(s)" in error_of(capsys)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
-    assert steps_of(run_dir) == [1, 2, 3, 4]
+    assert steps_of(run_dir) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_new_lr_and_more_steps_resume_but_fewer_steps_are_refused(small_run, tmp
     assert main(["train", *overrides, "train.steps=3"]) == 2
     assert "at step 4, past train.steps=3" in error_of(capsys)
     assert main(["train", *overrides, "train.steps=5", "optim.lr=3e-3"]) == 0
-    assert steps_of(run_dir) == [1, 2, 3, 4, 5]
+    assert steps_of(run_dir) == [0, 1, 2, 3, 4, 5]
 
 
 def test_weights_only_starts_a_new_run_with_other_data_settings(small_run, tmp_path, capsys):
@@ -126,7 +126,7 @@ def test_a_finished_run_without_checkpoints_is_not_replaced(small_run, tmp_path,
     assert "run.overwrite=true" in error_of(capsys)
     assert (run_dir / "metrics.jsonl").read_text() == records and (run_dir / "config.yaml").read_text() == config
     assert main(["train", *changed, "run.overwrite=true"]) == 0
-    assert steps_of(run_dir) == [1]
+    assert steps_of(run_dir) == [0, 1]
 
 
 def test_paths_that_are_files_are_refused(small_run, tmp_path, capsys):

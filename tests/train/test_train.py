@@ -27,12 +27,17 @@ def run_train(tmp_path, corpus_file, *extra):
 
 
 def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
-    run_dir, metrics = run_train(tmp_path, corpus_file, "train.steps=40", "optim.lr=3e-3")
-    assert [m["step"] for m in metrics] == list(range(1, 41))
+    run_dir, records = run_train(tmp_path, corpus_file, "train.steps=40", "optim.lr=3e-3")
+    assert [m["step"] for m in records] == list(range(0, 41))
+    start, metrics = records[0], records[1:]  # the held-out loss before training, then the steps
+    assert start.keys() == {"step", "tokens", "val_loss"} and start["tokens"] == 0
+    assert abs(start["val_loss"] - math.log(512)) < 0.1  # an untrained model's near-uniform prediction
     for m in metrics:
         assert METRIC_KEYS <= m.keys()
         assert m["tokens"] == m["step"] * 8 * 32
         assert m["expert_load_imbalance"] >= 1.0
+        # each MoE layer's row counts every token of the global batch (8 x 32) once per chosen expert (top_k 2)
+        assert [sum(row) for row in m["expert_tokens"]] == [8 * 32 * 2] * 2
         assert m["mfu"] is None or 0 < m["mfu"] < 1
     # Loss falls well below its start (the corpus is highly repetitive).
     first = sum(m["lm_loss"] for m in metrics[:3]) / 3
@@ -41,7 +46,8 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
     assert metrics[-1]["val_loss"] < metrics[19]["val_loss"]
 
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "ep": 1, "tp": 1, "accum": 2}
+    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "tp": 1, "ep": 1, "edp": 1, "accum": 2}
+    assert info["moe_layers"] == [0, 1] and all(len(m["expert_tokens"]) == 2 for m in metrics)
     assert info["params"]["total"] == info["params"]["dense"] + info["params"]["expert"]
     assert info["params_dense"] == info["params"]["dense"]
     rank0 = info["per_rank"][0]
@@ -56,7 +62,7 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
 
 def test_lr_schedule_in_metrics(tmp_path, corpus_file):
     _, metrics = run_train(tmp_path, corpus_file, "train.steps=10", "optim.lr=1e-3", "optim.min_lr_ratio=0.1")
-    lrs = [m["lr"] for m in metrics]
+    lrs = [m["lr"] for m in metrics[1:]]  # after the starting evaluation
     assert lrs[:5] == [1e-3 * (i + 1) / 5 for i in range(5)]  # linear warmup, peak at the last warmup step
     # The 5 decay steps are 1/5, 2/5, ..., 5/5 of the way down the cosine: the last one is the floor.
     for i, lr in enumerate(lrs[5:]):
@@ -76,7 +82,16 @@ def test_an_empty_metrics_file_does_not_block_the_run_dir(tmp_path, corpus_file)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     _, metrics = run_train(tmp_path, corpus_file, "train.steps=2")
-    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+
+
+def test_a_run_that_died_after_its_starting_evaluation_runs_again(tmp_path, corpus_file):
+    """A run that died in its first step has written the starting evaluation only (step 0): that is no run to
+    keep, so the same command runs again, and writes its own step 0 in place of the old one."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "tokens": 0, "val_loss": 99.0}\n')
+    _, metrics = run_train(tmp_path, corpus_file, "train.steps=2")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and metrics[0]["val_loss"] != 99.0
 
 
 def test_diverging_run_ends_with_one_sentence_and_keeps_its_records(tmp_path, corpus_file, monkeypatch, capsys):
@@ -95,7 +110,7 @@ def test_diverging_run_ends_with_one_sentence_and_keeps_its_records(tmp_path, co
     error = capsys.readouterr().err.strip()
     assert error.startswith("optimus: error: 2 steps in a row were skipped") and "\n" not in error
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["step"], m["skipped"]) for m in metrics] == [(1, True), (2, True)]
+    assert [(m["step"], m.get("skipped")) for m in metrics] == [(0, None), (1, True), (2, True)]
 
 
 def test_resume_hint_names_the_run_dir_the_run_chose():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 
@@ -10,7 +12,7 @@ from optimus.model.mlp import SwiGLU
 from optimus.model.moe.dispatch import LocalDispatcher
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Router
-from optimus.model.moe.stats import RouterStats, attach_router_loss, router_loss_coefs
+from optimus.model.moe.stats import PooledBalance, RouterStats, attach_router_loss, router_loss_coefs
 
 
 class MoE(nn.Module):
@@ -18,7 +20,9 @@ class MoE(nn.Module):
     statistics go to `stats`, a `RouterStats` the trainer hands over (None: not recorded).
 
     `layer_idx` is the block's global index (the key of its statistics) and `n_moe_layers` the number of MoE
-    layers in the whole model, over which the router losses are averaged.
+    layers in the whole model, over which the router losses are averaged. With aux_loss_layers=pooled the
+    model hands every MoE layer the same `pooled_balance` for each forward pass, and the aux loss is the
+    layer's term of the pooled loss (see PooledBalance); None: the layer's own aux loss.
     """
 
     def __init__(self, dim: int, cfg: MoEConfig, kernels: str = "auto", layer_idx: int = 0, n_moe_layers: int = 1):
@@ -36,17 +40,24 @@ class MoE(nn.Module):
         # routes a different slice of the sequence on each tp rank (set from outside, optimus.parallel). The
         # router losses are means over the routed tokens, so each slice's count for that share of the whole.
         self.router_loss_share = 1.0
+        self.pooled_balance: PooledBalance | None = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD, seq_len=x_BSD.shape[1])
         # The dispatcher adds the shared experts' output: an expert-parallel one computes it while tokens travel.
         y_TD = self.dispatcher(x_TD, routing, self.experts, shared=self.shared)
-        losses = (routing.aux_loss, routing.z_loss, routing.seq_aux_loss)
+        pool, aux_loss = self.pooled_balance, routing.aux_loss
+        if pool is not None:
+            pool.add(routing.balance_counts_E1)
+            aux_loss = partial(pool.layer_loss, routing.mean_prob_E.detach())  # known once every layer has routed
         if self.stats is not None and self.training:
-            self.stats.record(self.layer_idx, *losses, routing.tokens_per_expert_E)
+            self.stats.record(
+                self.layer_idx, aux_loss, routing.z_loss, routing.seq_aux_loss, routing.tokens_per_expert_E
+            )
         grad_scale = (self.stats.grad_scale if self.stats is not None else 1.0) * self.router_loss_share
-        y_TD = attach_router_loss(y_TD, losses, self.router_loss_coefs, grad_scale, self.n_moe_layers)
+        losses = (routing.aux_loss if pool is None else routing.mean_prob_E, routing.z_loss, routing.seq_aux_loss)
+        y_TD = attach_router_loss(y_TD, losses, self.router_loss_coefs, grad_scale, self.n_moe_layers, pool)
         return y_TD.view_as(x_BSD)
 
     def update_bias(self, tokens_per_expert_E: torch.Tensor, rate: float) -> None:

@@ -17,7 +17,8 @@ Load-balancing loss (one convention, OLMoE's and transformers' `load_balancing_l
 for one layer): aux = E * sum_e f_e P_e, where f_e is the number of the T * K choices
 that went to expert e divided by T (so sum_e f_e = K) and P_e is the mean over tokens of
 expert e's probability (softmax; for sigmoid, the scores normalised per token). A
-balanced router gives K; the model averages it over MoE layers. With
+balanced router gives K; the model averages it over MoE layers, or with
+`aux_loss_layers=pooled` pools f over the layers first (optimus.model.moe.stats.PooledBalance). With
 `aux_loss_scope=global` the counts behind f_e are summed over the data-parallel ranks
 (`balance_group`, installed from outside) before use, Qwen's global-batch balancing.
 The optional sequence-wise loss (DeepSeek-V3) is computed per sequence as
@@ -44,9 +45,21 @@ class Routing:
     weight_TK: torch.Tensor  # fp32, combine weights (0 where an assignment was dropped)
     keep_TK: torch.Tensor | None  # bool, False where capacity dropped the assignment; None = dropless
     aux_loss: torch.Tensor  # scalar, E * sum_e f_e * P_e (top_k when perfectly balanced)
+    mean_prob_E: torch.Tensor  # fp32, P_e: the mean over tokens of each expert's probability
+    balance_counts_E1: torch.Tensor  # fp32, the choices per expert behind f_e and, last, their tokens
     z_loss: torch.Tensor  # scalar, mean over tokens of logsumexp(logits)^2
     seq_aux_loss: torch.Tensor  # scalar, sequence-wise balance loss (0 unless seq_aux_loss_coef > 0)
     tokens_per_expert_E: torch.Tensor  # fp32, assignments chosen per expert (before capacity drops)
+
+
+def expert_fractions(counts_E1: torch.Tensor) -> torch.Tensor:
+    """f_e: the choices of each expert over the tokens that made them, from [choices per expert..., tokens]."""
+    return counts_E1[:-1] / counts_E1[-1]
+
+
+def balance_loss(fraction_E: torch.Tensor, mean_prob_E: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss E * sum_e f_e P_e (top_k when balanced)."""
+    return fraction_E.numel() * (fraction_E * mean_prob_E).sum()
 
 
 def capacity_keep_mask(
@@ -146,7 +159,9 @@ class Router(nn.Module):
 
         n_tokens = x_TD.shape[0]
         tokens_per_expert_E = count_ids(expert_idx_TK, self.n_experts).float()
-        aux_loss = self._balance_loss(tokens_per_expert_E, n_tokens, probs_TE)
+        balance_counts_E1 = self._balance_counts(tokens_per_expert_E, n_tokens)
+        mean_prob_E = probs_TE.mean(dim=0)
+        aux_loss = balance_loss(expert_fractions(balance_counts_E1), mean_prob_E)
         seq_aux_loss = aux_loss.new_zeros(())
         if self.with_seq_aux_loss:
             seq_aux_loss = sequence_balance_loss(expert_idx_TK, probs_TE, seq_len)
@@ -158,16 +173,18 @@ class Router(nn.Module):
             # Drop the least probable assignments (raw scores, not the per-token renormalised weights).
             keep_TK = capacity_keep_mask(expert_idx_TK, score_TK.detach(), self.n_experts, capacity)
             weight_TK = weight_TK * keep_TK
-        return Routing(expert_idx_TK, weight_TK, keep_TK, aux_loss, z_loss, seq_aux_loss, tokens_per_expert_E)
+        return Routing(
+            expert_idx_TK, weight_TK, keep_TK, aux_loss, mean_prob_E, balance_counts_E1, z_loss, seq_aux_loss,
+            tokens_per_expert_E,
+        )  # fmt: skip
 
-    def _balance_loss(self, tokens_per_expert_E: torch.Tensor, n_tokens: int, probs_TE: torch.Tensor) -> torch.Tensor:
-        """E * sum_e f_e P_e with f_e = choices of e / tokens, counted over `balance_group`."""
+    def _balance_counts(self, tokens_per_expert_E: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[choices per expert..., tokens], summed over `balance_group`: what f_e divides."""
         counts_E1 = torch.cat([tokens_per_expert_E, tokens_per_expert_E.new_tensor([n_tokens])])
         # Only training steps count over a group: evaluation may run on some ranks only and needs no loss.
         if self.balance_group is not None and self.training:
             dist.all_reduce(counts_E1, group=self.balance_group)  # counts carry no gradient
-        fraction_E = counts_E1[:-1] / counts_E1[-1]
-        return self.n_experts * (fraction_E * probs_TE.mean(dim=0)).sum()
+        return counts_E1
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor, rate: float) -> None:

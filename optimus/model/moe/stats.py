@@ -1,13 +1,16 @@
 """Router losses and routing statistics, kept off the hidden-state path.
 
 A pipeline stage hands one tensor from block to block, so an MoE layer cannot return its
-router losses next to its output. Two pieces replace that:
+router losses next to its output. Three pieces replace that:
 
 - `attach_router_loss` puts the weighted router losses on the autograd graph. It is the
   identity on the hidden states in forward; in backward it also gives each layer's aux,
   z and sequence-wise losses the gradient they would get had they been added to the LM
   loss (coefficient / number of MoE layers, times the scale the trainer divides the LM
   loss by before backward). So `lm_loss.backward()` trains the routers as well.
+- `PooledBalance` (`model.moe.aux_loss_layers=pooled`) sums one forward pass's expert
+  counts over its MoE layers, as transformers' `load_balancing_loss_func` does; the layers
+  read the pooled fractions in their backward, once every layer has routed.
 - `RouterStats`, a collector that the trainer owns and hands to the model, keeps for every
   forward pass of every MoE layer the detached loss values and the tokens per expert: the
   logged losses, the load-imbalance metric and the sigmoid router's bias update read it.
@@ -15,12 +18,13 @@ router losses next to its output. Two pieces replace that:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from optimus.config import MoEConfig, moe_aux_loss_coef
+from optimus.model.moe.router import balance_loss, expert_fractions
 
 
 def router_loss_coefs(moe: MoEConfig) -> tuple[float, float, float]:
@@ -37,12 +41,39 @@ def router_loss(moe: MoEConfig, aux_loss: torch.Tensor, z_loss: torch.Tensor, se
     return loss
 
 
+class PooledBalance:
+    """The expert counts of one forward pass summed over the model's MoE layers (aux_loss_layers=pooled).
+
+    transformers' load_balancing_loss_func pools its layers: E * sum_e F_e mean_l(P_le), where F_e = sum_l
+    count_le / sum_l tokens_l. That is the mean over layers of E * sum_e F_e P_le, layer l's term, whose
+    gradient through P_le is E * F_e per unit (F, made of counts, carries none). F is known only once every
+    layer has routed: the layers read it in their backward, and the logged values at the end of the step.
+    """
+
+    def __init__(self):
+        self._counts_E1: torch.Tensor | None = None
+
+    def add(self, counts_E1: torch.Tensor) -> None:
+        """A layer's [choices per expert..., tokens] (router.Routing.balance_counts_E1)."""
+        counts_E1 = counts_E1.detach()
+        self._counts_E1 = counts_E1 if self._counts_E1 is None else self._counts_E1 + counts_E1
+
+    def fraction_E(self) -> torch.Tensor:
+        """F_e: every layer's choices of expert e over every layer's tokens."""
+        return expert_fractions(self._counts_E1)
+
+    def layer_loss(self, mean_prob_E: torch.Tensor) -> torch.Tensor:
+        """A layer's term E * sum_e F_e P_e, given its P (`mean_prob_E`)."""
+        return balance_loss(self.fraction_E(), mean_prob_E)
+
+
 class _RouterLossGrad(torch.autograd.Function):
-    """Identity on `hidden`; its backward also back-propagates `coef_k * grad_scale / n_layers` into loss k."""
+    """Identity on `hidden`; its backward also back-propagates `coef_k * grad_scale / n_layers` into loss k
+    (with a `pool`, the aux input is the layer's P_E and its gradient that times E * F_E, see PooledBalance)."""
 
     @staticmethod
-    def forward(ctx, hidden, aux_loss, z_loss, seq_aux_loss, coefs, grad_scale, n_layers):
-        ctx.coefs, ctx.grad_scale, ctx.n_layers = coefs, grad_scale, n_layers
+    def forward(ctx, hidden, aux_loss, z_loss, seq_aux_loss, coefs, grad_scale, n_layers, pool):
+        ctx.coefs, ctx.grad_scale, ctx.n_layers, ctx.pool = coefs, grad_scale, n_layers, pool
         ctx.loss_dtype, ctx.loss_device = aux_loss.dtype, aux_loss.device
         return hidden
 
@@ -52,17 +83,26 @@ class _RouterLossGrad(torch.autograd.Function):
         scale = torch.full((), ctx.grad_scale, dtype=ctx.loss_dtype, device=ctx.loss_device)
         grads = [(scale * coef) / ctx.n_layers if coef and needs else None
                  for coef, needs in zip(ctx.coefs, ctx.needs_input_grad[1:4])]  # fmt: skip
-        return grad_hidden, *grads, None, None, None
+        if ctx.pool is not None and grads[0] is not None:
+            fraction_E = ctx.pool.fraction_E()
+            grads[0] = grads[0] * (fraction_E.numel() * fraction_E)  # d(E * sum_e F_e P_e) / dP = E * F
+        return grad_hidden, *grads, None, None, None, None
 
 
 def attach_router_loss(
-    hidden: torch.Tensor, losses: Sequence[torch.Tensor], coefs: Sequence[float], grad_scale: float, n_layers: int
+    hidden: torch.Tensor,
+    losses: Sequence[torch.Tensor],
+    coefs: Sequence[float],
+    grad_scale: float,
+    n_layers: int,
+    pool: PooledBalance | None = None,
 ) -> torch.Tensor:
     """`hidden` unchanged, with the (aux, z, seq) router `losses` of one of `n_layers` MoE layers riding on its
-    backward: the gradient of coef_k * loss_k / n_layers per unit of `grad_scale`."""
+    backward: the gradient of coef_k * loss_k / n_layers per unit of `grad_scale`. With `pool`, the aux entry
+    is the layer's P_E and its loss the layer's term of the pooled loss (PooledBalance.layer_loss)."""
     if not torch.is_grad_enabled() or not any(loss.requires_grad for loss in losses):
         return hidden
-    return _RouterLossGrad.apply(hidden, *losses, tuple(coefs), grad_scale, n_layers)
+    return _RouterLossGrad.apply(hidden, *losses, tuple(coefs), grad_scale, n_layers, pool)
 
 
 class RouterStats:
@@ -85,7 +125,8 @@ class RouterStats:
         self.reset()
 
     def reset(self) -> None:
-        self._losses: dict[int, list[torch.Tensor]] = {}  # layer -> one [3] (aux, z, seq) per forward pass
+        # layer -> per forward pass, its aux loss (a value, or a function giving it) and its [2] (z, seq) losses
+        self._losses: dict[int, list[tuple[torch.Tensor | Callable[[], torch.Tensor], torch.Tensor]]] = {}
         self._counts: dict[int, torch.Tensor] = {}  # layer -> [E] tokens per expert, summed over passes
 
     def row(self, layer_idx: int) -> int:
@@ -93,9 +134,11 @@ class RouterStats:
         return self._row[layer_idx]
 
     def record(self, layer_idx: int, aux_loss, z_loss, seq_aux_loss, tokens_per_expert_E: torch.Tensor) -> None:
+        """One forward pass of MoE layer `layer_idx`. `aux_loss` is a value, or a function giving it at the end
+        of the step (aux_loss_layers=pooled: the layer's term needs the counts of the layers after it)."""
         if layer_idx not in self._row:
             raise KeyError(f"layer {layer_idx} is not an MoE layer of this model (MoE layers: {self.layer_ids})")
-        self._losses.setdefault(layer_idx, []).append(torch.stack([aux_loss, z_loss, seq_aux_loss]).detach())
+        self._losses.setdefault(layer_idx, []).append((aux_loss, torch.stack([z_loss, seq_aux_loss]).detach()))
         counts_E = tokens_per_expert_E.detach()
         self._counts[layer_idx] = counts_E + self._counts[layer_idx] if layer_idx in self._counts else counts_E
 
@@ -112,7 +155,10 @@ class RouterStats:
                     f"MoE layer {layer_idx} ran {len(passes)} forward passes in a step of {n_micro_batches} "
                     "micro-batches: each micro-batch must run each layer's router exactly once."
                 )
-            losses_3ML[:, :, self._row[layer_idx]] = torch.stack(passes, dim=1).to(self.device)  # [3, M]
+            losses_M3 = [
+                torch.cat([(aux() if callable(aux) else aux).detach().view(1), z_seq]) for aux, z_seq in passes
+            ]
+            losses_3ML[:, :, self._row[layer_idx]] = torch.stack(losses_M3, dim=1).to(self.device)  # [3, M]
         if group is not None:
             dist.all_reduce(losses_3ML, group=group)
         if not self.layer_ids:

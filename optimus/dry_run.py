@@ -1,0 +1,266 @@
+"""`optimus plan --dry-run`: one training step of a layout at its real world size, on fake tensors.
+
+For each requested rank, in this process, one after the other:
+
+    a fake process group   init_process_group("fake", world_size=W, rank=R): every collective completes at
+                           once with outputs of the right shape, so rank R builds every group the real run
+                           builds and issues every call it would, without the other W - 1 ranks
+    fake tensors           FakeTensorMode: every op runs on shapes, dtypes and devices alone (on the CPU, or
+                           with --device cuda on a fake GPU, which needs one GPU visible for the backward)
+    the real step          Trainer.for_one_step: the model build (meta, then this rank's shard), its
+                           parallelisation, activation checkpointing, dispatcher, pipeline schedule, loss,
+                           backward and the sharded optimizer's step, with fake micro-batches of the real shape
+    a load model           fake tensors hold no routing: the rows the expert exchange moves come from
+                           optimus.load_model (uniform, or --imbalance X for the busiest expert); every other
+                           value read back reads as zero (finite, no stop), and each read is counted
+
+and three recorders: torch's MemTracker (peak bytes by category, beside `optimus plan`'s prediction for the
+rank), the collective trace (optimus.parallel.collective_trace, the same recorder as profile.collectives=true
+in a real run) and the host synchronisations (optimus.host_syncs). Each rank's result is a JSON file:
+`rank`, `world`, `layout`, `memory` {peak_bytes, planned_bytes, by_category}, `collectives`, `host_syncs`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from optimus.config import ConfigError, OptimusConfig
+from optimus.host_syncs import HostSyncCounter
+from optimus.load_model import ExpertLoad, using
+from optimus.output_dir import check_out_dir, replacing_directory
+from optimus.parallel.collective_trace import CollectiveTrace
+from optimus.platform import Platform, detect_platform
+from optimus.train import step_memory
+from optimus.train.step_memory import step_memory_tracker
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class FakeBatches:
+    """A step's micro-batches of token ids, [micro_batch, seq_len + 1] each, made under the fake mode."""
+
+    n_micro_batches: int
+    micro_batch: int
+    seq_len: int
+    vocab_size: int
+
+    def next_step(self) -> list[torch.Tensor]:
+        shape = (self.micro_batch, self.seq_len + 1)
+        return [torch.randint(0, self.vocab_size, shape) for _ in range(self.n_micro_batches)]
+
+
+def dry_run_platform(cfg: OptimusConfig, device: str) -> Platform:
+    """The platform the step is traced for: this machine's CPU, or a fake GPU of the recipe's machine."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device {device} is not supported: use one of {', '.join(DEVICES)}.")
+    if device == "cpu":
+        machine = copy.copy(cfg.machine)
+        machine.device, machine.backend = "cpu", None
+        return detect_platform(machine, 0)
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--device cuda needs a GPU that torch can see (the backward of fake GPU tensors asks the device for its "
+            "current stream, pytorch#92627; a login or compile node with one GPU will do): use --device cpu here."
+        )
+    return Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "fake GPU (dry run)")
+
+
+def answer_read(tensor: torch.Tensor) -> bool | float | int:
+    """The value a dry run gives a read of a fake tensor the load model does not cover. Zero (False), which
+    the step reads as "finite, nothing skipped, no stop requested" - except for torch's pipeline schedules'
+    start-up vote (1: every stage gave its input and output shapes, as Optimus's stages do, so the schedule
+    takes them as given instead of inferring them from a trial forward)."""
+    if any(frame.name == "_warmup_p2p" for frame in traceback.extract_stack()):
+        return 1
+    if tensor.dtype == torch.bool:
+        return False
+    return 0.0 if tensor.dtype.is_floating_point else 0
+
+
+def check_dry_run_config(cfg: OptimusConfig) -> None:
+    if cfg.model.moe.capacity_factor is not None:
+        raise ConfigError(
+            "A dry run traces dropless routing only (which tokens a capacity limit drops depends on values): "
+            "set model.moe.capacity_factor=null."
+        )
+
+
+def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu") -> dict:
+    """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from optimus.plan import make_plan
+    from optimus.train.trainer import Trainer
+
+    check_dry_run_config(cfg)
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
+    cfg = copy.deepcopy(cfg)  # the trainer records resolved settings into it
+    cfg.parallel.check_collectives = False  # a fake group has no values to check
+    cfg.parallel.nproc = world
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
+        with using(load):
+            trainer = Trainer.for_one_step(cfg, dry_run_platform(cfg, device), tensor_mode=fake)
+        t = cfg.train
+        trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
+        with fake, using(load):
+            memory = step_memory_tracker(trainer.model, trainer.optimizer)
+            trainer.collectives = CollectiveTrace()
+            trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
+            with ExitStack() as stack:
+                for recorder in (memory, trainer.collectives, trainer.host_syncs):
+                    stack.enter_context(recorder)
+                trainer.train_step()
+        ps = trainer.ps
+    finally:
+        dist.destroy_process_group()
+    plan = make_plan(cfg, world)
+    planned = plan.stages[ps.pp_rank]["total_bytes"] if plan.stages else plan.memory["total_configured"]
+    measured = step_memory.record(memory)
+    return {
+        "rank": rank,
+        "world": world,
+        "layout": {
+            "pp": ps.pp,
+            "dp": ps.data_parallel,
+            "tp": ps.tp,
+            "ep": ps.ep,
+            "edp": ps.dp,
+            "pp_rank": ps.pp_rank,
+            "tp_rank": ps.tp_rank,
+            "ep_rank": ps.ep_rank,
+            "accum": trainer.accum,
+        },
+        "device": device,
+        "imbalance": imbalance,
+        "memory": {**measured, "planned_bytes": planned, "optimizer_state": trainer.optimizer.memory_bytes()},
+        "collectives": trainer.collectives.calls,
+        "host_syncs": trainer.host_syncs.as_list(),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def busiest_rank(cfg: OptimusConfig, world: int) -> int:
+    """The rank `optimus plan` predicts needs the most memory: the first of its busiest pipeline rank's stage,
+    which holds the first experts (the busiest under --imbalance) and the first tensor-parallel slice."""
+    from optimus.plan import make_plan
+
+    plan = make_plan(cfg, world)
+    pp_rank = max(plan.stages, key=lambda row: row["total_bytes"])["pp_rank"] if plan.stages else 0
+    return pp_rank * (world // cfg.parallel.pp)
+
+
+def group_check_ranks(world: int, pp: int, tp: int, ep: int) -> list[int]:
+    """Ranks whose traces cover every member of one group of each kind - rank 0's TP, EP, expert-data-parallel,
+    dense data-parallel and pipeline groups - and every role (each pipeline stage, tp rank and ep rank; the
+    last rank of the world)."""
+    stage = world // pp
+    ranks = set(range(tp)) | set(range(ep))  # TP and EP groups: consecutive ranks
+    ranks |= set(range(0, stage, ep)) | set(range(0, stage, tp))  # EDP and dense DP groups: strided in a stage
+    ranks |= set(range(0, world, stage)) | {world - 1}  # the pipeline group, the last stage's last rank
+    return sorted(ranks)
+
+
+def summary_lines(result: dict) -> list[str]:
+    """A rank's dry run in a few lines: memory, collectives by kind, host syncs, time."""
+    mib = 2**20
+    mem = result["memory"]
+    ratio = mem["peak_bytes"] / mem["planned_bytes"] if mem["planned_bytes"] else float("nan")
+    by_kind: dict[str, list[int]] = {}
+    for call in result["collectives"]:
+        count_bytes = by_kind.setdefault(call["op"], [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += call["bytes"]
+    kinds = ", ".join(f"{op} {n} ({b / mib:.1f} MiB)" for op, (n, b) in sorted(by_kind.items()))
+    categories = ", ".join(f"{k} {v / mib:.1f}" for k, v in mem["by_category"].items() if v)
+    syncs = sum(s["count"] for s in result["host_syncs"])
+    lay = result["layout"]
+    return [
+        f"rank {result['rank']} of {result['world']} (pp_rank {lay['pp_rank']}, tp_rank {lay['tp_rank']}, "
+        f"ep_rank {lay['ep_rank']}; {lay['accum']} micro-batches) on a fake {result['device']}: "
+        f"{result['seconds']:.1f} s",
+        f"  memory: peak {mem['peak_bytes'] / mib:.1f} MiB measured, {mem['planned_bytes'] / mib:.1f} MiB planned "
+        f"(measured / planned {ratio:.3f}); at the peak, MiB: {categories}",
+        f"  collectives: {len(result['collectives'])} calls: {kinds}",
+        f"  host syncs: {syncs}: " + "; ".join(f"{s['where']} x{s['count']}" for s in result["host_syncs"]),
+    ]
+
+
+def run_dry_runs(cfg: OptimusConfig, world: int, ranks: list[int], imbalance: float, device: str) -> dict:
+    """Every rank's result, by rank; each rank's lines are printed as it ends."""
+    results = {}
+    for rank in ranks:
+        results[rank] = dry_run_rank(cfg, world, rank, imbalance, device)
+        print("\n".join(summary_lines(results[rank])), flush=True)
+    return results
+
+
+SUMMARY = "dry_run.json"  # beside the ranks' files: what was run, and the group check's verdict
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    check_out_dir(out, overwrite, SUMMARY, "a dry run's output")
+
+
+def write_results(results: dict, summary: dict, out: Path) -> None:
+    """DIR/rank<R>.json per rank and DIR/dry_run.json, written into a new directory that replaces `out` when
+    complete (check_out first)."""
+    with replacing_directory(out) as tmp:
+        for rank, result in results.items():
+            (tmp / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (tmp / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    """`optimus plan --dry-run ...` (the options of optimus.plan.parser): 0 when every traced group agrees."""
+    from optimus.parallel.collective_trace import mismatches
+    from optimus.plan import parser, world_size
+    from optimus.recipes import load_config
+
+    opts = parser().parse_intermixed_args(argv)
+    cfg = load_config(opts.overrides)
+    world = world_size(cfg, opts.nodes, opts.world)
+    p = cfg.parallel
+    check_dry_run_config(cfg)
+    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU build of torch, before any work
+    n_experts = cfg.model.moe.n_experts
+    if n_experts and not 1 <= opts.imbalance <= n_experts:
+        raise ConfigError(
+            f"--imbalance {opts.imbalance} is outside [1, {n_experts}]: the busiest of {n_experts} experts gets "
+            "between the mean share (1) and all of the assignments."
+        )
+    ranks = list(opts.rank or [busiest_rank(cfg, world)])
+    if opts.check_groups:
+        ranks = sorted(set(ranks) | set(group_check_ranks(world, p.pp, p.tp, p.ep)))
+    for rank in ranks:
+        if not 0 <= rank < world:
+            raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
+    if opts.out:
+        check_out(Path(opts.out), opts.overwrite)
+    print(f"dry run of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {world}: {ranks}", flush=True)
+    results = run_dry_runs(cfg, world, ranks, opts.imbalance, opts.device)
+    problems = mismatches({rank: r["collectives"] for rank, r in results.items()}) if opts.check_groups else []
+    if opts.check_groups:
+        print("group check: " + ("every traced group agrees" if not problems else f"{len(problems)} groups disagree"))
+        for line in problems:
+            print("  " + line)
+    if opts.out:
+        summary = {"world": world, "ranks": ranks, "imbalance": opts.imbalance, "device": opts.device,
+                   "group_check": opts.check_groups, "mismatches": problems}  # fmt: skip
+        write_results(results, summary, Path(opts.out))
+        print(f"wrote {opts.out}/rank<R>.json for ranks {ranks}")
+    return 1 if problems else 0

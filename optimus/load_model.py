@@ -1,0 +1,100 @@
+"""Where routed tokens go when there are no values to route: the load model of a dry run.
+
+A real step reads a few values back to the host: the rows each rank sends to and receives from every
+other in the expert exchange, and the rows of each expert where a per-expert loop needs them. A dry run
+(`optimus plan --dry-run`) runs the same step on fake tensors, which carry shapes but no values; there,
+and only there, those reads are answered by an `ExpertLoad`: expert e receives a share p_e of the
+assignments, the same on every rank. Uniform by default; with `imbalance` X the first expert (on EP rank 0,
+which makes that rank the busiest) gets X times the mean share and the others split the rest equally.
+
+The step's code calls `exchange_rows` below, and the kernels their own reads (optimus.kernels.host_reads);
+nothing else in it knows whether it runs for real. `using(load)` makes `load` answer them for the duration
+of a dry run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from optimus.host_syncs import note_read
+from optimus.kernels import host_reads
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Assignment shares of `n_experts` experts: the first gets `imbalance` times the mean."""
+
+    n_experts: int
+    imbalance: float = 1.0
+
+    def __post_init__(self):
+        if self.n_experts and not 1.0 <= self.imbalance <= self.n_experts:  # (a dense model routes nothing)
+            raise ValueError(
+                f"--imbalance {self.imbalance} is outside [1, {self.n_experts}]: the busiest of {self.n_experts} "
+                f"experts gets between the mean share and all of the assignments."
+            )
+
+    def shares(self) -> list[float]:
+        first = self.imbalance / self.n_experts
+        if self.n_experts == 1:
+            return [1.0]
+        return [first] + [(1.0 - first) / (self.n_experts - 1)] * (self.n_experts - 1)
+
+    def split(self, n: int) -> list[int]:
+        """`n` assignments over the experts in proportion to their shares, rounded so that they sum to `n`
+        (largest remainders first, ties to the lower expert id)."""
+        exact = [n * share for share in self.shares()]
+        counts = [math.floor(x) for x in exact]
+        by_remainder = sorted(range(self.n_experts), key=lambda e: (counts[e] - exact[e], e))
+        for e in by_remainder[: n - sum(counts)]:
+            counts[e] += 1
+        return counts
+
+    def exchange_rows(self, assignments_C: list[int], ep_size: int, ep_rank: int) -> tuple[list, list]:
+        """Per chunk, rows this rank sends to each EP rank and receives from each. Every rank of the group
+        holds as many tokens as this one (the same micro-batch shape), so each source sends this rank's
+        experts what this rank sends its own."""
+        n_local = self.n_experts // ep_size
+        send_CP, recv_CP = [], []
+        for n in assignments_C:
+            per_rank = [sum(block) for block in _blocks(self.split(n), n_local)]
+            send_CP.append(per_rank)
+            recv_CP.append([per_rank[ep_rank]] * ep_size)
+        return send_CP, recv_CP
+
+
+def _blocks(values: list[int], size: int) -> list[list[int]]:
+    return [values[i : i + size] for i in range(0, len(values), size)]
+
+
+_active: ExpertLoad | None = None
+
+
+@contextmanager
+def using(load: ExpertLoad) -> Iterator[ExpertLoad]:
+    """Answer the step's value reads from `load` (a dry run on fake tensors) until the block ends."""
+    global _active
+    previous, _active = _active, load
+    try:
+        with host_reads.shape_only(note_read):
+            yield load
+    finally:
+        _active = previous
+
+
+def exchange_rows(
+    send_PCL: torch.Tensor, recv_PCL: torch.Tensor, assignments_C: list[int], ep_rank: int
+) -> tuple[list, list]:
+    """Per chunk, the rows this rank sends to and receives from each EP rank ([C][P] lists of ints). Read
+    from the exchanged counts ([P, C, L] rows per source or destination rank, chunk and local expert): the
+    one host synchronisation the exchange needs, since uneven splits take host integers."""
+    if _active is not None:
+        note_read()
+        return _active.exchange_rows(assignments_C, send_PCL.shape[0], ep_rank)
+    send_CP, recv_CP = torch.stack([send_PCL.sum(2).T, recv_PCL.sum(2).T]).tolist()
+    return send_CP, recv_CP
