@@ -72,7 +72,11 @@ busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) ad
 buckets (optimus.optim.sharded.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
 per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
-one computed. Not included: allocator fragmentation
+one computed. Three more terms are added at the peak (each found by `optimus plan --dry-run`): ZeRO-2's
+full-size gradient, which accumulates from a step's first backward when it has several micro-batches
+(zero2_accumulated_bytes); the pipeline stages' receive buffers, one per micro-batch of the step for each stage
+input and output gradient a rank receives (pipeline_buffer_bytes); and under tensor parallelism the embedding
+backward's two [V, D] tensors (tp_embedding_grad_bytes). Not included: allocator fragmentation
 and cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
 all-gathers' and reduce-scatters' buffers, temporaries of the optimizer step (after the backward, below the
 peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
@@ -161,6 +165,33 @@ def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, world: int) ->
     if cfg.optim.zero != 2 or grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp)) == 1:
         return 0
     return DTYPE_BYTES[cfg.optim.grad_dtype] * share.per_device(p.tp, p.ep)
+
+
+def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, world: int) -> int:
+    """torch's PipelineStage allocates, once, a receive buffer for every micro-batch of the step on each stage it
+    runs: the stage's input (all stages but the first) and its output's gradient (all but the last),
+    [micro_batch, positions, D] in the compute dtype (positions / TP with sequence parallelism), kept for the
+    whole run. With hundreds of micro-batches per step they are GiBs (frontier-1t: 6.3 GiB on the first stage,
+    which a dry run measured)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.pp == 1:
+        return 0
+    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))
+    n_stages = p.pp * p.pp_virtual
+    positions = t.seq_len // p.tp if p.sp and p.tp > 1 else t.seq_len
+    buffers = sum((i > 0) + (i < n_stages - 1) for i in share.stages)
+    return accum * buffers * t.micro_batch * positions * m.dim * DTYPE_BYTES[planned_dtype(cfg)]
+
+
+def tp_embedding_grad_bytes(cfg: OptimusConfig, share: RankShare) -> int:
+    """Under tensor parallelism the embedding's backward (DTensor's vocabulary-sharded embedding) makes the gradient
+    of the whole [V, D] table on every tp rank, and a copy of it, before keeping its own rows: two [V, D] tensors
+    in the compute dtype on the rank that holds the embedding, at the end of each micro-batch's backward (what a
+    dry run of frontier-175b and frontier-1t measured: 2 x 2.4 GiB at D = 25,600)."""
+    m, p = cfg.model, cfg.parallel
+    if not share.embed or p.tp == 1:
+        return 0
+    return 2 * padded_vocab_size(m.vocab_size) * m.dim * DTYPE_BYTES[planned_dtype(cfg)]
 
 
 def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
@@ -399,7 +430,11 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
              "tp": p.tp, "sp": p.sp, "head_work": True, "staging": staging}  # fmt: skip
-    accumulated = zero2_accumulated_bytes(cfg, share, world)
+    accumulated = (
+        zero2_accumulated_bytes(cfg, share, world)
+        + pipeline_buffer_bytes(cfg, share, world)
+        + tp_embedding_grad_bytes(cfg, share)
+    )
 
     def peak(mode: str) -> int:
         return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated

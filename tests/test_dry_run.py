@@ -63,11 +63,18 @@ def real_and_dry(request, tmp_path_factory):
     return request.param, run_dir, {r: json.loads((dry_dir / f"rank{r}.json").read_text()) for r in range(4)}
 
 
+def startup_vote(call: dict) -> bool:
+    """The pipeline schedule's first-step vote (a 4-byte int32 send and recv per stage pair), which torch 2.14 and
+    later skip on a fake process group, deciding locally what a real group's vote decides."""
+    return call["op"] in ("send", "recv") and call["dtype"] == "int32" and call["bytes"] == 4
+
+
 def test_a_dry_run_issues_the_real_runs_collectives_rank_by_rank(real_and_dry):
     layout, run_dir, dry = real_and_dry
     for rank, result in dry.items():
         real = json.loads((run_dir / "collectives" / f"rank{rank}.json").read_text())
-        assert [comparable(c) for c in result["collectives"]] == [comparable(c) for c in real], (layout, rank)
+        issued = [comparable(c) for c in result["collectives"] if not startup_vote(c)]
+        assert issued == [comparable(c) for c in real if not startup_vote(c)], (layout, rank)
     assert mismatches({rank: r["collectives"] for rank, r in dry.items()}) == []
 
 
@@ -94,11 +101,11 @@ def test_the_host_syncs_of_a_dry_step_are_the_designs(pp_ep_dry):
     for result in results.values():
         counts = {s["where"].split(":")[0] + " " + s["where"].split(" ")[-1]: s["count"] for s in result["host_syncs"]}
         assert counts.pop("optimus/parallel/alltoall_dispatch.py plan") == 2 * 2
+        assert counts.pop("optimus/parallel/pipeline.py step", 1) == 1  # the vote (torch < 2.14 on a fake group)
         assert counts == {
             "optimus/train/faults.py unpack_step_flags": 1,
             "optimus/optim/grad_norm.py global_grad_norm": 1,
             "optimus/train/metrics.py expert_tokens": 1,
-            "optimus/parallel/pipeline.py step": 1,
         }
 
 

@@ -13,8 +13,9 @@ ranks); `ranks` are the global ranks of the group (for `send` and `recv`: this r
 `bytes` is the size of this rank's own input (a reduce-scatter's whole buffer, an all-gather's shard);
 `splits` (all-to-all with split sizes only) lists the rows sent to and received from each member.
 `phase` says where the call was issued: `forward`/`backward` and the innermost module (by its name in the
-model) from torch's ModTracker, or the label of the `phase(...)` block the trainer opened (`step`,
-`optimizer`).
+model) from torch's ModTracker, `backward` in the autograd engine outside any module's hooks (a gradient
+hook that fires after its module's backward has ended), or the label of the `phase(...)` block the trainer
+opened (`step`, `optimizer`).
 
 The same recorder runs in a real training run (`profile.collectives=true`) and on fake tensors, so two runs
 of one layout can be compared call by call. `mismatches(traces)` takes the traces of several ranks and
@@ -157,6 +158,8 @@ class CollectiveTrace(TorchDispatchMode):
             innermost = max(modules, key=lambda name: (name.count("."), name))
             # The tracker names modules from the first root it saw (e.g. `Transformer.layers.1.moe`).
             return ("backward " if self._modules.is_bw else "forward ") + innermost.partition(".")[2]
+        if torch._C._current_graph_task_id() != -1:  # in the autograd engine, between two modules' backward hooks
+            return "backward"
         return self._labels[-1] if self._labels else "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
