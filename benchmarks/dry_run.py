@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from memory import cpu_flags  # benchmarks/ is the script's directory, first on sys.path
+
 from optimus.dry_run import group_check_ranks
 
 # (name, recipe overrides, nodes)
@@ -38,16 +40,6 @@ LAYOUTS = [
     ("aurora-deepseek-v3-1t", ["experiment=aurora-deepseek-v3-1t"], 192),  # the stretch: ~1.1T, 58B active
 ]
 MIB, GIB = 2**20, 2**30
-
-
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags) or "unknown"
 
 
 def run_layout(overrides: list[str], nodes: int, out: Path) -> dict:

@@ -95,6 +95,11 @@ def check_dry_run_config(cfg: OptimusConfig) -> None:
         )
 
 
+def check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
+
+
 def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu") -> dict:
     """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -104,8 +109,7 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
     from optimus.train.trainer import Trainer
 
     check_dry_run_config(cfg)
-    if not 0 <= rank < world:
-        raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
+    check_rank(rank, world)
     cfg = copy.deepcopy(cfg)  # the trainer records resolved settings into it
     cfg.parallel.check_collectives = False  # a fake group has no values to check
     cfg.parallel.nproc = world
@@ -237,18 +241,12 @@ def main(argv: list[str]) -> int:
     p = cfg.parallel
     check_dry_run_config(cfg)
     dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU build of torch, before any work
-    n_experts = cfg.model.moe.n_experts
-    if n_experts and not 1 <= opts.imbalance <= n_experts:
-        raise ConfigError(
-            f"--imbalance {opts.imbalance} is outside [1, {n_experts}]: the busiest of {n_experts} experts gets "
-            "between the mean share (1) and all of the assignments."
-        )
+    ExpertLoad(cfg.model.moe.n_experts, opts.imbalance)  # refuses an --imbalance outside [1, n_experts]
     ranks = list(opts.rank or [busiest_rank(cfg, world)])
     if opts.check_groups:
         ranks = sorted(set(ranks) | set(group_check_ranks(world, p.pp, p.tp, p.ep)))
     for rank in ranks:
-        if not 0 <= rank < world:
-            raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
+        check_rank(rank, world)
     if opts.out:
         check_out(Path(opts.out), opts.overwrite)
     print(f"dry run of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {world}: {ranks}", flush=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.config import ConfigError
 from optimus.host_syncs import note_read
 from optimus.kernels import host_reads
 
@@ -34,9 +35,9 @@ class ExpertLoad:
 
     def __post_init__(self):
         if self.n_experts and not 1.0 <= self.imbalance <= self.n_experts:  # (a dense model routes nothing)
-            raise ValueError(
+            raise ConfigError(
                 f"--imbalance {self.imbalance} is outside [1, {self.n_experts}]: the busiest of {self.n_experts} "
-                f"experts gets between the mean share and all of the assignments."
+                f"experts gets between the mean share (1) and all of the assignments."
             )
 
     def shares(self) -> list[float]:

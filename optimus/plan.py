@@ -157,17 +157,17 @@ def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, worl
     return rank_zero2_staging_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, bucket, p.tp)
 
 
-def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, world: int) -> int:
+def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
     """ZeRO-2 reduces in the last micro-batch's backward: with several micro-batches per step the earlier ones'
     gradients add up in a full-size buffer until then (the parameters' .grad, or the hooks' partial sums in
     optim.grad_dtype), alive from the first backward to the end of the step, which is where the peak is."""
     p = cfg.parallel
-    if cfg.optim.zero != 2 or grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp)) == 1:
+    if cfg.optim.zero != 2 or accum == 1:
         return 0
     return DTYPE_BYTES[cfg.optim.grad_dtype] * share.per_device(p.tp, p.ep)
 
 
-def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, world: int) -> int:
+def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
     """torch's PipelineStage allocates, once, a receive buffer for every micro-batch of the step on each stage it
     runs: the stage's input (all stages but the first) and its output's gradient (all but the last),
     [micro_batch, positions, D] in the compute dtype (positions / TP with sequence parallelism), kept for the
@@ -176,7 +176,6 @@ def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, world: int) -> i
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.pp == 1:
         return 0
-    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))
     n_stages = p.pp * p.pp_virtual
     positions = t.seq_len // p.tp if p.sp and p.tp > 1 else t.seq_len
     buffers = sum((i > 0) + (i < n_stages - 1) for i in share.stages)
@@ -430,9 +429,10 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
              "tp": p.tp, "sp": p.sp, "head_work": True, "staging": staging}  # fmt: skip
+    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
     accumulated = (
-        zero2_accumulated_bytes(cfg, share, world)
-        + pipeline_buffer_bytes(cfg, share, world)
+        zero2_accumulated_bytes(cfg, share, accum)
+        + pipeline_buffer_bytes(cfg, share, accum)
         + tp_embedding_grad_bytes(cfg, share)
     )
 
