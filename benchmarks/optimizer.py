@@ -89,8 +89,7 @@ def _rank(rank: int, ep: int, turns: int, init_file: str, results) -> None:
                 _, _, _, model, opt, _ = runs[i]
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in range(STEPS_PER_TURN):
-                    opt.set_last_micro_batch(True)
+                for _ in range(STEPS_PER_TURN):  # one backward per step: the optimizer counts it as the last
                     # The router losses (BENCH_MODEL's coefficients) ride on the LM loss's backward.
                     logits_BSV = model(tokens[turn, :, :-1])
                     loss = F.cross_entropy(logits_BSV.flatten(0, 1), tokens[turn, :, 1:].reshape(-1))

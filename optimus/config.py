@@ -130,7 +130,7 @@ class TrainConfig:
     log_interval: int = 10
     max_skipped_steps: int = 5
     # none | selective (recompute attention) | full (recompute every block's math but the EP exchange);
-    # see optimus/train/activation_checkpointing.py
+    # see optimus/parallel/activation_checkpointing.py
     activation_checkpointing: str = "none"
 
 
@@ -503,11 +503,6 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
         raise ConfigError(
             "model.moe.aux_loss_layers=pooled does not combine with parallel.pp > 1 (a stage sees only its own "
             "layers' expert counts): set model.moe.aux_loss_layers=mean or parallel.pp=1."
-        )
-    if cfg.model.tie_embeddings and cfg.optim.zero == 2:
-        raise ConfigError(
-            "model.tie_embeddings=true with parallel.pp > 1 needs optim.zero=1 (the LM head's gradient reaches the "
-            "embedding's stage after its backward): set optim.zero=1, or model.tie_embeddings=false."
         )
     if p.pp_layers is not None:
         validate_pp_layers(p.pp_layers, p.pp * p.pp_virtual, cfg.model.n_layers)

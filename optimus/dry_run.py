@@ -23,6 +23,7 @@ in a real run) and the host synchronisations (optimus.host_syncs). Each rank's r
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import time
 import traceback
@@ -121,6 +122,7 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
             trainer = Trainer.for_one_step(cfg, dry_run_platform(cfg, device), tensor_mode=fake)
         t = cfg.train
         trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
+        gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
         with fake, using(load):
             memory = step_memory_tracker(trainer.model, trainer.optimizer)
             trainer.collectives = CollectiveTrace()

@@ -4,7 +4,7 @@ Layout: world = PP x DP x TP (TP innermost, inside a node); MoE layers see a sta
 EDP x EP. Persistent state per device (P_d dense = P_t split by tensor parallelism + P_r replicated, P_e
 routed-expert parameters, experts split over the EP group and never over TP; es / gs = bytes per parameter /
 gradient element, from train.dtype and optim.grad_dtype), computed by the optimizer's own layout code
-(optimus.optim.sharded.rank_state_bytes), so the figures equal what a run reports in run_info.json (per_rank).
+(optimus.optim.memory.rank_state_bytes), so the figures equal what a run reports in run_info.json (per_rank).
 A rank holds N_d = P_t/TP + P_r dense parameters (P_t: attention's q/k/v/out projections, dense SwiGLU
 layers, embedding and LM head; P_r: norms, routers, shared experts); S = world / PP ranks per stage, of which
 S/TP hold the same dense slices:
@@ -52,24 +52,23 @@ head all-gather and keep), else 0:
                   4 F_s a / TP   shared experts, F_s = n_shared x F
     head          2 D a + V a + 16   final norm (as a pre-norm: D a r + G with sequence parallelism), ids
                                  and the logits' gradient in the compute dtype, which the fused cross-entropy
-                                 (optimus.model.loss) makes in its forward (pp = 1, tp = 1); the last pipeline
-                                 stage's plain cross-entropy keeps the logits and fp32 log-probabilities
-                                 instead, V (a + 4); the vocabulary-parallel one (tp > 1: V/TP logits per rank,
-                                 never gathered) the fp32 log-probabilities of its columns, 4 V / TP
+                                 (optimus.model.loss) makes in its forward (tp = 1; the last pipeline stage
+                                 runs the same loss); the vocabulary-parallel one (tp > 1: V/TP logits per
+                                 rank, never gathered) the fp32 log-probabilities of its columns, 4 V / TP
 
-The peak is the larger of: everything kept (plus, for the plain head, the logits' gradient, (4 V + a V) / TP in
-bf16; for the fused head its working memory, fused_head_work_bytes: one chunk's logits in its forward,
+The peak is the larger of: everything kept (plus, for the fused head, its working memory,
+fused_head_work_bytes: one chunk's logits in its forward,
 C V (4 + a) in bf16 and 4 C V in fp32 for C = optimus.model.loss.chunk_rows(V) rows, or its backward's
 gradients V D a + 2 t D a, whichever is larger) as the backward starts, and, for each block, what it and the
 blocks before it keep plus its largest recomputed region, alive again during its backward, and two gradients:
 the residual stream's (D a r) and the region's input's (D a; 2 D a in all without TP).
-train.activation_checkpointing (optimus/train/activation_checkpointing.py) removes parts:
+train.activation_checkpointing (optimus/parallel/activation_checkpointing.py) removes parts:
 selective drops attention (recomputing one layer's; its gathered input G is the recomputation's input and
 stays); full keeps only the input (D a r) of a dense block and drops attention (G stays), the expert SwiGLU
 and shared experts of an MoE block (the norms, router and exchanged rows stay, since the exchange is never
 re-run). Under expert parallelism each rank computes K x t / TP routed rows on average (balanced routing; the
 busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) adds its staged gradient
-buckets (optimus.optim.sharded.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
+buckets (optimus.optim.memory.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
 per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
 one computed. Three more terms are added at the peak (each found by `optimus plan --dry-run`): ZeRO-2's
@@ -113,7 +112,8 @@ from optimus.model import (
 )
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
-from optimus.optim.sharded import bucket_numel, rank_zero2_staging_bytes, zero_bucket_bytes
+from optimus.optim.adamw import AdamW
+from optimus.optim.memory import bucket_numel, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.parallel.pipeline import (
     PartCounts,
     in_flight_chunks,
@@ -144,7 +144,10 @@ def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world:
     from the optimizer's own buffer layout (with tp > 1 it shards the dense group over the world / tp ranks
     that hold the same slices)."""
     es, gs, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.parallel
-    return rank_state_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, cfg.optim.zero, p.tp)
+    return rank_state_bytes(
+        scheme, dense, expert // p.ep, world, world // p.ep, es, gs, cfg.optim.zero, p.tp,
+        state_bytes_per_element=AdamW.state_bytes_per_element,
+    )  # fmt: skip
 
 
 def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> tuple[int, int]:
@@ -153,7 +156,7 @@ def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, worl
     if cfg.optim.zero != 2:
         return 0, 0
     es, gs, o, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.optim, cfg.parallel
-    bucket = bucket_numel(zero_bucket_bytes(o), o.max_collective_numel, es)
+    bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, es)
     return rank_zero2_staging_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, bucket, p.tp)
 
 
@@ -324,7 +327,6 @@ def activation_bytes(
     layers: list[int] | None = None,
     head: bool = True,
     in_flight: float = 1,
-    fused_head: bool = True,
     tp: int = 1,
     sp: bool = True,
     head_work: bool = False,
@@ -333,10 +335,9 @@ def activation_bytes(
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
     only what the forward keeps for the backward. A pipeline rank holds the blocks `layers` (and the
-    head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. `fused_head`:
-    the head's cross-entropy is optimus.model.loss's fused one (pp = 1, tp = 1), else the plain one on full
-    logits (the last pipeline stage) or the vocabulary-parallel one on V/tp of them (tp > 1). `tp` > 1: one
-    rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also count the fused
+    head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. The head's
+    cross-entropy is optimus.model.loss's fused one, or with `tp` > 1 the vocabulary-parallel one on V/tp of the
+    logits. `tp` > 1: one rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also count the fused
     cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler books it to the
     head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it out. `staging`:
     ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at its end)."""
@@ -345,22 +346,21 @@ def activation_bytes(
     layers = range(m.n_layers) if layers is None else layers
     blocks = [_block_activations(part, i in moe_ids, checkpointing) for i in layers]
     vocab = padded_vocab_size(m.vocab_size) / tp  # vocabulary-parallel head: a rank's columns of the logits
-    # final norm and ids; fused: the logits' gradient in the compute dtype; plain: logits and fp32 log-probs;
-    # vocabulary-parallel (tp > 1): the fp32 log-probs of this rank's V/tp columns only
-    head_logits = vocab * act_bytes if fused_head else vocab * (4 if tp > 1 else act_bytes + 4)
+    # final norm and ids; fused: the logits' gradient in the compute dtype; vocabulary-parallel (tp > 1): the fp32
+    # log-probs of this rank's V/tp columns only
+    head_logits = vocab * act_bytes if tp == 1 else vocab * 4
     head_kept = part["head_input"] + head_logits + 16 if head else 0
     kept = sum(block_kept for block_kept, _ in blocks) + head_kept
     waiting = (in_flight - 1) * kept  # the other micro-batches' forwards, waiting for their backward
     if not recompute:
         return round(micro_batch * seq_len * (waiting + kept))
-    # The plain head's backward starts with everything kept plus the logits' gradient (fp32, and its cast
-    # in bf16; the fused head kept it already); block i is recomputed once the blocks after it and the
-    # head have freed theirs, while the residual stream's gradient and the region's are alive.
-    logits_grad = vocab * (4 + (act_bytes if act_bytes != 4 else 0)) if head and not fused_head else 0
+    # The backward starts with everything kept (the head kept its logits' gradient already); block i is
+    # recomputed once the blocks after it and the head have freed theirs, while the residual stream's gradient
+    # and the region's are alive.
     tokens = micro_batch * seq_len
     # the fused cross-entropy's working memory (it runs on a whole head: tp = 1)
-    work = fused_head_work_bytes(m, tokens, act_bytes) if head_work and head and fused_head and tp == 1 else 0
-    peak = tokens * (kept + logits_grad) + work
+    work = fused_head_work_bytes(m, tokens, act_bytes) if head_work and head and tp == 1 else 0
+    peak = tokens * kept + work
     during, at_end = staging
     # the head's backward has freed what it kept; the staged gradients take its place
     peak = max(peak, tokens * (kept - head_kept) + during)
@@ -421,14 +421,12 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
     a = DTYPE_BYTES[planned_dtype(cfg)]
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
-    # the trainer fuses the head's cross-entropy when it runs the whole model (pp = 1) on a whole head (tp = 1)
-    fused = p.pp == 1 and p.tp == 1
     scheme = resolve_sharding(cfg.optim.sharding, stage_world)
     staging = staging_bytes(cfg, scheme, dense, share.expert, stage_world)
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
-    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "fused_head": fused,
-             "tp": p.tp, "sp": p.sp, "head_work": True, "staging": staging}  # fmt: skip
+    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
+             "head_work": True, "staging": staging}  # fmt: skip
     accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
     accumulated = (
         zero2_accumulated_bytes(cfg, share, accum)

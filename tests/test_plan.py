@@ -9,7 +9,6 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.cli import load_config, main
@@ -21,9 +20,8 @@ from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
 from optimus.parallel.tensor_parallel import local_tensor
 from optimus.plan import activation_bytes, fused_head_work_bytes, make_plan
-from optimus.train.activation_checkpointing import apply_activation_checkpointing
-from optimus.train.build import build_model
 from optimus.train.trainer import Trainer
+from tests.builds import rank_model
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 from tests.optim.test_optimizer_memory import held_bytes
@@ -119,7 +117,7 @@ SMALL = ModelConfig(
 )  # fmt: skip
 
 
-def rank_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
+def sliced_model(ps: ParallelState, dtype: torch.dtype) -> Transformer:
     model = Transformer(SMALL, kernels="torch").to(dtype)
     for moe in model.moe_layers:
         shard_experts(moe, ps.ep, ps.ep_rank)
@@ -138,7 +136,7 @@ def test_plan_equals_the_buffers_the_optimizer_holds(world, ep, scheme, dtype, z
     predicted = make_plan(cfg, world).state[scheme]
     for rank in (0, world - 1):
         ps = ParallelState(rank=rank, world_size=world, ep=ep)
-        model = rank_model(ps, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        model = sliced_model(ps, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
         opt = ShardedAdamW(model, cfg.optim, ps, 1.0, scheme)
         assert sum(predicted[k] for k in STATE_KEYS) == held_bytes(opt)
         assert opt.memory_bytes() == predicted
@@ -148,16 +146,17 @@ def test_state_bytes_scale_as_documented():
     """Without padding (sizes divisible by everything): the per-parameter byte counts of the docstring."""
     dense, expert, world, ep = 2**20, 2**22, 8, 4
     dp, local = world // ep, dense + expert // ep
-    none = rank_state_bytes("none", dense, expert // ep, world, dp, 4, 4, zero=1)
+    adamw = {"state_bytes_per_element": 8}  # two fp32 moments
+    none = rank_state_bytes("none", dense, expert // ep, world, dp, 4, 4, zero=1, **adamw)
     assert (none.param_bytes, none.grad_bytes, none.master_bytes, none.optim_state_bytes) == (
         4 * local, 4 * local, 0, 8 * local,
     )  # fmt: skip
-    ep_aware = rank_state_bytes("ep_aware", dense, expert // ep, world, dp, 2, 4, zero=2)
+    ep_aware = rank_state_bytes("ep_aware", dense, expert // ep, world, dp, 2, 4, zero=2, **adamw)
     assert ep_aware.param_bytes == 2 * local
     assert ep_aware.grad_bytes == 4 * (dense + expert) // world
     assert ep_aware.master_bytes == 4 * (dense + expert) // world
     assert ep_aware.optim_state_bytes == 8 * (dense + expert) // world
-    standard = rank_state_bytes("standard", dense, expert // ep, world, dp, 4, 4, zero=1)
+    standard = rank_state_bytes("standard", dense, expert // ep, world, dp, 4, 4, zero=1, **adamw)
     assert standard.optim_state_bytes == 8 * (dense // dp + expert // world)
     assert standard.grad_bytes == 4 * local + 4 * (dense // dp + expert // world)
 
@@ -172,28 +171,23 @@ def test_activation_bytes_by_hand():
     norms, attn = 4 * d * a, (4 * d + 3 * d_kv) * a + 4 * n
     router, rows, experts, shared = 4 * d + 8 * e + 28 * k, 2 * k * d * a, 4 * k * f * a, 4 * fs * a
     dense, moe = norms + attn + 4 * ffn * a, norms + attn + router + rows + experts + shared
-    # the fused cross-entropy keeps the logits' gradient in bf16; the plain one logits and fp32 log-probs
-    head = {True: 2 * d * a + v * a + 16, False: 2 * d * a + v * (a + 4) + 16}
+    # the fused cross-entropy keeps the logits' gradient in bf16 (every head runs it; tp = 1)
+    head = 2 * d * a + v * a + 16
     assert t * v * (4 + a) > max(v * d * a + 2 * t * d * a, 10 * t * d)  # the fused head's forward chunk is largest
-    for fused in (True, False):
-        kept = {  # one dense block, then two MoE blocks
-            "none": dense + 2 * moe + head[fused],
-            "selective": dense - attn + 2 * (moe - attn) + head[fused],
-            "full": d * a + 2 * (norms + router + rows) + head[fused],
-        }
-        # the plain head's backward starts with the logits' gradient (fp32 and its bf16 cast), larger here than
-        # any recomputed region; the fused head's kept bytes exceed every block's recomputed region, and its
-        # largest work is its forward's chunk of t rows: fp32 logits and their bf16 GEMM output (above its
-        # backward's [v, d] and two [t, d] bf16 gradients, and the 2 + 4 + 4 bytes per [t, d] element of the
-        # scaled copy's making)
-        logits_grad = 0 if fused else v * (4 + a)
-        head_work = t * v * (4 + a) if fused else 0
-        for mode, per_token in kept.items():
-            got = activation_bytes(SMALL, 2, 16, a, mode, recompute=False, fused_head=fused)
-            assert got == t * per_token, (mode, fused)
-            peak = t * (per_token + logits_grad) + head_work
-            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused, head_work=True) == peak, mode
-            assert activation_bytes(SMALL, 2, 16, a, mode, fused_head=fused) == peak - head_work, mode
+    kept = {  # one dense block, then two MoE blocks
+        "none": dense + 2 * moe + head,
+        "selective": dense - attn + 2 * (moe - attn) + head,
+        "full": d * a + 2 * (norms + router + rows) + head,
+    }
+    # the fused head's kept bytes exceed every block's recomputed region, and its largest work is its forward's
+    # chunk of t rows: fp32 logits and their bf16 GEMM output (above its backward's [v, d] and two [t, d] bf16
+    # gradients, and the 2 + 4 + 4 bytes per [t, d] element of the scaled copy's making)
+    head_work = t * v * (4 + a)
+    for mode, per_token in kept.items():
+        assert activation_bytes(SMALL, 2, 16, a, mode, recompute=False) == t * per_token, mode
+        peak = t * per_token + head_work
+        assert activation_bytes(SMALL, 2, 16, a, mode, head_work=True) == peak, mode
+        assert activation_bytes(SMALL, 2, 16, a, mode) == peak - head_work, mode
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -459,12 +453,13 @@ def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
 
 def saved_activation_bytes(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> dict[str, int]:
     """One tp rank (the world is the TP group): what autograd keeps for the backward, per checkpointing mode."""
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh=list(range(dist.get_world_size())))
+    from optimus.parallel import build_parallel_state
+
+    ps = build_parallel_state(1, tp=dist.get_world_size(), sp=sp)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for mode in ("none", "selective", "full"):
-        model = build_model(cfg, "torch", seed=0, tp_mesh=mesh, sp=sp, pad_world=dist.get_world_size())
-        out[mode] = saved_bytes(apply_activation_checkpointing(model, mode), tokens)
+        out[mode] = saved_bytes(rank_model(cfg, ps, seed=0, activation_checkpointing=mode), tokens)
     return out
 
 
@@ -487,5 +482,5 @@ def test_tensor_parallel_plan_counts_what_autograd_keeps(model, sp):
     measured = run_distributed(saved_activation_bytes, 2, cfg, sp, batch, seq_len)
     assert measured[0] == measured[1]
     for mode, kept in measured[0].items():
-        planned = activation_bytes(cfg, batch, seq_len, 4, mode, recompute=False, fused_head=False, tp=2, sp=sp)
+        planned = activation_bytes(cfg, batch, seq_len, 4, mode, recompute=False, tp=2, sp=sp)
         assert planned == pytest.approx(kept, rel=0.05), mode

@@ -1,5 +1,4 @@
-"""Parameter counts and training FLOPs per token, computed on the meta device (no memory), and which
-parameters are routed experts."""
+"""Parameter counts and training FLOPs per token, computed on the meta device (no memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from optimus.config import ModelConfig
-from optimus.model.moe.experts import GroupedExperts
+from optimus.model.moe.experts import expert_offsets
 
 
 @dataclass
@@ -21,18 +20,6 @@ class ParamCounts:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
-    """The routed-expert parameters of `model` (names as named_parameters and state_dict give them) -> the
-    global index of their first expert. The one test of what an expert parameter is: the stacked
-    [E_local, ...] tensors of a GroupedExperts, which under expert parallelism hold a rank's block."""
-    return {
-        f"{prefix}.{name}" if prefix else name: module.expert_offset
-        for prefix, module in model.named_modules()
-        if isinstance(module, GroupedExperts)
-        for name, _ in module.named_parameters(recurse=False)
-    }
 
 
 def count_params(model: torch.nn.Module, cfg: ModelConfig) -> ParamCounts:

@@ -17,10 +17,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from optimus.config import ModelConfig
-from optimus.model.counts import expert_offsets
+from optimus.model.moe.experts import expert_offsets
 from optimus.model.moe.router import Router
 
 RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
+# With tie_embeddings the LM head is the embedding; a pipeline stage that holds the head alone keeps a copy of it,
+# drawn under the embedding's name so that it starts equal.
+TIED = {"lm_head.weight": "embed.weight"}
 
 
 def init_seed(seed: int, name: str, expert: int | None = None) -> int:
@@ -59,7 +62,8 @@ def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
         param_std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
         offset = offsets.get(name)
         if offset is None:
-            _copy_draw(param, _normal(param.shape, param_std, init_seed(seed, name)))
+            drawn_as = TIED.get(name, name) if cfg.tie_embeddings else name
+            _copy_draw(param, _normal(param.shape, param_std, init_seed(seed, drawn_as)))
             continue
         for local, expert_param in enumerate(param):  # [E_local, ...]: one draw per global expert
             expert_param.copy_(_normal(expert_param.shape, param_std, init_seed(seed, name, offset + local)))

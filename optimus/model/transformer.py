@@ -25,6 +25,13 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
+def build_model(cfg: ModelConfig, kernels: str = "auto") -> Transformer:
+    """The whole model on the meta device: shapes and dtypes, no memory. `optimus.parallel.parallelize` lays it out
+    for a rank and materialises that rank's part; `Transformer(cfg)` builds it whole on the current device."""
+    with torch.device("meta"):
+        return Transformer(cfg, kernels=kernels)
+
+
 def moe_layer_ids(cfg: ModelConfig) -> list[int]:
     """Global indices of the blocks whose FFN is an MoE layer (all but the first `first_k_dense`)."""
     return list(range(cfg.first_k_dense, cfg.n_layers)) if cfg.moe.n_experts > 0 else []

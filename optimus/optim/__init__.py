@@ -1,10 +1,14 @@
-"""The EP-aware AdamW (replicated or sharded state), gradient clipping and LR schedules."""
+"""The EP-aware sharded optimizer (a gradient sharder and an update rule), gradient clipping and LR schedules."""
 
-from optimus.config import OptimusConfig, check_choice
+from optimus.config import SHARDING_SCHEMES, OptimusConfig
+from optimus.optim.memory import StateBytes, rank_state_bytes
 from optimus.optim.protocol import Optimizer
 from optimus.optim.schedule import lr_at
-from optimus.optim.sharded import SCHEMES, ShardedAdamW, StateBytes, rank_state_bytes
+from optimus.optim.sharded import ShardedAdamW, ShardedOptimizer
+from optimus.optim.sharder import GradSharder
 from optimus.parallel import ParallelState
+
+SCHEMES = SHARDING_SCHEMES  # the values of optim.sharding that name a scheme (all but auto)
 
 
 def resolve_sharding(sharding: str, world_size: int) -> str:
@@ -14,14 +18,16 @@ def resolve_sharding(sharding: str, world_size: int) -> str:
     return sharding
 
 
-def build_optimizer(model, cfg: OptimusConfig, ps: ParallelState, timers=None) -> Optimizer:
-    """The optimizer for `optim.sharding`: it averages, clips and applies gradients in `step(lr)`."""
-    check_choice(cfg.optim.sharding, "optim.sharding", ("auto", *SCHEMES))
+def build_optimizer(
+    model, cfg: OptimusConfig, ps: ParallelState, timers=None, micro_batches: int = 1, tied=None
+) -> Optimizer:
+    """The optimizer `cfg` describes (optim.sharding resolved) over a stage's ranks `ps`: it averages, clips and
+    applies the gradients of `micro_batches` backwards in `step(lr)`."""
     sharding = resolve_sharding(cfg.optim.sharding, ps.world_size)
-    return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers)
+    return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied)
 
 
 __all__ = [
-    "SCHEMES", "Optimizer", "ShardedAdamW", "StateBytes", "build_optimizer", "lr_at", "rank_state_bytes",
-    "resolve_sharding",
+    "SCHEMES", "GradSharder", "Optimizer", "ShardedAdamW", "ShardedOptimizer", "StateBytes", "build_optimizer",
+    "lr_at", "rank_state_bytes", "resolve_sharding",
 ]  # fmt: skip

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optimus.optim.flat_buffer import Segment
+from optimus.parallel.flat_buffer import Segment
 
 try:  # the device list torch.optim.AdamW(fused=True) checks; private, so its absence means the fallback everywhere
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -92,3 +92,28 @@ def _single_tensor_chunk(p, g, m, v, *, lr: float, step: int, h: AdamWHyper, wei
     v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
     denom = (v.sqrt() / (1 - h.beta2**step) ** 0.5).add_(h.eps)
     p.addcdiv_(m, denom, value=-lr / (1 - h.beta1**step))
+
+
+class AdamW:
+    """The AdamW update rule on the fp32 slices a sharder owns: two fp32 moments per owned element, in one
+    flat tensor per parameter group, indexed like the group's shard (optimus.optim.sharder.OwnedSlice.lo)."""
+
+    state_kinds = ("exp_avg", "exp_avg_sq")
+    state_bytes_per_element = 8  # two fp32 moments
+
+    def __init__(self, hyper: AdamWHyper, shard_numels: dict[str, tuple[int, torch.device]]):
+        """`shard_numels`: {group: (elements of this rank's shard, device)}."""
+        self.hyper = hyper
+        self.state = {
+            group: {kind: torch.zeros(numel, dtype=torch.float32, device=device) for kind in self.state_kinds}
+            for group, (numel, device) in shard_numels.items()
+        }
+
+    def update(self, owned, lr: float, step: int, grad_scale: float) -> None:
+        """One step on `owned` (an OwnedSlice): its gradient times `grad_scale` (1 / replicas x clip factor)."""
+        n = owned.param.numel()
+        m, v = (self.state[owned.group][kind][owned.lo : owned.lo + n] for kind in self.state_kinds)
+        adamw_update(owned.segments, owned.param, owned.grad, m, v, lr, step, self.hyper, grad_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for group in self.state.values() for t in group.values()]

@@ -1,10 +1,9 @@
 """The parameter all-gather that ends an optimizer step, overlapped with the next forward
 (`optim.overlap_param_gather`).
 
-ShardedAdamW.step() normally waits for its all-gathers before it returns. After
-`ShardedAdamW.overlap_param_gather(roots)` it returns with them in flight, and each
-part of the model waits, in a forward pre-hook, only for the buckets that hold its
-own parameters:
+The gradient sharder's gather() normally waits for its all-gathers before it returns. After
+`overlap_param_gather(roots)` it returns with them in flight, and each part of the model
+waits, in a forward pre-hook, only for the buckets that hold its own parameters:
 
 - a *block* (each child of a ModuleList or ModuleDict child of a root: the
   transformer blocks) waits for the parameters of its whole subtree;
@@ -23,12 +22,8 @@ after a step (a checkpoint save, the pipeline's tied-weight copy) calls
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from optimus.optim.sharded import ShardedAdamW
 
 
 def forward_units(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -42,17 +37,18 @@ def forward_units(root: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]
     return [(block, list(block.parameters())) for block in blocks] + [(root, rest)]
 
 
-def buckets_of_params(optimizer: ShardedAdamW) -> dict[int, list[tuple[str, int]]]:
-    """id(parameter) -> the (group, bucket index) pairs that hold a part of it."""
+def buckets_of_params(sharder) -> dict[int, list[tuple[str, int]]]:
+    """id(parameter) -> the (group, bucket index) pairs that hold a part of it, in a sharder's groups
+    (optimus.optim.sharder.GradSharder; it imports this module, so it is not named here as a type)."""
     out: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for kind, group in optimizer.groups.items():
+    for kind, group in sharder.groups.items():
         for bi, slot_ids in enumerate(group.bucket_slots):
             for i in slot_ids:
                 out[id(group.flat.slots[i].param)].append((kind, bi))
     return out
 
 
-def _buckets_needed(params: list[nn.Parameter], where: dict[int, list[tuple[str, int]]]) -> dict[str, list[int]]:
+def buckets_needed(params: list[nn.Parameter], where: dict[int, list[tuple[str, int]]]) -> dict[str, list[int]]:
     """{group: sorted bucket indices} holding a part of `params` (untrained parameters have no bucket)."""
     needs: dict[str, set[int]] = defaultdict(set)
     for p in params:
@@ -61,28 +57,28 @@ def _buckets_needed(params: list[nn.Parameter], where: dict[int, list[tuple[str,
     return {kind: sorted(buckets) for kind, buckets in needs.items()}
 
 
-def attach_gather_waits(optimizer: ShardedAdamW, roots: list[nn.Module]) -> list:
+def attach_gather_waits(sharder, roots: list[nn.Module]) -> list:
     """Register the forward pre-hooks of every unit of `roots` and order each group's all-gathers: the roots'
     buckets first, then the rest in buffer order. Returns the hooks' handles."""
-    where = buckets_of_params(optimizer)
+    where = buckets_of_params(sharder)
     waits = []  # (module, its buckets by group)
     first: dict[str, set[int]] = defaultdict(set)  # the roots' own buckets, started first
     for root in roots:
         for module, params in forward_units(root):
-            waits.append((module, _buckets_needed(params, where)))
+            waits.append((module, buckets_needed(params, where)))
         for kind, buckets in waits[-1][1].items():  # forward_units lists the root itself last
             first[kind].update(buckets)
-    for kind, group in optimizer.groups.items():
+    for kind, group in sharder.groups.items():
         head = sorted(first[kind])
         group.gather_order = head + [bi for bi in range(len(group.flat.buckets)) if bi not in first[kind]]
-    return [module.register_forward_pre_hook(_waiter(optimizer, needs)) for module, needs in waits if needs]
+    return [module.register_forward_pre_hook(_waiter(sharder, needs)) for module, needs in waits if needs]
 
 
-def _waiter(optimizer: ShardedAdamW, needs: dict[str, list[int]]):
+def _waiter(sharder, needs: dict[str, list[int]]):
     def hook(module: nn.Module, args) -> None:
-        optimizer.wait_for_params(needs)
+        sharder.wait_for_params(needs)
 
     return hook
 
 
-__all__ = ["attach_gather_waits", "buckets_of_params", "forward_units"]
+__all__ = ["attach_gather_waits", "buckets_needed", "buckets_of_params", "forward_units"]

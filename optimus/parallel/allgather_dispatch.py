@@ -49,8 +49,8 @@ class AllGatherDispatcher(EPDispatcher):
     `check_tokens`: check on every call that the EP ranks bring equal token counts (off where the caller
     guarantees it: optimus.parallel.expert_parallel.apply_expert_parallel's `equal_tokens`)."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, check_tokens: bool = True):
-        super().__init__(group, ep_size, ep_rank, n_local_experts)
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, check_tokens: bool = True, timers=None):
+        super().__init__(group, ep_size, ep_rank, n_local_experts, timers)
         self.check_tokens = check_tokens
 
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:

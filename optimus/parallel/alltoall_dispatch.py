@@ -85,8 +85,8 @@ class AllToAllDispatcher(EPDispatcher):
     `chunks` (parallel.ep_overlap_chunks): slices of the micro-batch pipelined through the exchange.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, chunks: int = 1):
-        super().__init__(group, ep_size, ep_rank, n_local_experts)
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, chunks: int = 1, timers=None):
+        super().__init__(group, ep_size, ep_rank, n_local_experts, timers)
         self.chunks = chunks  # checked by optimus.config.validate (parallel.ep_overlap_chunks)
 
     def plan(self, routing: Routing) -> list[Chunk]:

@@ -14,12 +14,13 @@ from optimus.model.moe.experts import GroupedExperts
 class EPDispatcher:
     """Base of the all-to-all and all-gather dispatchers: EP rank `ep_rank` of `ep_size` in `group`."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int):
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, timers=None):
+        """`timers`: profile.timers' `name -> context manager` (optimus.train.timers.Timers), or None."""
         self.group = group
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.n_local = n_local_experts
-        self.timers = None  # profile.timers: the trainer hands in its optimus.train.timers.Timers
+        self.timers = timers
 
     def timed(self, phase: str) -> AbstractContextManager:
         """Times `phase` (e.g. dispatch_comm) when profile.timers handed in timers; else does nothing."""

@@ -1,10 +1,10 @@
 """Expert parallelism applied from outside the model: keep this rank's experts, install an EP dispatcher.
 
 Experts are block-partitioned: EP rank j keeps global experts [j * E_local, (j + 1) * E_local)
-with E_local = E / ep. The trainer builds each rank's block directly (optimus.train.build);
-a model that holds all experts (tests, benchmarks) is sliced here. Either way a rank holds
-exactly the values a single process would have, since initial values depend on the global
-expert index only (optimus.model.init).
+with E_local = E / ep. `parallelize` slices a model still on the meta device (free), a library
+user's model is sliced after it was built whole; either way a rank holds exactly the values a
+single process would have, since initial values depend on the global expert index only
+(optimus.model.init).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DISPATCHER_CLASSES = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDisp
 def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
     """Keep only EP rank `ep_rank`'s block of experts in `moe.experts`; returns the local expert count.
 
-    A model built for this rank (optimus.train.build) already holds exactly that block and is left as is.
+    A layer that already holds exactly that block is left as is.
     """
     experts = moe.experts
     start, end = expert_range(moe.router.n_experts, ep, ep_rank)
@@ -41,13 +41,14 @@ def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None
 ) -> nn.Module:
     """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place.
 
     `equal_tokens`: the caller guarantees that every EP rank brings the same number of tokens to each call
     (the trainer does: one micro-batch shape on every rank, optimus.config.validate). The all-gather
-    dispatcher then skips its per-call check, a blocking all-gather of the counts and a host sync."""
+    dispatcher then skips its per-call check, a blocking all-gather of the counts and a host sync.
+    `timers` (profile.timers): the dispatchers time their exchanges with it."""
     check_choice(cfg.dispatcher, "parallel.dispatcher", DISPATCHERS)
     if ps.ep == 1:
         return model
@@ -61,5 +62,5 @@ def apply_expert_parallel(
     options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
-        moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, **options)
+        moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, **options)
     return model

@@ -2,26 +2,28 @@
 
 The layers are cut into `pp * pp_virtual` stages of consecutive layers; stage 0 also holds
 the embedding, the last stage the final norm and LM head. A stage is the model class itself
-with a subset of layers (`Transformer(cfg, layer_ids=..., embed=..., head=...)`), so its
-parameters keep their names (`layers.5.attn.wq.weight`) and initial values. Stage s lives on
-pipeline rank s % pp (looped placement: with `pp_virtual` > 1 each rank holds stages
-r, r + pp, ..., as the interleaved schedule expects).
+holding a subset of the whole model's modules (`cut_stage`), so its parameters keep their
+names (`layers.5.attn.wq.weight`) and initial values. Stage s lives on pipeline rank s % pp
+(looped placement: with `pp_virtual` > 1 each rank holds stages r, r + pp, ..., as the
+interleaved schedule expects).
 
 How many layers each stage takes: `parallel.pp_layers`, or the split whose costliest stage
 is cheapest (`balanced_split`), with the embedding and the head counted on the end stages.
 
-PyTorch's `PipelineStage` and schedule classes run the micro-batches; this module only builds
-them, merges a rank's stages into one module for the optimizer, and passes activations along
-for evaluation, which has no backward. Its stage class (`TimedStage`) tells the optimizer which
-backward is a stage's last of the step (ZeRO-2 reduces then) and times the stages.
+PyTorch's `PipelineStage` and schedule classes run the micro-batches, for training (`step`)
+and for evaluation (the schedule's forward-only `eval`); this module builds them, merges a
+rank's stages into one module for the optimizer and checkpoints, and ties the embedding to
+the head across stages. The last stage returns the per-token cross-entropy of the model's own
+loss path (optimus.model.loss.head_cross_entropy: fused, vocabulary-masked), given the targets
+as a keyword argument that the schedule splits into micro-batches like the inputs; the logits
+are never materialised.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,7 @@ from torch.distributed.pipelining import (
 
 from optimus.config import INTERLEAVED_SCHEDULES, ConfigError, ModelConfig
 from optimus.model import Transformer
-from optimus.model.counts import expert_offsets
+from optimus.model.moe.experts import expert_offsets
 from optimus.parallel.state import ParallelState
 
 # interleaved_zb: zero bubble (ZB1P), which splits each backward into the input gradient, sent on at once,
@@ -168,6 +170,27 @@ def rank_stage_indices(pp_rank: int, pp: int, pp_virtual: int) -> list[int]:
     return [pp_rank + k * pp for k in range(pp_virtual)]
 
 
+def cut_stage(model: Transformer, layer_ids: list[int], embed: bool, head: bool) -> Transformer:
+    """One pipeline stage of `model` (built whole on the meta device): a Transformer holding `model`'s own modules
+    for the blocks `layer_ids`, with the embedding (`embed`) and the final norm and LM head (`head`)."""
+    with torch.device("meta"):
+        stage = Transformer(model.cfg, layer_ids=[], embed=False, head=False)
+    stage.layers.update({str(i): model.layers[str(i)] for i in layer_ids})
+    if embed:
+        stage.embed = model.embed
+    if head:
+        stage.norm, stage.lm_head = model.norm, model.lm_head
+    _order_as_the_model(stage)
+    return stage
+
+
+def _order_as_the_model(module: Transformer) -> None:
+    """The whole model's module order (embedding first): the parameters are then listed as the whole model lists
+    them, the order of the optimizer's flat buffers."""
+    order = ("embed", "layers", "norm", "lm_head")
+    module._modules = {name: module._modules[name] for name in order if name in module._modules}
+
+
 def merge_stages(stages: list[Transformer]) -> Transformer:
     """One module holding a rank's stages, with each parameter under its whole-model name (for the optimizer,
     counts and checkpoints); it shares the stages' modules and is never called itself."""
@@ -179,16 +202,12 @@ def merge_stages(stages: list[Transformer]) -> Transformer:
         for name in ("embed", "norm", "lm_head"):
             if getattr(stage, name) is not None:
                 setattr(merged, name, getattr(stage, name))
-    # The whole model's module order (embedding first): with one stage per rank the parameters are then listed
-    # in the stage's own order, the order of its flat buffer, which the optimizer adopts instead of copying.
-    merged._modules = {
-        name: merged._modules[name] for name in ("embed", "layers", "norm", "lm_head") if name in merged._modules
-    }
+    _order_as_the_model(merged)
     if tied_head_copy(merged):
         # The head's weight is a copy of the embedding (tie_embeddings), which the first stage's optimizer
         # trains: held here as a buffer, it is saved and loaded under its name but not optimised twice.
         holder = torch.nn.Module()
-        holder.register_buffer("weight", merged.lm_head.weight)
+        holder.register_buffer("weight", merged.lm_head.weight.detach())  # the stage's head, storage shared
         merged.lm_head = holder
     return merged
 
@@ -203,9 +222,9 @@ def stage_io_meta(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shapes and dtypes of a stage's input and output for one micro-batch, on the meta device: given to
     PipelineStage so that it infers nothing at run time (inference would run the routers an extra time).
-    Under tensor parallelism a rank passes on its part of the residual stream (ps.residual_seq_len) and the
-    last stage gives its vocabulary columns, V / tp."""
-    dtype = next(stage.parameters()).dtype  # the residual stream's and the logits' dtype: the parameters'
+    Under tensor parallelism a rank passes on its part of the residual stream (ps.residual_seq_len); the last
+    stage gives the per-token loss [B, S] in fp32."""
+    dtype = next(stage.parameters()).dtype  # the residual stream's dtype: the parameters'
     positions = ps.residual_seq_len(seq_len)
     with torch.device("meta"):
         if stage.embed is not None:
@@ -213,97 +232,164 @@ def stage_io_meta(
         else:
             inputs = torch.empty(micro_batch, positions, stage.cfg.dim, dtype=dtype, requires_grad=True)  # [B, s, D]
         if stage.lm_head is not None:
-            outputs = torch.empty(micro_batch, seq_len, stage.vocab_size // ps.tp, dtype=dtype, requires_grad=True)
+            outputs = torch.empty(micro_batch, seq_len, dtype=torch.float32, requires_grad=True)  # [B, S] loss
         else:
             outputs = torch.empty(micro_batch, positions, stage.cfg.dim, dtype=dtype, requires_grad=True)
     return inputs, outputs
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage that reports each forward and backward it runs to its pipeline: for the per-stage
-    timers and for ZeRO-2, which must know which backward is the stage's last of the step."""
+@dataclass
+class TiedEmbedding:
+    """tie_embeddings with the embedding and the head on different pipeline ranks. The first stage trains the
+    embedding; the last stage's head is a copy of it, whose gradient the sharder adds into the embedding's before
+    its reduction (`exchange_gradient`) and which takes the embedding's values after each update
+    (`exchange_weight`). Each last-stage rank pairs with the rank at its place in the first stage. The copy
+    starts equal: both are initialised from the embedding's name (optimus.model.init), and a checkpoint holds the
+    head under its own name with the embedding's values."""
 
-    def __init__(self, pipeline: Pipeline, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.pipeline = pipeline
+    embedding: torch.nn.Parameter | None  # on a rank of the first stage
+    head: torch.nn.Parameter | None  # on a rank of the last stage
+    first_rank: int
+    last_rank: int
 
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.pipeline.timed(self.stage_index, "forward"):
-            return super().forward_one_chunk(*args, **kwargs)
+    def exchange_gradient(self) -> torch.Tensor | None:
+        """After a step's backwards: the head's gradient [V, D] on the first stage's rank (None on the other)."""
+        if self.head is not None:
+            grad = self.head.grad if self.head.grad is not None else torch.zeros_like(self.head)
+            dist.send(grad.contiguous(), dst=self.first_rank)
+            self.head.grad = None
+            return None
+        received = torch.empty_like(self.embedding)  # [V, D]
+        dist.recv(received, src=self.last_rank)
+        return received
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False, **kwargs):
-        # Every schedule's backward (full, or its input and weight halves) passes through here with
-        # `last_backward` set for the stage's last micro-batch of the step: the parameters' gradients are
-        # complete once it has run, which is when ZeRO-2 reduces them.
-        self.pipeline.before_backward(last_backward)
-        with self.pipeline.timed(self.stage_index, "backward"):
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward, **kwargs)
-        if backward_type == "weight":  # zero bubble's weight pass assigns .grad, which fires no gradient hook
-            self.pipeline.after_weight_backward(self.submod.parameters())
-        return result
+    @torch.no_grad()
+    def exchange_weight(self) -> None:
+        """After an update: the head takes the embedding's values."""
+        if self.embedding is not None:
+            dist.send(self.embedding.detach().contiguous(), dst=self.last_rank)
+        else:
+            received = torch.empty_like(self.head)  # [V, D]
+            dist.recv(received, src=self.first_rank)
+            self.head.copy_(received)
+
+
+def tied_embedding(stages: list[Transformer], stage_indices: list[int], n_stages: int, ps: ParallelState):
+    """The TiedEmbedding of this rank's stages, or None (untied, one stage, or neither end of the pipeline)."""
+    if not stages[0].cfg.tie_embeddings or n_stages == 1:
+        return None
+    embedding = next((s.embed.weight for s in stages if s.embed is not None), None)
+    head = next((s.lm_head.weight for s in stages if s.lm_head is not None), None)
+    if embedding is None and head is None:
+        return None
+    first_rank = dist.get_global_rank(ps.pp_group, 0)
+    last_rank = dist.get_global_rank(ps.pp_group, (n_stages - 1) % ps.pp)
+    return TiedEmbedding(embedding, head, first_rank, last_rank)
+
+
+class _StageClock:
+    """profile.timers for one stage, from public hooks: its forward (module pre- and post-hooks) and its
+    backward, from the arrival of its output's gradient to that of its input's (the first stage, whose input is
+    token ids: to its embedding's). A zero-bubble schedule's weight passes are not timed as the stage's (they
+    count as pipeline wait): they start from saved intermediates, where no hook sees them begin."""
+
+    def __init__(self, pipeline: Pipeline, index: int, stage: Transformer):
+        self.pipeline, self.index = pipeline, index
+        self.forward, self.backward = None, None  # the running phases' timer contexts and start times
+        stage.register_forward_pre_hook(self._forward_begins)
+        stage.register_forward_hook(self._forward_ends)
+        if stage.embed is not None:
+            stage.embed.weight.register_hook(self._backward_ends)
+
+    def _begin(self, phase: str):
+        context = self.pipeline.timers(phase)
+        context.__enter__()
+        return context, time.perf_counter()
+
+    def _end(self, running) -> None:
+        context, start = running
+        context.__exit__(None, None, None)
+        self.pipeline.stage_seconds[self.index] += time.perf_counter() - start
+
+    def _forward_begins(self, module, args) -> None:
+        if self.pipeline.timers:
+            self.forward = self._begin("forward")
+
+    def _forward_ends(self, module, args, output) -> None:
+        if self.forward is None:
+            return
+        self._end(self.forward)
+        self.forward = None
+        if torch.is_grad_enabled() and output.requires_grad:
+            _once(output, self._backward_begins)
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                _once(args[0], self._backward_ends)
+
+    def _backward_begins(self, grad) -> None:
+        if self.backward is None:
+            self.backward = self._begin("backward")
+
+    def _backward_ends(self, grad) -> None:
+        if self.backward is not None:
+            self._end(self.backward)
+            self.backward = None
+
+
+def _once(tensor: torch.Tensor, fn) -> None:
+    """Call `fn(grad)` when `tensor`'s gradient is computed next, then forget it (a stage's received inputs are
+    buffers it reuses every step)."""
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        fn(grad)
+
+    handle = tensor.register_hook(hook)
 
 
 class Pipeline:
     """This rank's stages and the schedule that runs a step's micro-batches through all stages.
 
-    `loss_fn(logits_BSV, targets_BS)` is called on the last stage once per micro-batch, in order;
-    its backward drives the pipeline's (gradients are not rescaled by the schedule: the loss
-    carries the 1 / micro-batches factor itself). The trainer sets `before_backward(is_last)`, called
-    before each of this rank's stage backwards (the optimizer's set_last_micro_batch),
-    `after_weight_backward(params)` (the optimizer's grads_assigned), and `timers`
-    (profile.timers), which time the stages' forwards and backwards; `stage_seconds` sums those per stage.
+    `step(batch)` runs the forward and backward of every micro-batch and returns their LM losses; the last
+    stage's loss for the schedule is the mean per-token loss of a micro-batch over the micro-batches per step
+    (the schedule does not rescale gradients). `eval_loss_sum(batch, weights)` runs the forwards only. With
+    `timers` (profile.timers) the stages time their forwards and backwards; `pop_stage_seconds` sums them.
     """
 
     def __init__(
-        self,
-        stages: list[Transformer],
-        stage_indices: list[int],
-        n_stages: int,
-        schedule: str,
-        n_micro_batches: int,
-        micro_batch: int,
-        seq_len: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        ps: ParallelState,
-        device: torch.device,
-    ):
+        self, stages: list[Transformer], stage_indices: list[int], n_stages: int, schedule: str,
+        n_micro_batches: int, micro_batch: int, seq_len: int, ps: ParallelState, device: torch.device, timers=None,
+    ):  # fmt: skip
         self.stages, self.stage_indices, self.n_stages = stages, stage_indices, n_stages
+        self.n_micro_batches, self.micro_batch = n_micro_batches, micro_batch
         self.group = ps.pp_group
-        self.residual_seq_len = ps.residual_seq_len  # what a rank passes between stages (sequence parallelism)
-        self.before_backward: Callable[[bool], None] = lambda is_last: None
-        # Called with a stage's parameters after each weight pass of a zero-bubble schedule (the optimizer's
-        # grads_assigned): that pass assigns their .grad instead of accumulating it through autograd.
-        self.after_weight_backward: Callable[[Iterable[torch.Tensor]], None] = lambda params: None
-        self.timers = None  # profile.timers (optimus.train.timers.Timers), set by the trainer
+        self.timers = timers
         self.device = device
         self.stage_seconds = dict.fromkeys(stage_indices, 0.0)
+        self.lm_losses: list[torch.Tensor] = []  # the last stage's, per micro-batch of a step
+        self.evaluating = False
         pipeline_stages = []
         for stage, index in zip(stages, stage_indices):
             inputs, outputs = stage_io_meta(stage, micro_batch, seq_len, ps)
             pipeline_stages.append(
-                TimedStage(
-                    self, stage, index, n_stages, device, input_args=inputs, output_args=outputs, group=self.group
-                )
+                PipelineStage(stage, index, n_stages, device, input_args=inputs, output_args=outputs, group=self.group)
             )
+            if timers:
+                _StageClock(self, index, stage)
         schedule_cls = SCHEDULES[schedule]
         driven = pipeline_stages if schedule in INTERLEAVED_SCHEDULES else pipeline_stages[0]
-        self.schedule = schedule_cls(driven, n_microbatches=n_micro_batches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = schedule_cls(driven, n_microbatches=n_micro_batches, loss_fn=self._loss, scale_grads=False)
         self.is_first, self.is_last = 0 in stage_indices, n_stages - 1 in stage_indices
-        self.tied = stages[0].cfg.tie_embeddings  # the first stage's embedding is the last stage's head
-        pp = dist.get_world_size(self.group)
-        self.first_rank = dist.get_global_rank(self.group, 0)
-        self.last_rank = dist.get_global_rank(self.group, (n_stages - 1) % pp)
 
-    @contextmanager
-    def timed(self, stage_index: int, phase: str):
-        """Time `phase` (forward | backward) of stage `stage_index` with profile.timers, when they are on."""
-        if not self.timers:
-            yield
-            return
-        start = time.perf_counter()
-        with self.timers(phase):
-            yield
-        self.stage_seconds[stage_index] += time.perf_counter() - start
+    def _loss(self, loss_BS: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch on the last stage, from the per-token losses its forward gave.
+        Training: the mean over the micro-batches of the step, whose backward drives the pipeline's (its LM loss
+        is kept). Evaluation (`target` the sequences' weights [B]): the fp64 weighted sum of the token losses."""
+        if self.evaluating:
+            return (loss_BS.sum(1).double() * target).sum()
+        lm_loss = loss_BS.mean()
+        self.lm_losses.append(lm_loss.detach())
+        return lm_loss / self.n_micro_batches
 
     def pop_stage_seconds(self) -> list[float]:
         """Seconds each stage spent in its forwards and backwards since the last call, [n_stages], on every
@@ -315,64 +401,31 @@ class Pipeline:
         dist.all_reduce(seconds_S, group=self.group)
         return seconds_S.tolist()
 
-    def _stage_with(self, name: str) -> Transformer:
-        return next(stage for stage in self.stages if getattr(stage, name) is not None)
-
-    def add_tied_gradient(self) -> None:
-        """tie_embeddings: after a step's backwards, the last stage's head gradient is added into the first
-        stage's embedding gradient (each rank pairs with the rank at its place in the other stage, before the
-        stage's data-parallel reduction sums the pairs), as one tied tensor would have accumulated both."""
-        if not self.tied:
-            return
+    def step(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch of `batch_BS1` ([M x B, S + 1] token windows, split along the
+        batch); the M micro-batches' LM losses [M] on every rank of the pipeline group."""
+        inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        self.lm_losses = []
+        args = (inputs_BS,) if self.is_first else ()
+        self.schedule.step(*args, target=targets_BS, return_outputs=False, targets_BS=targets_BS)
+        lm_losses_M = torch.zeros(self.n_micro_batches, device=self.device)  # [M]
         if self.is_last:
-            weight = self._stage_with("lm_head").lm_head.weight
-            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-            dist.send(grad.contiguous(), dst=self.first_rank)
-            weight.grad = None
-        elif self.is_first:
-            weight = self._stage_with("embed").embed.weight
-            received = torch.empty_like(weight)  # [V, D]
-            dist.recv(received, src=self.last_rank)
-            if weight.grad is None:  # the optimizer moved the backward's gradient into its own buffer
-                weight.grad = received
-            else:
-                weight.grad.add_(received)
+            lm_losses_M = torch.stack(self.lm_losses)
+        dist.all_reduce(lm_losses_M, group=self.group)  # the last stage's values, zeros from the others
+        return lm_losses_M
 
     @torch.no_grad()
-    def copy_tied_weight(self) -> None:
-        """tie_embeddings: the last stage's head takes the first stage's embedding (at the start, after each
-        update)."""
-        if not self.tied:
-            return
-        if self.is_first:
-            dist.send(self._stage_with("embed").embed.weight.contiguous(), dst=self.last_rank)
-        elif self.is_last:
-            weight = self._stage_with("lm_head").lm_head.weight
-            received = torch.empty_like(weight)  # [V, D]
-            dist.recv(received, src=self.first_rank)
-            weight.copy_(received)
-
-    def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> None:
-        """Forward and backward of every micro-batch of `inputs_BS` (split along the batch dimension)."""
+    def eval_loss_sum(self, batch_BS1: torch.Tensor, weight_B: torch.Tensor) -> torch.Tensor:
+        """fp64 sum over the tokens of `batch_BS1` (M micro-batches) of the next-token loss, each sequence weighted
+        by `weight_B` (0 = padding), on the last stage's ranks; 0 on the others."""
+        inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        losses: list[torch.Tensor] = []
         args = (inputs_BS,) if self.is_first else ()
-        self.schedule.step(*args, target=targets_BS if self.is_last else None)
-
-    def forward(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Logits [B, S, V] of `inputs_BS` (with `targets_BS`: per-token losses [B, S], as Transformer.forward
-        gives them) on the last stage's ranks, None elsewhere, without a backward: each stage in turn
-        receives the previous one's hidden states, runs, and sends them on."""
-        pp = dist.get_world_size(self.group)
-        h = inputs_BS
-        for index in range(self.n_stages):
-            if index not in self.stage_indices:
-                continue
-            stage = self.stages[self.stage_indices.index(index)]
-            if index > 0:
-                dtype = next(stage.parameters()).dtype  # the residual stream's dtype: the parameters'
-                B, S = inputs_BS.shape
-                h = torch.empty(B, self.residual_seq_len(S), stage.cfg.dim, dtype=dtype, device=inputs_BS.device)
-                dist.recv(h, src=dist.get_global_rank(self.group, (index - 1) % pp))
-            h = stage(h, targets_BS) if index == self.n_stages - 1 else stage(h)
-            if index < self.n_stages - 1:
-                dist.send(h.contiguous(), dst=dist.get_global_rank(self.group, (index + 1) % pp))
-        return h if self.is_last else None
+        self.evaluating = True
+        try:
+            self.schedule.eval(*args, target=weight_B, losses=losses, targets_BS=targets_BS)
+        finally:
+            self.evaluating = False
+        if not self.is_last:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(losses).sum()

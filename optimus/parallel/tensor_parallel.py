@@ -49,8 +49,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from optimus.model.attention import Attention
-from optimus.model.counts import expert_offsets
 from optimus.model.mlp import SwiGLU
+from optimus.model.moe.experts import expert_offsets
 from optimus.model.moe.layer import MoE
 
 SPLIT, PARTIAL, REPLICATED = "split", "partial", "replicated"  # tp_grad_roles' values
@@ -64,11 +64,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's part of `param.grad`: a split parameter's slice (DTensor can produce the gradient of one in
-    another layout, e.g. the embedding's as a partial sum, which is then reduce-scattered into slices), a
-    replicated one's local value (for a partial role: this rank's share, summed by the optimizer)."""
-    grad = param.grad
+def local_grad(param: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """This rank's part of `grad` (default `param.grad`), a gradient of `param`: a split parameter's slice (DTensor
+    can produce the gradient of one in another layout, e.g. the embedding's as a partial sum, which is then
+    reduce-scattered into slices), a replicated one's local value (for a partial role: this rank's share, summed
+    by the optimizer)."""
+    grad = param.grad if grad is None else grad
     if not isinstance(grad, DTensor):
         return grad
     if grad.placements != param.placements and any(p.is_shard() for p in param.placements):

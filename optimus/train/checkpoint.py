@@ -497,6 +497,11 @@ class Checkpointer:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def pop_last_save(self) -> dict | None:
+        """What the latest published save cost (rank 0), once: {step, seconds, blocking_seconds, bytes}, or None."""
+        saved, self.last_save = self.last_save, None
+        return saved
+
     def close(self) -> None:
         try:
             self.wait()

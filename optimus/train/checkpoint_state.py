@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optimus.model.counts import expert_offsets
+from optimus.model.moe.experts import expert_offsets
 from optimus.optim import Optimizer
 from optimus.optim.state_ranges import StateRange, covered, range_key
 

@@ -115,17 +115,6 @@ def parameters_finite_on_every_rank(model: torch.nn.Module) -> bool:
     return bad.item() == 0
 
 
-def discard_gradients(optimizer) -> None:
-    """Drop this step's gradients on every rank alike (all ranks call it for the same step).
-
-    The sharded optimizer's ZeRO-2 starts its reductions during the backward; they are
-    finished first, so no collective is left in flight to race with the next step's.
-    """
-    for group in getattr(optimizer, "groups", {}).values():
-        group.finish_reduction()
-    optimizer.zero_grad()
-
-
 class TrainingDiverged(RuntimeError):
     """More steps in a row than train.max_skipped_steps had a non-finite loss or gradient, or an update left
     non-finite parameters."""

@@ -1,8 +1,7 @@
 """Step-time breakdown (`profile.timers`) and a torch.profiler trace window (`profile.torch`).
 
-The trainer owns one `Timers` and hands it to the parts that communicate (each MoE
-dispatcher, the optimizer) by setting their `timers` attribute; they time their
-collectives with
+The trainer owns one `Timers` and hands it to the parts that communicate when it builds
+them (each MoE dispatcher, the pipeline stages, the optimizer); they time their work with
 
     with self.timers("dispatch_comm") if self.timers else nullcontext():
         ...
@@ -78,13 +77,6 @@ class Timers:
         out = {phase_key(name): seconds for name, seconds in self._totals.items()}
         self._totals.clear()
         return out
-
-
-def attach_timers(timers: Timers, objects) -> None:
-    """Hand `timers` to every object that declares a `timers` attribute (dispatchers, optimizers)."""
-    for obj in objects:
-        if hasattr(obj, "timers"):
-            obj.timers = timers
 
 
 def parse_step_window(text: str) -> tuple[int, int]:

@@ -20,21 +20,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps, validate
 from optimus.data import BatchLoader, build_data, eval_batches
 from optimus.host_syncs import HostSyncCounter
-from optimus.model import Transformer, count_params, count_params_of_config, flops_per_token, moe_layer_ids
-from optimus.model.loss import vocab_parallel_cross_entropy
+from optimus.model import Transformer, build_model, count_params, count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
-from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
+from optimus.parallel import ParallelState, build_parallel_state
 from optimus.parallel.collective_check import check_collectives
 from optimus.parallel.collective_trace import CollectiveTrace, write_trace
-from optimus.parallel.pipeline import Pipeline, merge_stages, rank_stage_indices, stage_layer_ids, stage_sizes
+from optimus.parallel.parallelize import parallelize
+from optimus.parallel.pipeline import Pipeline
 from optimus.platform import (
     Platform,
     cpu_share,
@@ -46,13 +45,10 @@ from optimus.platform import (
     synchronize,
 )
 from optimus.train import step_memory
-from optimus.train.activation_checkpointing import apply_activation_checkpointing
-from optimus.train.build import build_model
 from optimus.train.checkpoint import Checkpointer
 from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,
-    discard_gradients,
     nonfinite_parameters_message,
     pack_step_flags,
     parameters_finite,
@@ -69,10 +65,9 @@ from optimus.train.metrics import (
     throughput,
     write_json_atomic,
 )
-from optimus.train.precision import param_dtype
 from optimus.train.run_dir import ClaimLost, lost_claim, remove_if_empty, resolve_run_dir, resume_hint, truncate_metrics
 from optimus.train.step_memory import step_memory_tracker
-from optimus.train.timers import Timers, TorchTrace, attach_timers
+from optimus.train.timers import Timers, TorchTrace
 
 
 @dataclass
@@ -92,14 +87,11 @@ def autocast_context(cfg: OptimusConfig, platform: Platform):
 
 
 def eval_loss_sum(model, batch_BS1: torch.Tensor, weight_B: torch.Tensor, cfg, platform) -> torch.Tensor:
-    """fp64 sum over tokens of next-token cross-entropy, each sequence weighted by `weight_B` (0 = padding).
-    `model(inputs, targets)` gives per-token losses: the model, or a pipeline's forward (None on ranks without
-    the last stage); the head's cross-entropy is fused, so a long sequence's logits are never all alive."""
+    """fp64 sum over tokens of next-token cross-entropy, each sequence weighted by `weight_B` (0 = padding); the
+    head's cross-entropy is fused, so a long sequence's logits are never all alive."""
     inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with autocast_context(cfg, platform):
         loss_BS = model(inputs_BS, targets_BS)
-    if loss_BS is None:  # a pipeline rank without the last stage
-        return torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
     return (loss_BS.sum(1).double() * weight_B).sum()
 
 
@@ -111,14 +103,6 @@ def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusCo
         return model(inputs_BS, targets_BS).mean()  # the head's cross-entropy, fused (optimus.model.loss)
 
 
-def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp_mesh=None) -> torch.Tensor:
-    """Mean cross-entropy, in fp32, of the logits against the next tokens; with `tp_mesh` (tensor parallelism)
-    the logits are this rank's vocabulary columns [B, S, V / tp]."""
-    if tp_mesh is not None:
-        return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), targets_BS.reshape(-1), tp_mesh).mean()
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.reshape(-1))
-
-
 def step_loss_sums(lm_losses_M: torch.Tensor, router_losses_M3: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
     """[4]: sums over micro-batches of (loss, lm_loss, aux_loss, z_loss), where a micro-batch's loss is its
     LM loss plus its weighted router losses (`router_losses_M3`: its aux, z, seq losses, means over layers)."""
@@ -127,6 +111,15 @@ def step_loss_sums(lm_losses_M: torch.Tensor, router_losses_M3: torch.Tensor, mo
         loss = lm_loss + router_loss(moe, aux_loss, z_loss, seq_aux_loss)
         sums_4 += torch.stack([loss, lm_loss, aux_loss, z_loss])
     return sums_4
+
+
+def schedule_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], n: int):
+    """(windows [n x B, S + 1], weights [n x B]) of `n` micro-batches of (windows, weights) at a time, the last
+    group completed with copies of its first micro-batch at weight 0 (what a pipeline schedule needs)."""
+    for start in range(0, len(batches), n):
+        group = batches[start : start + n]
+        group += [(group[0][0], torch.zeros_like(group[0][1]))] * (n - len(group))
+        yield torch.cat([b for b, _ in group]), torch.cat([w for _, w in group])
 
 
 class Trainer:
@@ -186,8 +179,6 @@ class Trainer:
             if restored is not None:
                 self.step, self.skipped_in_row = restored.step, restored.skipped_in_row
         self.tokens_seen = self.step * t.global_batch * t.seq_len
-        if self.pipeline is not None:  # tie_embeddings: the head starts as the embedding (init or checkpoint)
-            self.pipeline.copy_tied_weight()
         if self.ps.is_main:
             truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
@@ -215,28 +206,30 @@ class Trainer:
         self.device = platform.device
 
     def _init_step(self, load_weights=None) -> None:
-        """The model (or this rank's pipeline stages), its router statistics and the optimizer;
-        `load_weights(model)` fills the parameters before the optimizer copies them."""
+        """This rank's part of the model (run by `self.pipeline` when pp > 1), its router statistics and the
+        optimizer; `load_weights(model)` fills the parameters before the optimizer takes its master copy."""
         cfg = self.cfg
+        # profile.timers: the dispatchers, the pipeline stages and the optimizer time their work through it.
+        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
+        parts = parallelize(build_model(cfg.model, cfg.kernels), self.ps, cfg, self.device, self.timers)
+        self.model = parts.module  # every parameter this rank holds, under its whole-model name
         self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
-        self.model = self._build_model() if cfg.parallel.pp == 1 else self._build_pipeline()
+        if parts.n_stages > 1:
+            t = cfg.train
+            self.pipeline = Pipeline(
+                parts.stages, parts.stage_indices, parts.n_stages, cfg.parallel.pp_schedule, self.accum,
+                t.micro_batch, t.seq_len, self.ps, self.device, self.timers,
+            )  # fmt: skip
         # The routers' losses, tokens per expert and bias updates, per step; their gradients follow the
         # LM loss's 1 / accum.
-        self.router_stats = RouterStats(moe_layer_ids(cfg.model), cfg.model.moe.n_experts, self.device)
-        self.router_stats.grad_scale = 1.0 / self.accum
+        moe = cfg.model.moe
+        self.router_stats = RouterStats(moe_layer_ids(cfg.model), moe.n_experts, self.device, 1.0 / self.accum)
         self.model.attach_router_stats(self.router_stats)
         if load_weights is not None:
             load_weights(self.model)
-        # profile.timers: the dispatchers and the optimizer time their collectives through this object.
-        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
-        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers)  # a stage's ranks
+        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers, self.accum, parts.tied)
         if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
-            self.optimizer.overlap_param_gather(self.pipeline.stages if self.pipeline else [self.model])
-        if self.pipeline is not None:  # ZeRO-2 reduces after each stage's last backward of a step
-            self.pipeline.before_backward = self.optimizer.set_last_micro_batch
-            self.pipeline.after_weight_backward = self.optimizer.grads_assigned
-            self.pipeline.timers = self.timers
-        attach_timers(self.timers, [moe.dispatcher for moe in self.model.moe_layers])
+            self.optimizer.overlap_param_gather(parts.stages)
         p = cfg.profile
         self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
         self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
@@ -245,61 +238,6 @@ class Trainer:
         self.skipped_in_row = 0
         self.stop_signal = StopSignal()
         self.stop_agreed = False
-
-    def _build_model(self, **stage) -> Transformer:
-        """The model, or with `stage` (layer_ids, embed, head) one pipeline stage of it."""
-        cfg, ps = self.cfg, self.ps.stage()
-        # Built on meta, then only this rank's experts are allocated, on the device, with layout-independent values.
-        model = build_model(
-            cfg.model,
-            cfg.kernels,
-            ep=ps.ep,
-            ep_rank=ps.ep_rank,
-            device=self.device,
-            param_dtype=param_dtype(cfg.train.dtype),
-            seed=cfg.train.seed,
-            pad_world=ps.world_size,  # the optimizer adopts the parameters' flat buffers instead of copying them
-            tp_mesh=ps.tp_mesh,
-            sp=cfg.parallel.sp,
-            **stage,
-        )
-        parallelize_model(model, ps, cfg.parallel, equal_tokens=True)  # one micro-batch shape on every rank
-        return apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-
-    def _build_pipeline(self) -> Transformer:
-        """pp > 1: this rank's stages, run by `self.pipeline`; returns them merged into one module."""
-        cfg, ps = self.cfg, self.ps
-        n_stages = ps.pp * cfg.parallel.pp_virtual
-        layer_ids = stage_layer_ids(stage_sizes(cfg.model, n_stages, cfg.parallel.pp_layers))
-        indices = rank_stage_indices(ps.pp_rank, ps.pp, cfg.parallel.pp_virtual)
-        stages = [self._build_model(layer_ids=layer_ids[i], embed=i == 0, head=i == n_stages - 1) for i in indices]
-        t = cfg.train
-        self.pipeline_lm_losses: list[torch.Tensor] = []  # the last stage's, per micro-batch of a step
-        self.pipeline = Pipeline(
-            stages, indices, n_stages, cfg.parallel.pp_schedule, self.accum, t.micro_batch, t.seq_len,
-            self._pipeline_loss, ps, self.device,
-        )  # fmt: skip
-        return merge_stages(stages)
-
-    def _pipeline_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch, as the schedule back-propagates it; keeps the LM loss."""
-        with self.pipeline.timed(self.pipeline.n_stages - 1, "forward"):  # the last stage's work
-            lm_loss = next_token_loss(logits_BSV, targets_BS, self.ps.tp_mesh)
-        self.pipeline_lm_losses.append(lm_loss.detach())
-        return lm_loss / self.accum
-
-    def _run_pipeline(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """pp > 1: forward and backward of every micro-batch through the stages; [M] LM losses on every rank."""
-        batch_BS1 = torch.cat(micro_batches).to(self.device, non_blocking=True)
-        self.pipeline_lm_losses = []
-        with autocast_context(self.cfg, self.platform):
-            self.pipeline.step(batch_BS1[:, :-1], batch_BS1[:, 1:])
-        self.pipeline.add_tied_gradient()
-        lm_losses_M = torch.zeros(len(micro_batches), device=self.device)  # [M]
-        if self.pipeline.is_last:
-            lm_losses_M = torch.stack(self.pipeline_lm_losses)
-        dist.all_reduce(lm_losses_M, group=self.ps.pp_group)  # the last stage's values, zeros from the others
-        return lm_losses_M
 
     # ---- one optimizer step -------------------------------------------------
 
@@ -313,13 +251,12 @@ class Trainer:
         if self.pipeline is not None:
             # The whole schedule; the stages time their own forwards and backwards inside it, so what
             # pipeline_wait keeps is this rank's idle time (the bubble) and its activation transfers.
-            with timers("pipeline_wait"):
-                lm_losses_M = self._run_pipeline(micro_batches)
+            batch_BS1 = torch.cat(micro_batches).to(self.device, non_blocking=True)
+            with timers("pipeline_wait"), autocast_context(cfg, self.platform):
+                lm_losses_M = self.pipeline.step(batch_BS1)
         else:
             lm_losses = []
-            for i, batch in enumerate(micro_batches):
-                # ZeRO-2 reduces gradients during the backward of the last micro-batch only.
-                self.optimizer.set_last_micro_batch(i == len(micro_batches) - 1)
+            for batch in micro_batches:  # the optimizer counts the backwards: the last one completes each gradient
                 with timers("forward"):
                     lm_loss = micro_batch_loss(self.model, batch.to(self.device, non_blocking=True), cfg, self.platform)
                 with timers("backward"):
@@ -348,7 +285,7 @@ class Trainer:
                 dist.all_reduce(counts_LE)
         agreed = unpack_step_flags(flags, self.accum * ps.stage_size)
         if agreed.nonfinite_params:  # every rank stops here
-            discard_gradients(self.optimizer)
+            self.optimizer.discard_gradients()
             raise TrainingDiverged(nonfinite_parameters_message(self.step))
         self.stop_agreed = agreed.stop
         means = agreed.means
@@ -356,14 +293,11 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         with timers("optimizer"), self._collectives_phase("optimizer"):
             if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
-                discard_gradients(self.optimizer)
+                self.optimizer.discard_gradients()
                 grad_norm = float("nan")
             else:
                 grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
                 self.optimizer.zero_grad()
-            if self.pipeline is not None and self.pipeline.tied:
-                self.optimizer.wait_for_params()  # the embedding is read here, outside a forward
-                self.pipeline.copy_tied_weight()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
             for moe in self.model.moe_layers:
@@ -414,9 +348,13 @@ class Trainer:
         """Mean next-token loss over the held-out set's tokens (layout-independent)."""
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        forward = self.model if self.pipeline is None else self.pipeline.forward
-        for batch, weight in self.eval_batches:
-            total += eval_loss_sum(forward, batch, weight, self.cfg, self.platform)
+        if self.pipeline is None:
+            for batch, weight in self.eval_batches:
+                total += eval_loss_sum(self.model, batch, weight, self.cfg, self.platform)
+        else:  # the schedule runs a step's number of micro-batches at a time
+            for batch, weight in schedule_batches(self.eval_batches, self.accum):
+                with autocast_context(self.cfg, self.platform):
+                    total += self.pipeline.eval_loss_sum(batch, weight)
         if self.platform.device_type == "cpu":  # the step does not reuse all of the pass's holes: unmap them
             release_free_cpu_memory()
         if self.ps.tp_rank > 0:
@@ -627,7 +565,7 @@ class Trainer:
         return self.stop_agreed
 
     def _report_checkpoint(self, bar: tqdm) -> None:
-        saved, self.checkpointer.last_save = self.checkpointer.last_save, None
+        saved = self.checkpointer.pop_last_save()
         if saved:
             self._print(
                 f"checkpoint step {saved['step']}: {saved['bytes'] / 2**20:.1f} MiB in {saved['seconds']:.2f} s "

@@ -54,8 +54,7 @@ def optimus_step(aux_loss_layers: str) -> tuple[torch.Tensor, dict[str, torch.Te
     """The trainer's way: the router losses ride on the LM loss's backward; values from RouterStats."""
     cfg = model_config(aux_loss_layers, COEF)
     model = built(cfg)
-    stats = RouterStats(moe_layer_ids(cfg), E)
-    stats.grad_scale = 1.0 / MICRO_BATCHES
+    stats = RouterStats(moe_layer_ids(cfg), E, grad_scale=1.0 / MICRO_BATCHES)
     model.attach_router_stats(stats)
     for batch in micro_batches():
         (model(batch[:, :-1], batch[:, 1:]).mean() / MICRO_BATCHES).backward()
@@ -145,19 +144,18 @@ def _tensor_parallel_grads(sp: bool) -> dict[str, float]:
 
     from optimus.parallel.state import build_parallel_state
     from optimus.parallel.tensor_parallel import PARTIAL, tp_grad_roles
-    from optimus.train.build import build_model
+    from tests.builds import rank_model
 
     ps = build_parallel_state(1, 60, tp=2, sp=sp)
     cfg = model_config("pooled", COEF, vocab_size=1000)
     models = {
-        "tp": build_model(cfg, "torch", seed=3, tp_mesh=ps.tp_mesh, sp=sp),
-        "one": build_model(cfg, "torch", seed=3),
+        "tp": rank_model(cfg, ps, seed=3),
+        "one": rank_model(cfg, seed=3),
     }
     worst, losses = {}, {}
     for key, model in models.items():
         sharpen_routers(model)
-        stats = RouterStats(moe_layer_ids(cfg), E)
-        stats.grad_scale = 0.5
+        stats = RouterStats(moe_layer_ids(cfg), E, grad_scale=0.5)
         model.attach_router_stats(stats)
         losses[key] = [model(batch[:, :-1], batch[:, 1:]) for batch in micro_batches(1000)[:2]]
         for loss_BS in losses[key]:

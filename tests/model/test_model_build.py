@@ -11,7 +11,8 @@ import torch
 
 from optimus.config import ConfigError, ModelConfig, MoEConfig
 from optimus.model import Transformer
-from optimus.train.build import build_model
+from optimus.parallel import build_parallel_state
+from tests.builds import fake_process_group, rank_model
 
 SEED = 7
 
@@ -34,7 +35,8 @@ def single_process_model() -> Transformer:
 def test_rank_holds_its_slice_of_the_single_process_model(single_process_model, ep):
     reference = dict(single_process_model.named_parameters())
     for ep_rank in range(ep):
-        model = build_model(small_config(), "torch", ep=ep, ep_rank=ep_rank, seed=SEED)
+        with fake_process_group(ep, ep_rank):
+            model = rank_model(small_config(), build_parallel_state(ep), seed=SEED)
         n_local = 8 // ep
         for name, param in model.named_parameters():
             assert param.device.type == "cpu", name
@@ -48,7 +50,7 @@ def test_rank_holds_its_slice_of_the_single_process_model(single_process_model, 
 
 
 def test_bf16_parameters_are_the_fp32_values_rounded(single_process_model):
-    model = build_model(small_config(), "torch", param_dtype=torch.bfloat16, seed=SEED)
+    model = rank_model(small_config(), dtype="bf16", seed=SEED)
     reference = dict(single_process_model.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.bfloat16, name
@@ -58,18 +60,18 @@ def test_bf16_parameters_are_the_fp32_values_rounded(single_process_model):
 
 def test_initial_values_depend_on_name_and_seed_only():
     """A parameter's values do not depend on which other parameters exist, nor on the process."""
-    three = build_model(small_config(), "torch", seed=SEED)
-    five = build_model(small_config(n_layers=5), "torch", seed=SEED)  # more layers, and shifted draw order
+    three = rank_model(small_config(), seed=SEED)
+    five = rank_model(small_config(n_layers=5), seed=SEED)  # more layers, and shifted draw order
     assert torch.equal(three.layers["1"].attn.wq.weight, five.layers["1"].attn.wq.weight)
     assert torch.equal(three.embed.weight, five.embed.weight)
     assert not torch.equal(three.layers["1"].attn.wq.weight, three.layers["2"].attn.wq.weight)
-    other_seed = build_model(small_config(), "torch", seed=SEED + 1)
+    other_seed = rank_model(small_config(), seed=SEED + 1)
     assert not torch.equal(three.embed.weight, other_seed.embed.weight)
     # The same values in a fresh interpreter, whose string hashing is salted differently.
     code = (
         "import torch; from tests.model.test_model_build import small_config, SEED; "
-        "from optimus.train.build import build_model; "
-        "m = build_model(small_config(), 'torch', seed=SEED); "
+        "from tests.builds import rank_model; "
+        "m = rank_model(small_config(), seed=SEED); "
         "print(m.layers['2'].ffn.experts.w2[3, :2, :2].tolist())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -77,13 +79,13 @@ def test_initial_values_depend_on_name_and_seed_only():
 
 
 def test_tied_embeddings_stay_tied():
-    model = build_model(small_config(tie_embeddings=True), "torch", seed=SEED)
+    model = rank_model(small_config(tie_embeddings=True), seed=SEED)
     assert model.lm_head.weight is model.embed.weight
 
 
 def test_indivisible_expert_count_is_a_config_error():
-    with pytest.raises(ConfigError, match="not divisible by parallel.ep=3"):
-        build_model(small_config(), "torch", ep=3, ep_rank=0)
+    with pytest.raises(ConfigError, match="not divisible by parallel.ep=3"), fake_process_group(3, 0):
+        rank_model(small_config(), build_parallel_state(3))
 
 
 # Peak resident memory of a child process that builds EP rank 0 of 2's model, read by the child itself
@@ -92,11 +94,13 @@ def test_indivisible_expert_count_is_a_config_error():
 _PEAK_CHILD = """
 import sys
 from optimus.config import ModelConfig, MoEConfig
+from optimus.parallel import build_parallel_state
 from optimus.platform import peak_resident_bytes
-from optimus.train.build import build_model
+from tests.builds import fake_process_group, rank_model
 cfg = ModelConfig(n_layers=1, dim=256, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=256,
                   moe=MoEConfig(n_experts=int(sys.argv[1]), top_k=2, expert_dim=256))
-model = build_model(cfg, "torch", ep=2, ep_rank=0)
+with fake_process_group(2, 0):
+    model = rank_model(cfg, build_parallel_state(2))
 print(peak_resident_bytes())
 """
 
@@ -127,20 +131,19 @@ def test_more_experts_grow_a_rank_by_its_own_share_only():
 @pytest.mark.parametrize("scheme,world,ep,zero", [("none", 1, 1, 1), ("ep_aware", 4, 2, 1), ("standard", 4, 2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimizer_adopts_the_built_parameters_without_a_copy(scheme, world, ep, zero, dtype):
-    """The parameters stay where build_model put them: the optimizer's flat buffers are their storage."""
+    """The parameters stay where parallelize put them: the optimizer's flat buffers are their storage."""
     from optimus.config import OptimConfig
     from optimus.optim import ShardedAdamW
-    from optimus.parallel import ParallelState
 
-    ps = ParallelState(rank=world - 1, world_size=world, ep=ep)
-    model = build_model(small_config(), "torch", ep=ep, ep_rank=ps.ep_rank, param_dtype=dtype, seed=SEED,
-                        pad_world=world)  # fmt: skip
-    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
-    opt = ShardedAdamW(model, OptimConfig(zero=zero, bucket_mb=0.01), ps, 1.0, scheme)
+    with fake_process_group(world, world - 1):
+        ps = build_parallel_state(ep)
+        model = rank_model(small_config(), ps, dtype="bf16" if dtype == torch.bfloat16 else "fp32", seed=SEED)
+        before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+        opt = ShardedAdamW(model, OptimConfig(zero=zero, bucket_mb=0.01), ps, 1.0, scheme)
     for name, p in model.named_parameters():
         assert p.data_ptr() == before[name][0], name  # not moved
         assert torch.equal(p, before[name][1]), name
-    for group in opt.groups.values():
+    for group in opt.sharder.groups.values():
         flat = group.flat
         assert all(s.param.data_ptr() == flat.buffer.data_ptr() + s.start * flat.buffer.element_size()
                    for s in flat.slots)  # fmt: skip

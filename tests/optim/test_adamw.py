@@ -11,7 +11,7 @@ import torch
 
 from optimus.optim import adamw
 from optimus.optim.adamw import AdamWHyper, adamw_update, fused_kernel_available
-from optimus.optim.flat_buffer import Segment
+from optimus.parallel.flat_buffer import Segment
 
 HYPER = AdamWHyper(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 LR, STEPS = 3e-3, 5

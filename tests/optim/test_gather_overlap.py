@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-import optimus.optim.sharded as sharded
+import optimus.optim.sharder as sharder
 from optimus.config import OptimConfig, ParallelConfig
 from optimus.model import Transformer
 from optimus.optim import ShardedAdamW, lr_at
@@ -54,28 +54,27 @@ def lazy_all_gather(out, mine, group=None, async_op=False):
 
 
 def pending(opt: ShardedAdamW) -> int:
-    return sum(len(g.gathers) for g in opt.groups.values())
+    return sum(len(g.gathers) for g in opt.sharder.groups.values())
 
 
 def train(ep: int, scheme: str, cfg: OptimConfig, dtype: torch.dtype, mode: str, fused_loss: bool) -> dict:
     """Body: STEPS steps with the lazy all-gather. `mode`: "sync" (step() waits), "overlap" (the blocks wait),
     "no_waits" (step() leaves the gathers in flight and nothing waits before the forward reads the parameters).
     `fused_loss`: the trainer's loss (the head's cross-entropy fused into the model's forward)."""
-    sharded._all_gather = lazy_all_gather  # this child process's own copy of the module
+    sharder._all_gather = lazy_all_gather  # this child process's own copy of the module
     ps = build_parallel_state(ep)
     model = new_model(dtype)
     parallelize_model(model, ps, ParallelConfig(ep=ep))
-    opt = ShardedAdamW(model, cfg, ps, GRAD_CLIP, scheme)
+    accum = batches().shape[1] // ps.world_size
+    opt = ShardedAdamW(model, cfg, ps, GRAD_CLIP, scheme, micro_batches=accum)
     if mode == "overlap":
         opt.overlap_param_gather([model])
     elif mode == "no_waits":
-        opt.overlapping = True
-    accum = batches().shape[1] // ps.world_size
+        opt.sharder.overlapping = True
     losses, norms, in_flight_after_step = [], [], []
     for step, micro_batches in enumerate(batches()):
         total = torch.zeros(())
-        for i, mb in enumerate(micro_batches[ps.rank * accum : (ps.rank + 1) * accum]):
-            opt.set_last_micro_batch(i == accum - 1)
+        for mb in micro_batches[ps.rank * accum : (ps.rank + 1) * accum]:
             if fused_loss:
                 loss = model(mb[:, :-1], mb[:, 1:]).mean()
             else:
@@ -147,8 +146,8 @@ def test_root_buckets_are_gathered_first():
     model = new_model()
     ps = build_parallel_state(1)
     opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=3000), ps, 1.0, "none")
-    where = buckets_of_params(opt)
-    dense = opt.groups["dense"]
+    where = buckets_of_params(opt.sharder)
+    dense = opt.sharder.groups["dense"]
     assert len(dense.flat.buckets) > 4
     opt.overlap_param_gather([model])
     root_params = [model.embed.weight, model.norm.weight, model.lm_head.weight]

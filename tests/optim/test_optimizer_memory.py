@@ -43,10 +43,12 @@ def owner_ranks(scheme: str, world: int, ep: int) -> dict[str, int]:
 def held_bytes(opt: ShardedAdamW) -> int:
     """Bytes of every distinct buffer the optimizer holds (a buffer used twice counts once)."""
     storages = {}
-    for g in opt.groups.values():
-        for t in (g.flat.buffer, g.full_grad, g.grad_shard, g.master, g.exp_avg, g.exp_avg_sq):
+    for g in opt.sharder.groups.values():
+        for t in (g.flat.buffer, g.full_grad, g.grad_shard, g.master):
             if t is not None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for t in opt.rule.tensors():
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -84,9 +86,9 @@ def test_one_owner_holds_each_gradient_once():
     """ep_aware with ep = world: the expert group has one owner, so ZeRO-1 keeps one expert gradient buffer."""
     ps = ParallelState(rank=1, world_size=4, ep=4)
     opt = ShardedAdamW(rank_model(ps, torch.float32), OptimConfig(zero=1), ps, 1.0, "ep_aware")
-    expert = opt.groups["expert"]
+    expert = opt.sharder.groups["expert"]
     assert expert.grad_shard is expert.full_grad
-    assert expert.state_bytes().grad_bytes == 4 * expert.flat.padded_numel
+    assert expert.state_bytes(opt.rule.state_bytes_per_element).grad_bytes == 4 * expert.flat.padded_numel
 
 
 @pytest.mark.parametrize("world,ep", LAYOUTS)
@@ -133,7 +135,7 @@ def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
     ps = ParallelState(rank=2, world_size=4, ep=2)
     model = rank_model(ps, torch.bfloat16)
     opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=5000, grad_dtype="bf16"), ps, 1.0, "ep_aware")
-    for group in opt.groups.values():
+    for group in opt.sharder.groups.values():
         flat = group.flat
         assert len(flat.buckets) > 1 and flat.buckets[0].start == 0 and flat.buckets[-1].end == flat.padded_numel
         for a, b in zip(flat.buckets, flat.buckets[1:]):
@@ -144,4 +146,4 @@ def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
         for s in flat.slots:
             assert s.param.data_ptr() == base + s.start * flat.buffer.element_size()
             assert s.param.grad.data_ptr() == group.full_grad.data_ptr() + s.start * flat.buffer.element_size()
-    assert {n for n, _ in model.named_parameters()} == {s.name for g in opt.groups.values() for s in g.flat.slots}
+    assert {n for n, _ in model.named_parameters()} == {s.name for g in opt.sharder.groups.values() for s in g.flat.slots}

@@ -64,8 +64,7 @@ def new_model(dtype: torch.dtype = torch.float32, model_cfg: ModelConfig = MODEL
 def loss_of(model: Transformer, batch_BS1: torch.Tensor, accum: int) -> torch.Tensor:
     """LM loss plus weighted router losses of one micro-batch, to be back-propagated as `loss / accum`: the
     router losses' gradients ride on the LM loss's backward (optimus.model.moe.stats), scaled by 1 / accum."""
-    stats = RouterStats(moe_layer_ids(model.cfg), model.cfg.moe.n_experts)
-    stats.grad_scale = 1.0 / accum
+    stats = RouterStats(moe_layer_ids(model.cfg), model.cfg.moe.n_experts, grad_scale=1.0 / accum)
     model.attach_router_stats(stats)
     lm = F.cross_entropy(model(batch_BS1[:, :-1]).flatten(0, 1).float(), batch_BS1[:, 1:].reshape(-1))
     return lm + router_loss(model.cfg.moe, *stats.micro_batch_means(1)[0])
@@ -130,26 +129,25 @@ def train_sharded(
     ps = build_parallel_state(ep)
     model = new_model(dtype)
     parallelize_model(model, ps, ParallelConfig(ep=ep, dispatcher=dispatcher))
-    opt = ShardedAdamW(model, cfg, ps, GRAD_CLIP, scheme)
     accum = n_micro_batches // ps.world_size
+    opt = ShardedAdamW(model, cfg, ps, GRAD_CLIP, scheme, micro_batches=accum)
     grads_by_hook = dtype != {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.grad_dtype]
     losses, norms = [], []
     for step, micro_batches in enumerate(batches()):
         if resume_cfg is not None and step == STEPS // 2:
-            model, opt = resume(model, opt, ps, ep, dtype, resume_cfg, scheme)
+            model, opt = resume(model, opt, ps, ep, dtype, resume_cfg, scheme, accum)
         mine = micro_batches[ps.rank * accum : (ps.rank + 1) * accum]
         total = torch.zeros(())
         for i, mb in enumerate(mine):
-            last = i == accum - 1
-            opt.set_last_micro_batch(last)
+            last = i == accum - 1  # the optimizer counts the backwards: it knows this one completes the gradients
             loss = loss_of(model, mb, accum)
             if poison_rank == ps.rank and step == 0:
                 loss = loss * float("nan")
             (loss / accum).backward()
             total += loss.detach().float()
             if cfg.zero == 2:  # reductions start in the hooks of the last backward only, and take the grads away
-                launched = [g.next_launch for g in opt.groups.values()]
-                assert launched == ([len(g.flat.buckets) for g in opt.groups.values()] if last else [0, 0])
+                launched = [g.next_launch for g in opt.sharder.groups.values()]
+                assert launched == ([len(g.flat.buckets) for g in opt.sharder.groups.values()] if last else [0, 0])
             if cfg.zero == 2 or grads_by_hook:  # .grad is kept only where autograd accumulates in grad_dtype
                 assert all((p.grad is None) == (last or grads_by_hook) for p in model.parameters())
         dist.all_reduce(total)
@@ -159,7 +157,7 @@ def train_sharded(
     return {"losses": losses, "norms": norms, "params": local_params(model), "memory": opt.memory_bytes()}
 
 
-def resume(model, opt, ps, ep, dtype, cfg, scheme):
+def resume(model, opt, ps, ep, dtype, cfg, scheme, accum):
     """A fresh model and optimizer (another bucket layout) that continue from the saved state of every rank."""
     states = [None] * ps.world_size
     own = opt.state_dict()  # views of the live state: copy before pickling
@@ -172,7 +170,7 @@ def resume(model, opt, ps, ep, dtype, cfg, scheme):
     fresh = new_model(dtype)
     parallelize_model(fresh, ps, ParallelConfig(ep=ep))
     fresh.load_state_dict(model.state_dict())
-    new_opt = ShardedAdamW(fresh, cfg, ps, GRAD_CLIP, scheme)
+    new_opt = ShardedAdamW(fresh, cfg, ps, GRAD_CLIP, scheme, micro_batches=accum)
     new_opt.load_state_dict(merged)
     return fresh, new_opt
 
@@ -288,10 +286,9 @@ def step1_norms(layouts: list[tuple]) -> list[float]:
         ps = build_parallel_state(ep)
         model = new_model(model_cfg=BIG_VOCAB)
         parallelize_model(model, ps, ParallelConfig(ep=ep, dispatcher=dispatcher))
-        opt = ShardedAdamW(model, optim_cfg(zero, bucket_mb=1.0), ps, GRAD_CLIP, scheme)
         accum = n_micro_batches // ps.world_size
-        for i, mb in enumerate(tokens[ps.rank * accum : (ps.rank + 1) * accum]):
-            opt.set_last_micro_batch(i == accum - 1)
+        opt = ShardedAdamW(model, optim_cfg(zero, bucket_mb=1.0), ps, GRAD_CLIP, scheme, micro_batches=accum)
+        for mb in tokens[ps.rank * accum : (ps.rank + 1) * accum]:
             (loss_of(model, mb, accum) / accum).backward()
         norms.append(opt.step(1e-3))
     return norms
@@ -391,32 +388,33 @@ def staged_peaks(bucket_mb: float) -> dict[str, tuple[int, int, int]]:
     """Body: one ZeRO-2 backward on 2 ranks; per group, (the most gradient bytes staged or in flight at
     once, counting gloo's receive buffer for each reduction in flight; zero2_staging_bytes; the group's
     whole gradient in bytes)."""
-    from optimus.optim import sharded
+    from optimus.optim import memory, sharder
 
     ps = build_parallel_state(1)
     model = new_model()
     opt = ShardedAdamW(model, optim_cfg(2, bucket_mb=bucket_mb), ps, GRAD_CLIP, "ep_aware")
-    peaks = dict.fromkeys(opt.groups, 0)
-    launch = sharded.ShardGroup.launch
+    groups = opt.sharder.groups
+    peaks = dict.fromkeys(groups, 0)
+    launch = sharder.ShardGroup.launch
 
     def watched(group, src, out):  # right after each launch, when the most is in flight
         launch(group, src, out)
-        assert len(group.works) <= sharded.BUCKETS_IN_FLIGHT
+        assert len(group.works) <= memory.BUCKETS_IN_FLIGHT
         staged = sum(t.numel() for t in group.staging.values()) + sum(2 * src.numel() for _, src, _ in group.works)
-        kind = next(k for k, g in opt.groups.items() if g is group)
+        kind = next(k for k, g in groups.items() if g is group)
         peaks[kind] = max(peaks[kind], staged * 4)
 
-    sharded.ShardGroup.launch = watched
+    sharder.ShardGroup.launch = watched
     try:
         loss_of(model, batches()[0, ps.rank], 1).backward()
         opt.step(1e-3)
     finally:
-        sharded.ShardGroup.launch = launch
-    bucket = lambda g: sharded.bucket_numel(int(bucket_mb * 2**20), 2**62, 4)  # noqa: E731
+        sharder.ShardGroup.launch = launch
+    bucket = lambda g: memory.bucket_numel(int(bucket_mb * 2**20), 2**62, 4)  # noqa: E731
     return {
-        kind: (peaks[kind], max(sharded.zero2_staging_bytes(g.flat.numel, g.comm.shard_world, 4, 4, bucket(g))),
+        kind: (peaks[kind], max(memory.zero2_staging_bytes(g.flat.numel, g.comm.shard_world, 4, 4, bucket(g))),
                4 * g.flat.padded_numel)
-        for kind, g in opt.groups.items()
+        for kind, g in groups.items()
     }  # fmt: skip
 
 

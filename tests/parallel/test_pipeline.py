@@ -108,7 +108,6 @@ def test_pp_is_the_outermost_rank_dimension():
         (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule=interleaved_1f1b or interleaved_zb"),
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb"], "needs parallel.pp_virtual >= 2"),
         (["parallel.pp=3"], "does not divide the world size 4"),
-        (["parallel.pp=2", "model.tie_embeddings=true", "optim.zero=2"], "needs optim.zero=1"),
         (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "add up to model.n_layers=4"),
         (["parallel.pp=2", "parallel.pp_layers=[4]"], "must list 2 positive layer counts"),
         (["parallel.pp=2", "parallel.pp_layers=[0,4]"], "must list 2 positive layer counts"),
@@ -162,18 +161,21 @@ def test_pipeline_layouts_match_single_process(tmp_path, corpus_file, single_thr
 @pytest.mark.slow
 def test_tied_embeddings_across_stages_match_single_process(tmp_path, corpus_file, single_threaded):
     """tie_embeddings with the embedding on the first stage and the head on the last: the pp=2 trajectory equals
-    the single-process one, and its step-2 checkpoint continues it in one process (steps 3-4)."""
+    the single-process one with ZeRO-1 and with ZeRO-2 (whose reduction of the embedding waits for the head's
+    gradient), and the ZeRO-1 run's step-2 checkpoint continues it in one process (steps 3-4)."""
     common = [k for k in COMMON if not k.startswith(("train.steps=", "train.eval_interval="))]
     common += ["model.tie_embeddings=true", "train.steps=4", "train.eval_interval=4", "data=text"]
     common += [f"data.path={corpus_file}"]
-    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "checkpoint.interval=2"]
+    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2"]
     layout += ["optim.overlap_param_gather=true"]  # the tied copy and the checkpoint wait for the gathers
     assert main(["train", *common, f"run.dir={tmp_path / 'ref'}"]) == 0
-    assert main(["train", *common, *layout, f"run.dir={tmp_path / 'pp'}"]) == 0
+    assert main(["train", *common, *layout, "checkpoint.interval=2", f"run.dir={tmp_path / 'pp'}"]) == 0
+    zero2 = ["optim.zero=2", "optim.bucket_mb=0.01"]
+    assert main(["train", *common, *layout, *zero2, f"run.dir={tmp_path / 'pp_zero2'}"]) == 0
     load = f"checkpoint.load={tmp_path / 'pp' / 'checkpoints' / 'step_000002'}"
     assert main(["train", *common, load, f"run.dir={tmp_path / 'resumed'}"]) == 0
     reference = step_records(read_metrics(tmp_path / "ref"))
-    for run_dir, steps in (("pp", [1, 2, 3, 4]), ("resumed", [3, 4])):
+    for run_dir, steps in (("pp", [1, 2, 3, 4]), ("pp_zero2", [1, 2, 3, 4]), ("resumed", [3, 4])):
         run = step_records(read_metrics(tmp_path / run_dir))
         assert [m["step"] for m in run] == steps, run_dir
         for m in run:
@@ -222,31 +224,31 @@ def unpacked_at_step(overrides: list[str], cache: str) -> tuple[int, int]:
     """One rank: one training step; (ZeRO-2 gradient slots the backward left for step() to pack, all slots)."""
     import os
 
-    from optimus.optim import sharded
+    from optimus.optim import sharder
     from optimus.train.trainer import Trainer
 
     os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
     trainer = Trainer(load_config(overrides))
-    left, finish = [], sharded.ShardGroup.finish_reduction
+    left, reduce_rest = [], sharder.ShardGroup.reduce_rest
 
     def counted(group):
         left.append(sum(not packed for packed in group.packed))
-        finish(group)
+        reduce_rest(group)
 
-    sharded.ShardGroup.finish_reduction = counted
+    sharder.ShardGroup.reduce_rest = counted
     try:
         trainer.train_step()
     finally:
-        sharded.ShardGroup.finish_reduction = finish
+        sharder.ShardGroup.reduce_rest = reduce_rest
         trainer.loader.close()
-    return sum(left), sum(len(g.flat.slots) for g in trainer.optimizer.groups.values())
+    return sum(left), sum(len(g.flat.slots) for g in trainer.optimizer.sharder.groups.values())
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zb"])
 def test_zero2_reduces_each_stage_during_its_backward(tmp_path, corpus_file, schedule):
-    """Zero bubble's weight pass assigns .grad, which fires no gradient hook: the pipeline hands those gradients
-    to the optimizer after each weight pass, so ZeRO-2 packs and reduces them during the backward, as with the
-    other schedules, instead of holding the whole gradient until step()."""
+    """Zero bubble's weight pass assigns .grad without autograd's accumulation and its hooks; the optimizer's
+    tensor hooks still see each gradient arrive and count them, so ZeRO-2 packs and reduces the step's last ones
+    during the backward, as with the other schedules, instead of holding the whole gradient until step()."""
     import os
 
     from tests.distributed import run_distributed

@@ -112,7 +112,7 @@ def _split_model_grads(sp: bool, qk_norm: str, dense_first: int):
     from optimus.config import ModelConfig, MoEConfig
     from optimus.parallel.tensor_parallel import PARTIAL, tp_grad_roles
     from optimus.plan import tp_split_params
-    from optimus.train.build import build_model
+    from tests.builds import rank_model
 
     ps = build_parallel_state(1, 60, tp=2, sp=sp)
     moe = MoEConfig(n_experts=4, top_k=2, expert_dim=32, n_shared_experts=1, z_loss_coef=0.01)
@@ -120,8 +120,8 @@ def _split_model_grads(sp: bool, qk_norm: str, dense_first: int):
         n_layers=3, dim=32, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=64, first_k_dense=dense_first,
         qk_norm=qk_norm, moe=moe,
     )  # fmt: skip
-    reference = build_model(cfg, "torch", seed=3)
-    model = build_model(cfg, "torch", seed=3, tp_mesh=ps.tp_mesh, sp=sp)
+    reference = rank_model(cfg, seed=3)
+    model = rank_model(cfg, ps, seed=3)
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(1))
     loss, ref_loss = model(tokens[:, :-1], tokens[:, 1:]), reference(tokens[:, :-1], tokens[:, 1:])
     loss.mean().backward()

@@ -17,8 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from optimus.cli import load_config
 from optimus.config import ConfigError, ModelConfig, MoEConfig, validate
 from optimus.plan import activation_bytes
-from optimus.train.activation_checkpointing import apply_activation_checkpointing
-from optimus.train.build import build_model
+from tests.builds import rank_model
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 
@@ -28,7 +27,7 @@ MODES = ("none", "selective", "full")
 def _measured_bytes(cfg: ModelConfig, mode: str, batch: int, seq_len: int) -> tuple[int, int]:
     """(bytes alive when the backward starts, peak bytes alive during forward and backward) of one
     micro-batch, net of the parameters and of gradients that already exist, from the profiler."""
-    model = apply_activation_checkpointing(build_model(cfg, "torch", seed=0), mode)
+    model = rank_model(cfg, seed=0, activation_checkpointing=mode)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def forward_backward() -> None:

@@ -135,7 +135,7 @@ def test_load_weights_only_starts_a_new_run(trained, tmp_path, corpus_file):
             assert torch.equal(value, live[key]), key  # router biases included
         assert trainer.step == 0 and trainer.loader.state_dict()["samples_consumed"] == 0
         assert trainer.optimizer.step_count == 0  # fresh AdamW state
-        assert all(torch.count_nonzero(g.exp_avg) == 0 for g in trainer.optimizer.groups.values())
+        assert all(torch.count_nonzero(s["exp_avg"]) == 0 for s in trainer.optimizer.rule.state.values())
     finally:
         trainer.loader.close()
 

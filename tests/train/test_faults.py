@@ -300,12 +300,12 @@ def test_nonfinite_loss_on_the_last_pipeline_stage_is_skipped_on_every_stage(tmp
 
 
 def poison_update(bad_update: int, ranks: tuple[int, ...] | None = None):
-    """Patch the optimizer's AdamW update (optimus.optim.sharded.adamw_update) so that its update number
+    """Patch the optimizer's AdamW update (optimus.optim.adamw.adamw_update) so that its update number
     `bad_update` writes a nan into the values it updates, on `ranks` (every rank when None): what beta2=1 or
     an overflowing update does, reached through the real optimizer step."""
-    import optimus.optim.sharded as sharded
+    import optimus.optim.adamw as adamw
 
-    real_update = sharded.adamw_update
+    real_update = adamw.adamw_update
 
     def poisoned(segments, param, grad, m, v, lr, step, *rest):
         real_update(segments, param, grad, m, v, lr, step, *rest)
@@ -313,7 +313,7 @@ def poison_update(bad_update: int, ranks: tuple[int, ...] | None = None):
         if step == bad_update and (ranks is None or rank in ranks):
             param[0] = float("nan")
 
-    return sharded, "adamw_update", poisoned
+    return adamw, "adamw_update", poisoned
 
 
 class SavedWhenWaitedFor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from optimus.cli import main
 from optimus.config import ModelConfig, MoEConfig
 from optimus.model import Transformer
-from optimus.train.precision import cast_parameters, param_dtype
+from optimus.parallel.parallelize import cast_parameters
 from tests.conftest import TINY_MODEL
 
 MODEL = ModelConfig(
@@ -23,7 +23,7 @@ MODEL = ModelConfig(
 def bf16_model() -> Transformer:
     model = Transformer(MODEL, kernels="torch")
     model.init_weights(torch.Generator().manual_seed(0))
-    cast_parameters(model, param_dtype("bf16"))
+    cast_parameters(model, torch.bfloat16)
     return model
 
 

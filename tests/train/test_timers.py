@@ -10,7 +10,7 @@ import pytest
 from optimus.cli import load_config
 from optimus.config import ConfigError
 from optimus.train import timers as timers_module
-from optimus.train.timers import Timers, attach_timers, parse_step_window
+from optimus.train.timers import Timers, parse_step_window
 from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
@@ -55,18 +55,6 @@ def test_disabled_timers_record_nothing_and_never_synchronise():
     with timers("forward"):
         pass
     assert not timers and timers.pop_totals() == {} and syncs == []
-
-
-def test_attach_only_to_objects_that_declare_timers():
-    class WithHook:
-        timers = None
-
-    class Without:
-        pass
-
-    timers, a, b = Timers(True), WithHook(), Without()
-    attach_timers(timers, [a, b])
-    assert a.timers is timers and not hasattr(b, "timers")
 
 
 def test_step_window():

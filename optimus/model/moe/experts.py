@@ -15,6 +15,18 @@ def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
     return ep_rank * n_local, (ep_rank + 1) * n_local
 
 
+def expert_offsets(model: nn.Module) -> dict[str, int]:
+    """The routed-expert parameters of `model` (names as named_parameters and state_dict give them) -> the
+    global index of their first expert. The one test of what an expert parameter is: the stacked
+    [E_local, ...] tensors of a GroupedExperts, which under expert parallelism hold a rank's block."""
+    return {
+        f"{prefix}.{name}" if prefix else name: module.expert_offset
+        for prefix, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+
+
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU experts whose rows arrive sorted by expert.
 
@@ -30,7 +42,7 @@ class GroupedExperts(nn.Module):
         self.expert_offset = 0
         # w2 is registered first: the backward hands out w13's gradient first (its input order), and the
         # optimizer lays parameters out in reverse registration order so that gradients fill its buckets
-        # front to back, each reduced as soon as it is complete (optimus.optim.flat_buffer.flat_order).
+        # front to back, each reduced as soon as it is complete (optimus.parallel.flat_buffer.flat_order).
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
         self.kernels = get_backend(kernels)

@@ -116,11 +116,13 @@ class RouterStats:
     `attach_router_loss`).
     """
 
-    def __init__(self, moe_layer_ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self, moe_layer_ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu", grad_scale: float = 1.0
+    ):
         self.layer_ids = list(moe_layer_ids)  # every MoE layer of the whole model, in order
         self.n_experts = n_experts
         self.device = torch.device(device)
-        self.grad_scale = 1.0
+        self.grad_scale = grad_scale
         self._row = {layer_idx: row for row, layer_idx in enumerate(self.layer_ids)}
         self.reset()
 

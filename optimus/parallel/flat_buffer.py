@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from optimus.model.moe.experts import expert_offsets
 from optimus.parallel.tensor_parallel import like_parameter, local_tensor
 
 
@@ -113,6 +114,17 @@ def bucket_sizes(numel: int, world: int, element_size: int, bucket_numel: int) -
 def flat_order(items: list) -> list:
     """A group's parameters in flat-buffer order (reverse model order): backward fills the buckets front to back."""
     return list(reversed(items))
+
+
+def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    """The trainable parameters of each data-parallel group, in model order: "dense" and "expert" (routed
+    experts, which expert parallelism spreads over the EP group and data parallelism reduces over EDP)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = expert_offsets(model)
+    return {
+        "dense": [(n, p) for n, p in named if n not in experts],
+        "expert": [(n, p) for n, p in named if n in experts],
+    }
 
 
 def allocate_flat(params: list[torch.Tensor], world: int, device: torch.device | str) -> list[torch.Tensor]:

@@ -1,0 +1,132 @@
+"""The sharded optimizer's memory arithmetic: what one rank holds per parameter group, by scheme and ZeRO stage.
+
+The one source of these figures: the sharder allocates what they count, `memory_bytes()` reports them in
+run_info.json, and `optimus plan` predicts them before a run (optimus/plan.py). Which ranks split each
+group's state (its owner ranks) follows the scheme; a pipeline stage's ranks are its world:
+
+    scheme     dense owners                                          expert owners
+    none       1                                                     1
+    standard   stage / ep (the expert-data-parallel ranks; tp > 1:   stage / ep
+               the dense data-parallel ranks, stage / tp)
+    ep_aware   stage / tp (every rank of the stage when tp = 1)      stage / ep
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from optimus.config import SHARDING_SCHEMES
+from optimus.parallel.flat_buffer import bucket_sizes, padded_numel
+
+MASTER_BYTES = 4  # per owned element: the fp32 master copy, when the parameters are 16-bit
+# Reductions of one group launched and not yet finished. Two keep the network busy while the backward packs the
+# next bucket; more would only hold more staged gradients.
+BUCKETS_IN_FLIGHT = 2
+
+
+def shard_worlds(scheme: str, world: int, dp: int, tp: int = 1) -> dict[str, int]:
+    """How many ranks split each group's optimizer state. `world`: a stage's ranks; `dp`: the expert-data-parallel
+    degree (stage / ep). With tp > 1 a dense element has world / tp replicas (the dense data-parallel ranks),
+    which both sharding schemes split it over."""
+    if scheme not in SHARDING_SCHEMES:
+        raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SHARDING_SCHEMES}")
+    dense = {"none": 1, "standard": dp if tp == 1 else world // tp, "ep_aware": world // tp}[scheme]
+    return {"dense": dense, "expert": 1 if scheme == "none" else dp}
+
+
+@dataclass
+class StateBytes:
+    """Persistent bytes of one rank's optimizer-managed tensors; padding is the part held for alignment."""
+
+    param_bytes: float = 0
+    grad_bytes: float = 0
+    master_bytes: float = 0
+    optim_state_bytes: float = 0  # the update rule's state (AdamW: two moments)
+    padding_bytes: float = 0
+
+    @property
+    def total(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optim_state_bytes
+
+    def __add__(self, other: StateBytes) -> StateBytes:
+        return StateBytes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def rounded(self) -> dict[str, int]:
+        return {f.name: math.ceil(getattr(self, f.name)) for f in fields(self)}
+
+
+def group_state_bytes(
+    numel: int,
+    shard_world: int,
+    param_size: int,
+    grad_size: int,
+    zero: int,
+    state_bytes_per_element: int,
+    padded: bool = True,
+) -> StateBytes:
+    """Bytes one parameter group of `numel` local elements holds on a rank (the layout the sharder allocates),
+    with `state_bytes_per_element` of the update rule's state per owned element (AdamW: 8)."""
+    n = padded_numel(numel, shard_world, param_size) if padded else numel
+    shard = n / shard_world
+    full_grad = n * grad_size if zero == 1 else 0
+    grad_shard = 0 if (zero == 1 and shard_world == 1) else shard * grad_size  # ZeRO-1, one owner: the same buffer
+    master = shard * MASTER_BYTES if param_size != 4 else 0
+    out = StateBytes(n * param_size, full_grad + grad_shard, master, shard * state_bytes_per_element)
+    if padded:
+        unpadded = group_state_bytes(numel, shard_world, param_size, grad_size, zero, state_bytes_per_element, False)
+        out.padding_bytes = out.total - unpadded.total
+    return out
+
+
+def rank_state_bytes(
+    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int, zero: int,
+    tp: int = 1, *, state_bytes_per_element: int,
+) -> StateBytes:  # fmt: skip
+    """Bytes of a rank with `dense` and `expert_local` parameter elements (`dense`: what this tp rank holds), with
+    an update rule keeping `state_bytes_per_element` per owned element: what `optimus plan` and run_info report."""
+    worlds = shard_worlds(scheme, world, dp, tp)
+    total = StateBytes()
+    for numel, shard_world in ((dense, worlds["dense"]), (expert_local, worlds["expert"])):
+        total = total + group_state_bytes(numel, shard_world, param_size, grad_size, zero, state_bytes_per_element)
+    return total
+
+
+def zero_bucket_bytes(bucket_mb: float, zero: int) -> int:
+    """Bytes of parameters per bucket: `optim.bucket_mb` under ZeRO-2; ZeRO-1 reduces in step(), where only
+    the collective size limit cuts a group."""
+    return int(bucket_mb * 2**20) if zero == 2 else 2**62
+
+
+def bucket_numel(bucket_bytes: int, max_numel: int, param_size: int) -> int:
+    """Elements per gradient bucket (`optim.bucket_mb` under ZeRO-2, capped by `optim.max_collective_numel`)."""
+    return min(max_numel, bucket_bytes // param_size)
+
+
+def zero2_staging_bytes(numel: int, shard_world: int, param_size: int, grad_size: int, bucket: int) -> tuple[int, int]:
+    """ZeRO-2: the most bytes of one group's staged gradient buckets alive at once (during the last backward,
+    at its end). During it: two buckets being packed (a bucket is reduced as soon as it is complete, but a
+    parameter's gradient can arrive before that of a smaller one laid out before it, in the previous bucket)
+    and BUCKETS_IN_FLIGHT launched ones. At its end, until step() waits: the last BUCKETS_IN_FLIGHT launched.
+    A launched bucket holds the receive buffer of its size that gloo's reduce-scatter needs
+    (optimus.parallel.collectives; counted on every backend)."""
+    sizes = bucket_sizes(numel, shard_world, param_size, bucket)
+    bucket_bytes = max(sizes, default=0) * grad_size
+    packing = min(len(sizes), 2)
+    launched = min(len(sizes) - 1, BUCKETS_IN_FLIGHT)  # every bucket but the last is launched while one is packed
+    return (packing + 2 * launched) * bucket_bytes, 2 * min(len(sizes), BUCKETS_IN_FLIGHT) * bucket_bytes
+
+
+def rank_zero2_staging_bytes(
+    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int,
+    bucket: int, tp: int = 1,
+) -> tuple[int, int]:  # fmt: skip
+    """zero2_staging_bytes of a rank's two groups (the arguments of rank_state_bytes), summed: both are alive
+    in the backward (the dense group's from the head's gradient on, the experts' from the last MoE layer's)
+    and at its end."""
+    worlds = shard_worlds(scheme, world, dp, tp)
+    per_group = [
+        zero2_staging_bytes(numel, worlds[kind], param_size, grad_size, bucket)
+        for numel, kind in ((dense, "dense"), (expert_local, "expert"))
+    ]
+    return sum(during for during, _ in per_group), sum(end for _, end in per_group)

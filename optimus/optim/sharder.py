@@ -1,0 +1,584 @@
+"""The gradient sharder: a rank's gradients reduced over flat buffers (ZeRO-1 or ZeRO-2), aware of expert parallelism.
+
+Two parameter groups, "dense" and "expert" (routed experts), each in flat buffers (optimus.parallel.flat_buffer),
+one scheme for both:
+
+    scheme     dense grads                                    dense owners   expert grads / owners
+    none       all-reduce over the world                      all of them    all-reduce over EDP, all of them
+    standard   all-reduce over EP, reduce-scatter over DP     1/DP each      reduce-scatter over EDP, 1/DP each
+    ep_aware   reduce-scatter over the world (DP x EP)        1/world each   reduce-scatter over EDP, 1/DP each
+
+(a pipeline stage's ranks are the world here; with tensor parallelism the dense group's replicas are the stage's
+ranks with the same tp rank). Reductions SUM; `mean_scale` turns the sums into the mean over the global batch (an
+expert's local gradient already holds every EP peer's tokens through the dispatcher's backward).
+
+What the sharder owns: each group's flat parameter buffer (adopted from the layout `parallelize` allocated, or a
+copy), its gradient buffers, the fp32 master copy of the slices this rank owns (when the parameters are 16-bit),
+the hooks that collect the gradients, the bucketed reductions, the global gradient norm and the all-gathers of
+the updated slices, before `gather()` returns or, with `overlap_param_gather`, behind the next forward
+(optimus.optim.gather_overlap). What it does not own: the update rule, which `owned_slices()` hands the owned
+fp32 slices and their gradients (optimus.optim.adamw).
+
+ZeRO-1 keeps a full gradient buffer (with grad_dtype = parameter dtype the parameters' .grad are views into it;
+otherwise hooks add each micro-batch's gradient into it) and reduces in `reduce()`. ZeRO-2 keeps only the owned
+shard between steps and reduces each bucket during the step's last backward, as soon as its gradients are
+complete. It knows a gradient is complete by counting: every trained parameter receives one gradient per
+micro-batch, seen by a tensor hook (which also fires in a zero-bubble pipeline schedule's weight pass, where
+autograd's accumulation and its hooks are skipped), so the `micro_batches`-th arrival is the step's last; no
+caller has to say which backward is the last. A parameter that missed a micro-batch is reduced in `reduce()`. A
+group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
+its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from optimus.model.moe.experts import expert_offsets
+from optimus.optim.gather_overlap import attach_gather_waits, buckets_needed, buckets_of_params
+from optimus.optim.grad_norm import global_grad_norm, sum_of_squares
+from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, bucket_numel, group_state_bytes, shard_worlds
+from optimus.parallel import ParallelState
+from optimus.parallel.collectives import reduce_scatter_sum
+from optimus.parallel.flat_buffer import FlatParams, GlobalPlace, Segment, param_groups
+from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad, tp_global_offsets, tp_grad_roles
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class GroupComm:
+    """Which ranks reduce and own one parameter group's gradients."""
+
+    shard_group: Any
+    shard_world: int
+    shard_rank: int
+    pre_group: Any = None  # all-reduced over before the reduce-scatter (replicated grads: none, standard's dense)
+    pre_world: int = 1
+    counts_in_norm: bool = True  # False where a peer owns the same elements (count each element once)
+
+
+def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
+    worlds = shard_worlds(scheme, ps.world_size, ps.dp, ps.tp)
+    if scheme == "none":
+        expert = GroupComm(None, 1, 0, ps.edp_group, ps.dp, ps.dp_rank == 0)
+    else:
+        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
+    if ps.tp > 1:  # a dense slice's replicas: the data-parallel ranks with this tp rank (optimus.parallel.state)
+        if scheme == "none":
+            dense = GroupComm(None, 1, 0, ps.dense_dp_group, ps.data_parallel, ps.data_rank == 0)
+        else:
+            dense = GroupComm(ps.dense_dp_group, ps.data_parallel, ps.data_rank)
+    elif scheme == "none":
+        dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
+    elif scheme == "standard":
+        dense = GroupComm(ps.edp_group, ps.dp, ps.dp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
+    else:
+        dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
+    assert (dense.shard_world, expert.shard_world) == (worlds["dense"], worlds["expert"])
+    return {"dense": dense, "expert": expert}
+
+
+def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, GlobalPlace]:
+    """Expert params: (first element in the tensor of all E experts, full shape)."""
+    first_expert = expert_offsets(model)
+    out = {}
+    for name in names:
+        param = model.get_parameter(name)
+        per_expert = param[0].numel() if param.dim() else 1
+        out[name] = (first_expert[name] * per_expert, (param.shape[0] * ep, *param.shape[1:]), None)
+    return out
+
+
+@dataclass
+class TensorParallelGrads:
+    """tp > 1, the dense group: the TP group and each parameter's role there (optimus.parallel.tensor_parallel:
+    split slices are complete, partial gradients are summed over the TP group, replicated ones are counted
+    once in the norm)."""
+
+    group: Any
+    rank: int
+    roles: dict[str, str]
+
+
+@dataclass
+class OwnedSlice:
+    """One bucket's slice of a group that this rank owns: what the update rule changes, and where it sits in the
+    rank's shard of the group (`lo`, for the rule's own state of the same elements)."""
+
+    group: str
+    lo: int
+    param: torch.Tensor  # fp32: the master copy, or the parameters themselves when they are fp32
+    grad: torch.Tensor  # the reduced sum over the group's replicas, in optim.grad_dtype
+    segments: list[Segment]  # runs of one weight-decay setting, in the slice's own coordinates
+
+
+class ShardGroup:
+    """One parameter group: flat params, gradient buffers and the fp32 master copy of the owned shard."""
+
+    def __init__(
+        self, named, comm: GroupComm, bucket: int, zero: int, grad_dtype, offsets, micro_batches: int, tp=None
+    ):
+        """`bucket`: elements per bucket; `tp`: a TensorParallelGrads for the dense group of a tensor-parallel
+        model, else None; `micro_batches`: backwards per step, hence gradient arrivals per parameter (ZeRO-2)."""
+        self.comm, self.zero, self.tp, self.micro_batches = comm, zero, tp, micro_batches
+        self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, bucket, offsets)
+        flat, dev = self.flat, self.flat.device
+        self.grad_dtype = grad_dtype
+        # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype, or
+        # are DTensors (tensor parallelism), hooks move every micro-batch's gradient into our buffers instead.
+        self.grads_by_hook = grad_dtype != flat.dtype or tp is not None
+        self.tp_partial = [tp is not None and tp.roles.get(s.name) == PARTIAL for s in flat.slots]
+        self.full_grad = None
+        if zero == 1:
+            self.full_grad = torch.zeros(flat.padded_numel, dtype=grad_dtype, device=dev)  # [N_pad]
+        if zero == 1 and comm.shard_world == 1:
+            self.grad_shard = self.full_grad  # one owner: the reduced gradient is the buffer itself
+        else:
+            self.grad_shard = torch.zeros(flat.shard_numel, dtype=grad_dtype, device=dev)  # reduced, owned
+        self.master = None  # fp32 copy of the owned slices when params are lower precision
+        if flat.dtype != torch.float32:
+            self.master = torch.empty(flat.shard_numel, dtype=torch.float32, device=dev)
+            self.refresh_master()
+        self.deferred: set[int] = set()  # ZeRO-2 slots whose gradient gets a contribution in reduce() (a tie)
+        self.works: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []  # in flight: (work, src, copy to)
+        # Parameter all-gathers in flight, by bucket, and the order gather() starts them in (see gather_overlap).
+        self.gathers: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.gather_order = list(range(len(self.flat.buckets)))
+        self.bucket_slots = [
+            [i for i, s in enumerate(flat.slots) if s.start < b.end and s.end > b.start] for b in flat.buckets
+        ]
+        if zero == 1 and not self.grads_by_hook:
+            self.point_grads_at_buffer()
+        self.reset()
+
+    # ---- bookkeeping --------------------------------------------------------
+
+    def refresh_master(self) -> None:
+        for b in self.flat.buckets:
+            self.flat.shard_view(self.master, b).copy_(self.flat.owned_view(self.flat.buffer, b))
+
+    def point_grads_at_buffer(self) -> None:
+        for s in self.flat.slots:
+            s.param.grad = self.full_grad[s.start : s.end].view_as(s.param)
+
+    def reset(self) -> None:
+        """A new step: no gradient has arrived, nothing is packed or staged."""
+        self.left = [len(ids) for ids in self.bucket_slots]  # slots still to be packed, per bucket
+        self.arrivals = [0] * len(self.flat.slots)  # ZeRO-2: gradients received this step, per slot
+        self.packed = [False] * len(self.flat.slots)
+        self.partial: dict[int, torch.Tensor] = {}  # ZeRO-2, grads_by_hook: slot -> sum of its earlier grads
+        self.stale: set[int] = set()  # slots whose .grad autograd stored holds nothing we still need
+        self.staging: dict[int, torch.Tensor] = {}
+        self.next_launch = 0
+
+    def drop_stale(self) -> None:
+        for i in self.stale:
+            self.flat.slots[i].param.grad = None
+        self.stale.clear()
+
+    # ---- accumulation -------------------------------------------------------
+
+    def accumulate(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-1, grads_by_hook: add one micro-batch's grad of a parameter into the full buffer."""
+        s = self.flat.slots[slot_idx]
+        self.full_grad[s.start : s.end].add_(grad.reshape(-1))
+
+    def accumulate_partial(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-2, grads_by_hook, a micro-batch before the last: keep its grad in grad_dtype until the last."""
+        if slot_idx in self.partial:
+            self.partial[slot_idx].add_(grad.reshape(-1))
+        else:
+            self.partial[slot_idx] = grad.reshape(-1).to(self.grad_dtype, copy=True)
+
+    def arrive(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-2 (a tensor hook): slot `slot_idx`'s gradient of one micro-batch, before autograd stores it. The
+        step's last one completes the gradient, which is packed for its reduction at once."""
+        self.drop_stale()  # what a weight pass stored after the last arrivals: it is packed already
+        self.arrivals[slot_idx] += 1
+        if self.arrivals[slot_idx] > self.micro_batches:
+            raise RuntimeError(
+                f"{self.flat.slots[slot_idx].name} received more gradients than the step's {self.micro_batches} "
+                "micro-batches: build the optimizer with the number of backwards per step."
+            )
+        grad = local_grad(self.flat.slots[slot_idx].param, grad)
+        if self.arrivals[slot_idx] < self.micro_batches or slot_idx in self.deferred:
+            if self.grads_by_hook:  # kept in grad_dtype here; what autograd stores is dropped
+                self.accumulate_partial(slot_idx, grad)
+                self.stale.add(slot_idx)
+            return  # else autograd accumulates it in .grad
+        self.pack(slot_idx, grad, self.earlier(slot_idx))
+        self.stale.add(slot_idx)  # autograd stores this micro-batch's gradient, which pack has taken
+
+    def stored(self, slot_idx: int) -> None:
+        """ZeRO-2 (a post-accumulate-grad hook, run by autograd's backward): drop a .grad already taken."""
+        if slot_idx in self.stale:
+            self.stale.discard(slot_idx)
+            self.flat.slots[slot_idx].param.grad = None
+
+    def earlier(self, slot_idx: int) -> torch.Tensor | None:
+        """ZeRO-2: the sum of the step's gradients of a slot held so far (None if none: kept here, or in .grad by
+        autograd or by hand), taken out of where it was held."""
+        held = self.partial.pop(slot_idx, None)
+        param = self.flat.slots[slot_idx].param
+        grad, param.grad = local_grad(param), None
+        if grad is not None:
+            held = grad.reshape(-1) if held is None else held.add_(grad.reshape(-1))
+        return held
+
+    def add_to_gradient(self, slot_idx: int, extra: torch.Tensor) -> None:
+        """Add `extra` to a slot's gradient of the step before its reduction (a tied weight's other use); after
+        `collect()`, before `reduce_rest()`."""
+        s = self.flat.slots[slot_idx]
+        if self.zero == 1:
+            self.full_grad[s.start : s.end].add_(extra.reshape(-1))
+            return
+        held = self.earlier(slot_idx)
+        extra = extra.reshape(-1).to(self.grad_dtype)
+        self.partial[slot_idx] = extra if held is None else held.to(self.grad_dtype).add_(extra)
+
+    # ---- reduction ----------------------------------------------------------
+
+    def pack(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> None:
+        """ZeRO-2: copy one parameter's gradient of the step (`grad` + `earlier`) into the staging copy of each
+        bucket it overlaps; launch the buckets this completes."""
+        s = self.flat.slots[slot_idx]
+        self.packed[slot_idx] = True
+        if self.tp_partial[slot_idx]:  # this rank's share of a sum over the tp ranks: complete it first
+            grad, earlier = self.sum_over_tp(slot_idx, grad, earlier), None
+        for bi, b in enumerate(self.flat.buckets):
+            if s.end <= b.start or s.start >= b.end:
+                continue
+            if bi < self.next_launch:
+                raise RuntimeError(f"the gradient of {s.name} arrived after its bucket was reduced.")
+            if bi not in self.staging:
+                self.staging[bi] = torch.zeros(b.end - b.start, dtype=self.grad_dtype, device=self.flat.device)
+            lo, hi = max(s.start, b.start), min(s.end, b.end)
+            dst = self.staging[bi][lo - b.start : hi - b.start]
+            if grad is not None:
+                dst.copy_(grad.reshape(-1)[lo - s.start : hi - s.start])
+            if earlier is not None:
+                dst.add_(earlier.reshape(-1)[lo - s.start : hi - s.start])
+            self.left[bi] -= 1
+            if self.left[bi] == 0:  # reduce it before staging the next: a large parameter spans many buckets
+                self.launch_ready()
+
+    def sum_over_tp(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> torch.Tensor:
+        """ZeRO-2: a partial slot's gradient of the step (this micro-batch's + earlier ones'), summed over tp."""
+        s = self.flat.slots[slot_idx]
+        total = torch.zeros(s.end - s.start, dtype=self.grad_dtype, device=self.flat.device)  # [numel]
+        for part in (grad, earlier):
+            if part is not None:
+                total.add_(part.reshape(-1))
+        dist.all_reduce(total, group=self.tp.group)
+        return total
+
+    def reduce_partials_over_tp(self) -> None:
+        """ZeRO-1: sum the partial slots' accumulated gradients over the tp ranks, in one all-reduce."""
+        slots = [s for s, partial in zip(self.flat.slots, self.tp_partial) if partial]
+        if not slots:
+            return
+        joined = torch.cat([self.full_grad[s.start : s.end] for s in slots])
+        dist.all_reduce(joined, group=self.tp.group)
+        for s, summed in zip(slots, joined.split([s.end - s.start for s in slots])):
+            self.full_grad[s.start : s.end].copy_(summed)
+
+    def launch_ready(self, force: bool = False) -> None:
+        """Start reductions of finished buckets, strictly in bucket order so every rank issues the same sequence."""
+        while self.next_launch < len(self.flat.buckets) and (force or self.left[self.next_launch] == 0):
+            bi = self.next_launch
+            b = self.flat.buckets[bi]
+            while len(self.works) >= BUCKETS_IN_FLIGHT:  # make room first: never more than that many in flight
+                self.finish_oldest()
+            src = self.full_grad[b.start : b.end] if self.zero == 1 else self.staging.pop(bi)
+            self.launch(src, self.flat.shard_view(self.grad_shard, b))
+            self.next_launch += 1
+
+    def finish_oldest(self) -> None:
+        """Wait for the oldest reduction in flight and drop its buffers (ZeRO-2: the staged bucket)."""
+        work, src, copy_to = self.works.pop(0)
+        work.wait()
+        if copy_to is not None:
+            copy_to.copy_(src)
+
+    def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        c = self.comm
+        if c.shard_world == 1:  # one owner: an all-reduce over the replicas, if any, into src; then src -> out
+            copy_to = None if out.data_ptr() == src.data_ptr() else out
+            if c.pre_world > 1:
+                self.works.append((dist.all_reduce(src, group=c.pre_group, async_op=True), src, copy_to))
+            elif copy_to is not None:
+                copy_to.copy_(src)
+            return
+        if c.pre_world > 1:  # the standard scheme's all-reduce over EP, before the DP reduce-scatter
+            dist.all_reduce(src, group=c.pre_group)
+        self.works.append((reduce_scatter_sum(out, src, c.shard_group, async_op=True), src, None))
+
+    def collect(self) -> None:
+        """After the backwards: bring every gradient of the step into this group's buffers (ZeRO-1: a .grad that
+        was set by hand or by a zero-bubble weight pass rather than accumulated by autograd)."""
+        self.drop_stale()
+        if self.zero == 2:
+            return
+        if self.grads_by_hook:
+            for i, s in enumerate(self.flat.slots):
+                if s.param.grad is not None:
+                    self.accumulate(i, local_grad(s.param))
+                    s.param.grad = None
+            if self.tp is not None:
+                self.reduce_partials_over_tp()
+        else:
+            for s in self.flat.slots:  # someone replaced or dropped a .grad view: bring it back into the buffer
+                view = self.full_grad[s.start : s.end].view_as(s.param)
+                if s.param.grad is None:
+                    view.zero_()
+                elif s.param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(s.param.grad)
+
+    def reduce_rest(self) -> None:
+        """Launch the reductions the backwards did not (ZeRO-1: all of them; ZeRO-2: those of gradients that no
+        last arrival completed, such as a parameter that missed a micro-batch) and wait for all in flight."""
+        if self.zero == 2:
+            for i in range(len(self.flat.slots)):
+                if not self.packed[i]:
+                    self.pack(i, None, self.earlier(i))
+        self.launch_ready(force=True)
+        while self.works:
+            self.finish_oldest()
+
+    def zero_grad(self) -> None:
+        if self.zero == 1:
+            self.full_grad.zero_()
+            if not self.grads_by_hook:
+                self.point_grads_at_buffer()
+        if self.zero == 2 or self.grads_by_hook:
+            for s in self.flat.slots:
+                s.param.grad = None
+        self.reset()
+
+    # ---- after the reduction --------------------------------------------------
+
+    def sq_norm(self) -> torch.Tensor:
+        """fp64 squared norm of the owned shard of the summed gradient (zero where a peer counts it)."""
+        if not self.comm.counts_in_norm:
+            return torch.zeros((), dtype=torch.float64, device=self.flat.device)
+        if self.tp is not None and self.tp.rank > 0:  # tp rank 0 counts what the tp ranks share
+            own = [r for r in self.flat.owned_ranges if self.tp.roles.get(r.name) == SPLIT]
+            return sum_of_squares([self.grad_shard[r.shard_lo : r.shard_hi] for r in own], self.flat.device)
+        return sum_of_squares([self.grad_shard], self.flat.device)
+
+    def owned_slices(self, kind: str) -> Iterator[OwnedSlice]:
+        flat, sv = self.flat, self.flat.shard_view
+        for b, segments in zip(flat.buckets, flat.segments):
+            param = sv(self.master, b) if self.master is not None else flat.owned_view(flat.buffer, b)
+            yield OwnedSlice(kind, b.shard_offset, param, sv(self.grad_shard, b), segments)
+
+    def gather_params(self) -> None:
+        """Start all-gathering every rank's updated slices into the flat parameter buffer (hence into the
+        parameters), bucket by bucket in `gather_order`; `wait_gathered` finishes them."""
+        flat, c = self.flat, self.comm
+        for bi in self.gather_order:
+            b = flat.buckets[bi]
+            if c.shard_world == 1:  # this rank owns the whole bucket: round the master copy straight into it
+                if self.master is not None:
+                    flat.buffer[b.start : b.end].copy_(flat.shard_view(self.master, b))
+                continue
+            if self.master is not None:
+                mine = flat.shard_view(self.master, b).to(flat.dtype)
+            else:
+                mine = flat.owned_view(flat.buffer, b).clone()
+            work = _all_gather(flat.buffer[b.start : b.end], mine, group=c.shard_group, async_op=True)
+            self.gathers[bi] = (work, mine)  # `mine` is kept until the collective has read it
+
+    def wait_gathered(self, buckets: Iterable[int] | None = None) -> None:
+        """Finish the all-gathers of `buckets` (of every bucket when None) that are still in flight."""
+        for bi in list(self.gathers) if buckets is None else buckets:
+            entry = self.gathers.pop(bi, None)
+            if entry is not None:
+                entry[0].wait()
+
+    def state_bytes(self, state_bytes_per_element: int) -> StateBytes:
+        es, gs = self.flat.buffer.element_size(), self.grad_shard.element_size()
+        return group_state_bytes(self.flat.numel, self.comm.shard_world, es, gs, self.zero, state_bytes_per_element)
+
+
+class GradSharder:
+    """The gradients of one rank's model (or of its pipeline stages, merged), reduced and sharded by `scheme`
+    (see the module docstring); the fp32 slices this rank owns, for an update rule; the updated parameters
+    all-gathered back.
+
+    Per step: backwards (hooks collect the gradients), then `reduce()` -> the global norm of the mean gradient,
+    an update of `owned_slices()`, `gather()`, `zero_grad()`. `tied` (optimus.parallel.pipeline.TiedEmbedding):
+    tie_embeddings across pipeline stages, whose head gradient joins the embedding's before its reduction and
+    whose head takes the embedding's updated values after `gather()`.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, ps: ParallelState, scheme: str, zero: int, grad_dtype: torch.dtype,
+        bucket_bytes: int, max_numel: int, micro_batches: int = 1, timers=None, tied=None,
+    ):  # fmt: skip
+        self.ps, self.scheme, self.zero, self.tied = ps, scheme, zero, tied
+        self.mean_scale = 1.0 / ps.data_parallel  # the reductions sum over the replicas of the global batch
+        self.timers = timers
+        self.overlapping = False  # gather() leaves its all-gathers to the next forward (overlap_param_gather)
+        self._gather_hooks: list = []  # the forward pre-hooks that wait for them
+        comms = group_comms(ps, scheme)
+        tp = TensorParallelGrads(ps.tp_group, ps.tp_rank, tp_grad_roles(model)) if ps.tp > 1 else None
+        self.groups: dict[str, ShardGroup] = {}
+        for kind, params in param_groups(model).items():
+            if not params:
+                continue
+            names = [n for n, _ in params]
+            if kind == "expert":
+                offsets = expert_global_offsets(model, names, ps.ep)
+            else:
+                offsets = tp_global_offsets(model, names) if tp else None
+            bucket = bucket_numel(bucket_bytes, max_numel, params[0][1].element_size())
+            group_tp = tp if kind == "dense" else None
+            self.groups[kind] = ShardGroup(
+                params, comms[kind], bucket, zero, grad_dtype, offsets, micro_batches, group_tp
+            )
+        self._tied_slot = self._find_tied_slot()
+        self._register_hooks()
+
+    def _find_tied_slot(self) -> tuple[str, int] | None:
+        """(group, slot) of the embedding whose head lives on another stage; its ZeRO-2 reduction waits for it."""
+        if self.tied is None or self.tied.embedding is None:
+            return None
+        for kind, group in self.groups.items():
+            for i, s in enumerate(group.flat.slots):
+                if s.param is self.tied.embedding:
+                    group.deferred.add(i)
+                    return kind, i
+        raise RuntimeError("the tied embedding is not among the trained parameters of this rank")
+
+    def _register_hooks(self) -> None:
+        for group in self.groups.values():
+            for i, s in enumerate(group.flat.slots):
+                if group.zero == 2:
+                    s.param.register_hook(_arrival(group, i))
+                    s.param.register_post_accumulate_grad_hook(_storing(group, i))
+                elif group.grads_by_hook:
+                    s.param.register_post_accumulate_grad_hook(_accumulation(group, i))
+
+    def _timed(self, name: str):
+        return self.timers(name) if self.timers else nullcontext()
+
+    # ---- one step -------------------------------------------------------------
+
+    def finish_reduction(self) -> None:
+        """Finish every group's reductions of this step's gradients (the grad shards then hold sums over the
+        replicas); with a tie across stages, the head's gradient joins the embedding's first."""
+        for group in self.groups.values():
+            group.collect()
+        extra = self.tied.exchange_gradient() if self.tied is not None else None
+        if extra is not None:
+            kind, slot = self._tied_slot
+            self.groups[kind].add_to_gradient(slot, extra)
+        for group in self.groups.values():
+            group.reduce_rest()
+
+    def reduce(self) -> float:
+        """Finish the step's reductions; the global 2-norm of the mean gradient over every stage (nan or inf when
+        some gradient is not finite)."""
+        self.wait_for_params()  # the previous step's, where no forward has waited for them
+        with self._timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
+            self.finish_reduction()
+        sq_sums = [g.sq_norm() for g in self.groups.values()]
+        norm_of_sums = global_grad_norm(sq_sums, self.ps.world_group, self.ps.is_distributed, self.ps.pp_group)
+        return norm_of_sums * self.mean_scale
+
+    def owned_slices(self) -> Iterator[OwnedSlice]:
+        """The fp32 slices this rank owns, group by group and bucket by bucket, with their reduced gradients."""
+        for kind, group in self.groups.items():
+            yield from group.owned_slices(kind)
+
+    def gather(self) -> None:
+        """All-gather the updated slices into the parameters: before returning, or with overlap_param_gather
+        behind the next forward. A tied head then takes the embedding's new values."""
+        with self._timed("param_gather"):
+            for group in self.groups.values():
+                group.gather_params()
+            if not self.overlapping:  # else each block's forward waits for its own buckets
+                for group in self.groups.values():
+                    group.wait_gathered()
+        if self.tied is not None:
+            if self.tied.embedding is not None:  # the embedding is read here, outside a forward
+                self.wait_for_params(buckets_needed([self.tied.embedding], buckets_of_params(self)))
+            self.tied.exchange_weight()
+
+    def zero_grad(self) -> None:
+        for group in self.groups.values():
+            group.zero_grad()
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients on every rank alike (all ranks call it for the same step): the reductions
+        ZeRO-2 started in the backward are finished first, so none is left in flight to race the next step's."""
+        self.finish_reduction()
+        self.zero_grad()
+
+    # ---- the parameters' all-gathers ------------------------------------------
+
+    def overlap_param_gather(self, roots: list[torch.nn.Module]) -> None:
+        """Let gather() return with its all-gathers in flight: each block of `roots` (the modules the caller
+        runs forward) waits for its own buckets when its forward starts (optimus.optim.gather_overlap)."""
+        for handle in self._gather_hooks:  # called again (other roots): the new hooks replace the old
+            handle.remove()
+        self._gather_hooks = attach_gather_waits(self, roots)
+        self.overlapping = True
+
+    def wait_for_params(self, buckets: dict[str, Iterable[int]] | None = None) -> None:
+        """Finish the parameter all-gathers still in flight: of `buckets` ({group: bucket indices}), else all.
+        Whatever reads parameters outside a forward after a step (a checkpoint, a tied-weight copy) calls it."""
+        pending = [(kind, g) for kind, g in self.groups.items() if g.gathers and (buckets is None or kind in buckets)]
+        if not pending:
+            return
+        with self._timed("param_gather"):
+            for kind, group in pending:
+                group.wait_gathered(None if buckets is None else buckets[kind])
+
+    # ---- what it holds --------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The persistent tensors the sharder allocated: gradient buffers and fp32 master."""
+        held = []
+        for g in self.groups.values():
+            held += [t for t in (g.full_grad, g.grad_shard, g.master) if t is not None]
+        return held
+
+    def state_bytes(self, state_bytes_per_element: int) -> StateBytes:
+        """Persistent bytes on this rank, with an update rule keeping `state_bytes_per_element` per owned one."""
+        total = StateBytes()
+        for g in self.groups.values():
+            total = total + g.state_bytes(state_bytes_per_element)
+        return total
+
+
+def _arrival(group: ShardGroup, slot_idx: int):
+    def hook(grad: torch.Tensor) -> None:
+        group.arrive(slot_idx, grad)
+
+    return hook
+
+
+def _storing(group: ShardGroup, slot_idx: int):
+    def hook(param: torch.Tensor) -> None:
+        group.stored(slot_idx)
+
+    return hook
+
+
+def _accumulation(group: ShardGroup, slot_idx: int):
+    """ZeRO-1 with grads_by_hook: every micro-batch's gradient is added into the full buffer as autograd stores it."""
+
+    def hook(param: torch.Tensor) -> None:
+        group.accumulate(slot_idx, local_grad(param))
+        param.grad = None
+
+    return hook
