@@ -17,10 +17,11 @@ import sys
 # "CPU threads"). A value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from optimus.config import ConfigError, OptimusConfig, validate
+from optimus.config import ConfigError
 from optimus.data.errors import DataError
 from optimus.ranks import LaunchError, SpawnError
 from optimus.recipes import load_config, recipe_groups, recipes_dir
+from optimus.run_spec import RunSpec
 from optimus.train.faults import TrainingDiverged
 
 USAGE = """usage: optimus <command> [args]
@@ -64,27 +65,27 @@ Examples:
 """
 
 
-def _worker(cfg: OptimusConfig) -> dict:
+def _worker(spec: RunSpec) -> dict:
     """Body of one rank: join the process group (if any), train, leave."""
     import torch.distributed as dist
 
-    from optimus.platform import detect_platform, keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
+    from optimus.platform import keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
     from optimus.ranks import discover, init_process_group
     from optimus.train.memory_check import check_cpu_memory
     from optimus.train.run_dir import remove_if_empty
-    from optimus.train.trainer import train
+    from optimus.train.trainer import Trainer
 
     info = discover()
-    platform = detect_platform(cfg.machine, info.local_rank)
+    platform = spec.platform
     if platform.device_type == "cpu":
-        check_cpu_memory(cfg, info.world_size, info.local_world_size)
+        check_cpu_memory(spec, info.local_world_size)
         share_cpu_threads(info.local_world_size)
         keep_cpu_allocations()
         quiet_gloo_alltoall_fallback()
     if info.world_size > 1:
-        init_process_group(info, platform.backend, platform.device, cfg.parallel.timeout_s)
+        init_process_group(info, platform.backend, platform.device, spec.cfg.parallel.timeout_s)
     try:
-        return train(cfg, info.local_rank)
+        return Trainer(spec, info.local_rank).fit()
     except BaseException:
         remove_if_empty()  # a run that failed to start leaves no empty run directory behind
         raise
@@ -93,43 +94,40 @@ def _worker(cfg: OptimusConfig) -> dict:
             dist.destroy_process_group()
 
 
-def _spawned_worker(cfg: OptimusConfig) -> dict:
-    """Body of a rank that `parallel.nproc=N` started: a user error goes to the parent, which says it once."""
-    from optimus.ranks import report_user_error
+def _spawned_worker(spec: RunSpec) -> dict:
+    """Body of a rank that `parallel.nproc=N` started, with the run its parent resolved: it detects only its own
+    device. A user error goes to the parent, which says it once."""
+    from optimus.platform import detect_platform
+    from optimus.ranks import discover, report_user_error
 
     try:
-        return _worker(cfg)
+        return _worker(spec.for_rank(detect_platform(spec.cfg.machine, discover().local_rank)))
     except (ConfigError, DataError, LaunchError) as err:
         report_user_error(str(err))
         raise SystemExit(2) from None
 
 
-def _check_memory_before_spawning(cfg: OptimusConfig) -> None:
-    """The ranks would each refuse; saying it once, before starting them, is clearer and faster."""
-    from optimus.platform import detect_platform
-    from optimus.train.memory_check import check_cpu_memory
-
-    if detect_platform(cfg.machine, 0).device_type == "cpu":
-        check_cpu_memory(cfg, cfg.parallel.nproc, cfg.parallel.nproc)
-
-
 def cmd_train(overrides: list[str]) -> int:
+    from optimus.platform import detect_platform
     from optimus.ranks import SpawnStopped, discover, spawn_local
+    from optimus.run_spec import resolve_run
+    from optimus.train.memory_check import check_cpu_memory
 
     cfg = load_config(overrides)
     info = discover()
     world_size = info.world_size if info.launcher != "none" else cfg.parallel.nproc
-    validate(cfg, world_size)
+    spec = resolve_run(cfg, world_size, detect_platform(cfg.machine, info.local_rank))  # validated, here only
     if info.launcher == "none" and cfg.parallel.nproc > 1:
-        _check_memory_before_spawning(cfg)
+        if spec.platform.device_type == "cpu":  # the ranks would each refuse: say it once, before starting them
+            check_cpu_memory(spec, cfg.parallel.nproc)
         try:
-            summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (cfg,))[0]
+            summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (spec,))[0]
         except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved (or had nothing yet)
             how = "run the same command again" if cfg.run.dir else "run the command printed above"
             print(f"optimus: {stopped}; {how} to resume from the last checkpoint.")
             return stopped.exit_code
     else:
-        summary = _worker(cfg)
+        summary = _worker(spec)
     if info.rank == 0 and summary:
         print(f"Finished {summary['steps']} steps; run directory: {summary['run_dir']}")
     return 0

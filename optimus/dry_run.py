@@ -40,6 +40,7 @@ from optimus.load_model import ExpertLoad, using
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
 from optimus.platform import Platform, detect_platform
+from optimus.run_spec import resolve_run
 from optimus.train import step_memory
 from optimus.train.step_memory import step_memory_tracker
 
@@ -106,20 +107,21 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from optimus.plan import make_plan
+    from optimus.plan import plan_run
     from optimus.train.trainer import Trainer
 
     check_dry_run_config(cfg)
     check_rank(rank, world)
-    cfg = copy.deepcopy(cfg)  # the trainer records resolved settings into it
+    cfg = copy.deepcopy(cfg)
     cfg.parallel.check_collectives = False  # a fake group has no values to check
     cfg.parallel.nproc = world
+    spec = resolve_run(cfg, world, dry_run_platform(cfg, device))
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
         with using(load):
-            trainer = Trainer.for_one_step(cfg, dry_run_platform(cfg, device), tensor_mode=fake)
+            trainer = Trainer.for_one_step(spec, tensor_mode=fake)
         t = cfg.train
         trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
         gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
@@ -134,7 +136,7 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
         ps = trainer.ps
     finally:
         dist.destroy_process_group()
-    plan = make_plan(cfg, world)
+    plan = plan_run(spec)
     planned = plan.stages[ps.pp_rank]["total_bytes"] if plan.stages else plan.memory["total_configured"]
     measured = step_memory.record(memory)
     return {

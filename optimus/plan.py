@@ -122,7 +122,8 @@ from optimus.parallel.pipeline import (
     stage_layer_ids,
     stage_sizes,
 )
-from optimus.platform import resolve_dtype
+from optimus.platform import declared_device_type, resolve_dtype
+from optimus.run_spec import RunSpec
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 GIB = 2**30
@@ -131,11 +132,7 @@ STATE_KEYS = ("param_bytes", "grad_bytes", "master_bytes", "optim_state_bytes") 
 
 def planned_dtype(cfg: OptimusConfig) -> str:
     """`train.dtype` as a run on `machine` resolves it: auto is bf16 on GPUs, and on CPUs with bf16 units."""
-    device = cfg.machine.device
-    if device == "auto":
-        device = "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
-        device = "cuda" if torch.cuda.is_available() else device
-    return resolve_dtype(cfg.train.dtype, device)
+    return resolve_dtype(cfg.train.dtype, declared_device_type(cfg.machine))
 
 
 def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> StateBytes:
@@ -337,10 +334,11 @@ def activation_bytes(
     only what the forward keeps for the backward. A pipeline rank holds the blocks `layers` (and the
     head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. The head's
     cross-entropy is optimus.model.loss's fused one, or with `tp` > 1 the vocabulary-parallel one on V/tp of the
-    logits. `tp` > 1: one rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also count the fused
-    cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler books it to the
-    head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it out. `staging`:
-    ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at its end)."""
+    logits. `tp` > 1: one rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also
+    count the fused cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler
+    books it to the head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it
+    out. `staging`: ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at
+    its end)."""
     part = _layer_activations(m, act_bytes, tp, sp)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
@@ -465,8 +463,18 @@ def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
 
 def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
     """The plan of the busiest rank (with pp > 1, of the pipeline rank that needs the most memory; every
-    pipeline rank's figures are in `stages`)."""
+    pipeline rank's figures are in `stages`), for `cfg` on `world` ranks, which it validates."""
     validate(cfg, world)
+    return plan_layout(cfg, world, counts)
+
+
+def plan_run(spec: RunSpec) -> Plan:
+    """make_plan of a run whose settings are resolved and validated already (optimus.run_spec)."""
+    return plan_layout(spec.cfg, spec.world_size)
+
+
+def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
+    """make_plan without the validation."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     ep, pp, tp = p.ep, p.pp, p.tp
     counts = counts or count_params_of_config(m)

@@ -41,7 +41,9 @@ def _xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
-def _pick_device_type(machine: MachineConfig) -> str:
+def declared_device_type(machine: MachineConfig) -> str:
+    """The device type a machine recipe names (machine.device), or for `auto` the one this machine has: what a run
+    there uses, and what `optimus plan` plans for (which may run elsewhere, so nothing is checked here)."""
     want = machine.device
     if want not in ("auto", "xpu", "cuda", "cpu"):
         raise ConfigError(f"machine.device={want!r} is not supported: set it to auto, cpu, cuda or xpu.")
@@ -49,6 +51,12 @@ def _pick_device_type(machine: MachineConfig) -> str:
         if _xpu_available():
             return "xpu"
         return "cuda" if torch.cuda.is_available() else "cpu"
+    return want
+
+
+def _pick_device_type(machine: MachineConfig) -> str:
+    """declared_device_type, which this machine must have."""
+    want = declared_device_type(machine)
     if want == "xpu" and not _xpu_available():
         raise ConfigError("machine.device=xpu but torch sees no Intel GPU: set machine.device=auto or cpu.")
     if want == "cuda" and not torch.cuda.is_available():

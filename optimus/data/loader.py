@@ -22,13 +22,6 @@ from optimus.data.errors import DataError
 from optimus.data.order import global_indices
 
 
-def _accelerator_present() -> bool:
-    if torch.cuda.is_available():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    return bool(xpu is not None and xpu.is_available())
-
-
 def _gather(dataset: Any, idx: np.ndarray) -> torch.Tensor:
     if hasattr(dataset, "gather"):
         return dataset.gather(idx)
@@ -59,13 +52,15 @@ class BatchLoader:
         seed: int,
         samples_consumed: int = 0,
         prefetch: int = 4,
+        pin_memory: bool = False,
     ):
+        """`pin_memory`: the micro-batches go to an accelerator; page-locked, they can be copied asynchronously."""
         micro_batches_per_rank(global_batch, micro_batch, world_size)  # refuses a batch the ranks cannot share
         if len(dataset) == 0:
             raise DataError("the dataset has no window of seq_len + 1 tokens: add data or lower train.seq_len.")
         self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
         self.rank, self.world_size, self.seed, self.prefetch = rank, world_size, seed, prefetch
-        self.pin = _accelerator_present()
+        self.pin = pin_memory
         self._thread: threading.Thread | None = None
         self._start(samples_consumed)
 

@@ -32,6 +32,7 @@ its staging copy, so the staged gradients never grow to the whole gradient that 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -175,13 +176,9 @@ class ShardGroup:
         self.packed = [False] * len(self.flat.slots)
         self.partial: dict[int, torch.Tensor] = {}  # ZeRO-2, grads_by_hook: slot -> sum of its earlier grads
         self.stale: set[int] = set()  # slots whose .grad autograd stored holds nothing we still need
+        self.completed: dict[int, weakref.ref] = {}  # slot -> its complete gradient, until it is stored in .grad
         self.staging: dict[int, torch.Tensor] = {}
         self.next_launch = 0
-
-    def drop_stale(self) -> None:
-        for i in self.stale:
-            self.flat.slots[i].param.grad = None
-        self.stale.clear()
 
     # ---- accumulation -------------------------------------------------------
 
@@ -197,30 +194,61 @@ class ShardGroup:
         else:
             self.partial[slot_idx] = grad.reshape(-1).to(self.grad_dtype, copy=True)
 
-    def arrive(self, slot_idx: int, grad: torch.Tensor) -> None:
+    def arrive(self, slot_idx: int, grad: torch.Tensor) -> torch.Tensor | None:
         """ZeRO-2 (a tensor hook): slot `slot_idx`'s gradient of one micro-batch, before autograd stores it. The
-        step's last one completes the gradient, which is packed for its reduction at once."""
-        self.drop_stale()  # what a weight pass stored after the last arrivals: it is packed already
+        step's last one completes the gradient, which is packed for its reduction: kept in grad_dtype here
+        (grads_by_hook) it is packed at once; else this hook returns the completed sum for autograd to store in
+        .grad in its place, and it is packed from there (`stored`, or a weight pass's `collect_assigned`), so
+        that, as with autograd's own accumulation, this micro-batch's gradient is not held beside the sum."""
+        self.collect_assigned()
         self.arrivals[slot_idx] += 1
         if self.arrivals[slot_idx] > self.micro_batches:
             raise RuntimeError(
                 f"{self.flat.slots[slot_idx].name} received more gradients than the step's {self.micro_batches} "
                 "micro-batches: build the optimizer with the number of backwards per step."
             )
-        grad = local_grad(self.flat.slots[slot_idx].param, grad)
-        if self.arrivals[slot_idx] < self.micro_batches or slot_idx in self.deferred:
-            if self.grads_by_hook:  # kept in grad_dtype here; what autograd stores is dropped
+        last = self.arrivals[slot_idx] == self.micro_batches and slot_idx not in self.deferred
+        param = self.flat.slots[slot_idx].param
+        if self.grads_by_hook:
+            grad = local_grad(param, grad)
+            if last:
+                self.pack(slot_idx, grad, self.partial.pop(slot_idx, None))
+            else:
                 self.accumulate_partial(slot_idx, grad)
-                self.stale.add(slot_idx)
-            return  # else autograd accumulates it in .grad
-        self.pack(slot_idx, grad, self.earlier(slot_idx))
-        self.stale.add(slot_idx)  # autograd stores this micro-batch's gradient, which pack has taken
+            self.stale.add(slot_idx)  # what autograd stores is taken already
+            return None
+        if not last:
+            return None  # autograd accumulates it in .grad
+        earlier, param.grad = param.grad, None
+        total = grad if earlier is None else earlier.add_(grad)
+        self.completed[slot_idx] = weakref.ref(total)  # no strong reference: autograd may take it without a copy
+        return total
 
     def stored(self, slot_idx: int) -> None:
-        """ZeRO-2 (a post-accumulate-grad hook, run by autograd's backward): drop a .grad already taken."""
+        """ZeRO-2 (a post-accumulate-grad hook, run by autograd's backward): pack a completed gradient, drop one
+        already taken."""
         if slot_idx in self.stale:
             self.stale.discard(slot_idx)
             self.flat.slots[slot_idx].param.grad = None
+        elif slot_idx in self.completed:
+            self.pack_completed(slot_idx)
+
+    def collect_assigned(self) -> None:
+        """ZeRO-2: gradients a zero-bubble weight pass assigned to .grad since the last event (it runs no
+        post-accumulate-grad hook): pack those completed, drop those taken."""
+        for i in self.stale:
+            self.flat.slots[i].param.grad = None
+        self.stale.clear()
+        for i, ref in list(self.completed.items()):
+            grad = self.flat.slots[i].param.grad
+            if grad is not None and grad is ref():
+                self.pack_completed(i)
+
+    def pack_completed(self, slot_idx: int) -> None:
+        del self.completed[slot_idx]
+        param = self.flat.slots[slot_idx].param
+        grad, param.grad = param.grad, None
+        self.pack(slot_idx, grad, None)
 
     def earlier(self, slot_idx: int) -> torch.Tensor | None:
         """ZeRO-2: the sum of the step's gradients of a slot held so far (None if none: kept here, or in .grad by
@@ -321,10 +349,10 @@ class ShardGroup:
         self.works.append((reduce_scatter_sum(out, src, c.shard_group, async_op=True), src, None))
 
     def collect(self) -> None:
-        """After the backwards: bring every gradient of the step into this group's buffers (ZeRO-1: a .grad that
-        was set by hand or by a zero-bubble weight pass rather than accumulated by autograd)."""
-        self.drop_stale()
+        """After the backwards: bring every gradient of the step into this group's buffers (a .grad that was set by
+        hand or by a zero-bubble weight pass rather than accumulated by autograd)."""
         if self.zero == 2:
+            self.collect_assigned()
             return
         if self.grads_by_hook:
             for i, s in enumerate(self.flat.slots):
@@ -561,8 +589,8 @@ class GradSharder:
 
 
 def _arrival(group: ShardGroup, slot_idx: int):
-    def hook(grad: torch.Tensor) -> None:
-        group.arrive(slot_idx, grad)
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        return group.arrive(slot_idx, grad)
 
     return hook
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 
-from optimus.config import ConfigError, OptimusConfig
+from optimus.config import ConfigError
 from optimus.platform import proc_bytes
+from optimus.run_spec import RunSpec
 
 GIB = 2**30
 
@@ -26,14 +27,14 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_cpu_memory(cfg: OptimusConfig, world_size: int, local_ranks: int, available: int | None = None) -> None:
-    """Raise ConfigError when `local_ranks` ranks of this layout need more than the available memory."""
-    from optimus.plan import make_plan
+def check_cpu_memory(spec: RunSpec, local_ranks: int, available: int | None = None) -> None:
+    """Raise ConfigError when `local_ranks` ranks of this run need more than the available memory."""
+    from optimus.plan import plan_run
 
     available = available_memory_bytes() if available is None else available
     if available is None:
         return
-    plan = make_plan(cfg, world_size)
+    plan = plan_run(spec)
     per_rank = plan.memory["total_configured"]  # with train.activation_checkpointing as set
     needed = per_rank * local_ranks
     if needed <= available:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps, validate
+from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps
 from optimus.data import BatchLoader, build_data, eval_batches
 from optimus.host_syncs import HostSyncCounter
 from optimus.model import Transformer, build_model, count_params, count_params_of_config, flops_per_token, moe_layer_ids
@@ -41,9 +41,9 @@ from optimus.platform import (
     peak_flops_per_device,
     peak_memory_bytes,
     release_free_cpu_memory,
-    resolve_dtype,
     synchronize,
 )
+from optimus.run_spec import RunSpec, resolve_run
 from optimus.train import step_memory
 from optimus.train.checkpoint import Checkpointer
 from optimus.train.faults import (
@@ -123,12 +123,17 @@ def schedule_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], n: int):
 
 
 class Trainer:
-    def __init__(self, cfg: OptimusConfig, local_rank: int = 0):
-        platform = detect_platform(cfg.machine, local_rank)
-        if platform.device_type != "cpu":
-            torch.get_device_module(platform.device_type).set_device(platform.device)
-        self._init_layout(cfg, platform)
-        p = cfg.parallel
+    def __init__(self, run: OptimusConfig | RunSpec, local_rank: int = 0):
+        """`run`: a RunSpec (optimus.run_spec), or a config, which is resolved and validated here for this process
+        (its device for `local_rank`, the world of the initialised process group)."""
+        if not isinstance(run, RunSpec):
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            run = resolve_run(run, world_size, detect_platform(run.machine, local_rank))
+        spec = run
+        if spec.platform.device_type != "cpu":
+            torch.get_device_module(spec.platform.device_type).set_device(spec.platform.device)
+        self._init_layout(spec)
+        cfg, p = self.cfg, self.cfg.parallel
         if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
             compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
             check_collectives(self.ps, self.platform.device, compute_dtype, p.dispatcher)
@@ -164,8 +169,9 @@ class Trainer:
         # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
         t, data_rank, data_world = cfg.train, self.ps.data_rank, self.ps.data_parallel
         self.loader = BatchLoader(
-            self.data.train, t.global_batch, t.micro_batch, data_rank, data_world, t.seed, prefetch=cfg.data.prefetch
-        )
+            self.data.train, t.global_batch, t.micro_batch, data_rank, data_world, t.seed, prefetch=cfg.data.prefetch,
+            pin_memory=self.platform.device_type != "cpu",
+        )  # fmt: skip
         # A fixed held-out set of sequences, the same in every layout (see eval_batches).
         self.eval_batches = [
             (batch.to(self.device), weight.to(self.device, torch.float64))
@@ -183,27 +189,27 @@ class Trainer:
             truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
     @classmethod
-    def for_one_step(cls, cfg: OptimusConfig, platform: Platform, tensor_mode=None) -> Trainer:
+    def for_one_step(cls, spec: RunSpec, tensor_mode=None) -> Trainer:
         """What `train_step` needs and nothing more: the layout, model, router statistics and optimizer; the
         caller sets `.loader` (whose `next_step()` gives a step's `accum` micro-batches). `optimus plan
         --dry-run` runs this on fake tensors: no collective check, run directory, data, checkpoint or
         evaluation. The model and optimizer are built inside `tensor_mode` (a FakeTensorMode), the process
         groups outside it (a DeviceMesh reads its ranks back)."""
         trainer = cls.__new__(cls)
-        trainer._init_layout(cfg, platform)
+        trainer._init_layout(spec)
         with tensor_mode or nullcontext():
             trainer._init_step()
         return trainer
 
-    def _init_layout(self, cfg: OptimusConfig, platform: Platform) -> None:
+    def _init_layout(self, spec: RunSpec) -> None:
         """The device, the process groups of the layout, and the micro-batches per rank and step."""
-        self.cfg, self.platform = cfg, platform
-        p = cfg.parallel
-        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, platform.device_type, p.sp)
-        validate(cfg, self.ps.world_size)
-        cfg.train.dtype = resolve_dtype(cfg.train.dtype, platform.device_type)  # recorded in config.yaml
-        self.accum = grad_accum_steps(cfg, self.ps.data_parallel)  # micro-batches per rank and step
-        self.device = platform.device
+        self.spec, self.cfg, self.platform = spec, spec.cfg, spec.platform
+        p = self.cfg.parallel
+        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp)
+        if self.ps.world_size != spec.world_size:
+            raise RuntimeError(f"a run resolved for {spec.world_size} ranks, in a group of {self.ps.world_size}")
+        self.accum = grad_accum_steps(self.cfg, self.ps.data_parallel)  # micro-batches per rank and step
+        self.device = self.platform.device
 
     def _init_step(self, load_weights=None) -> None:
         """This rank's part of the model (run by `self.pipeline` when pp > 1), its router statistics and the
@@ -407,9 +413,9 @@ class Trainer:
 
     def _planned_memory(self) -> tuple[int, int]:
         """optimus plan's (per-rank total, activations) for this run (with pp > 1, its busiest pipeline rank's)."""
-        from optimus.plan import STATE_KEYS, make_plan
+        from optimus.plan import STATE_KEYS, plan_run
 
-        plan = make_plan(self.cfg, self.ps.world_size)
+        plan = plan_run(self.spec)
         activations = plan.activations["configured"]
         return sum(plan.state[plan.sharding][k] for k in STATE_KEYS) + activations, activations
 
@@ -588,5 +594,5 @@ class Trainer:
         )
 
 
-def train(cfg: OptimusConfig, local_rank: int = 0) -> dict:
-    return Trainer(cfg, local_rank).fit()
+def train(run: OptimusConfig | RunSpec, local_rank: int = 0) -> dict:
+    return Trainer(run, local_rank).fit()

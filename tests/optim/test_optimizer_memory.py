@@ -146,4 +146,5 @@ def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
         for s in flat.slots:
             assert s.param.data_ptr() == base + s.start * flat.buffer.element_size()
             assert s.param.grad.data_ptr() == group.full_grad.data_ptr() + s.start * flat.buffer.element_size()
-    assert {n for n, _ in model.named_parameters()} == {s.name for g in opt.sharder.groups.values() for s in g.flat.slots}
+    slots = {s.name for g in opt.sharder.groups.values() for s in g.flat.slots}
+    assert {n for n, _ in model.named_parameters()} == slots

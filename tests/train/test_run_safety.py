@@ -212,16 +212,21 @@ def test_a_failed_read_during_resume_falls_back(small_run, tmp_path, caplog, mon
 
 
 def test_memory_that_cannot_fit_is_refused_before_the_run(small_run, tmp_path, capsys):
+    from optimus.platform import detect_platform
+    from optimus.run_spec import resolve_run
     from optimus.train.memory_check import check_cpu_memory
 
+    def run(cfg):
+        return resolve_run(cfg, 1, detect_platform(cfg.machine, 0))
+
     _, overrides = small_run
-    cfg = load_config(overrides)
-    check_cpu_memory(cfg, 1, 1, available=2**40)  # fits in a TiB
+    spec = run(load_config(overrides))
+    check_cpu_memory(spec, 1, available=2**40)  # fits in a TiB
     with pytest.raises(ConfigError, match="lower train.micro_batch or train.seq_len"):
-        check_cpu_memory(cfg, 1, 1, available=2**20)
-    check_cpu_memory(load_config([]), 1, 1, available=8 * 2**30)  # the default run fits a small laptop
+        check_cpu_memory(spec, 1, available=2**20)
+    check_cpu_memory(run(load_config([])), 1, available=8 * 2**30)  # the default run fits a small laptop
     with pytest.raises(ConfigError, match="GiB of memory is available"):  # the case: killed by the kernel
-        check_cpu_memory(load_config(["train.seq_len=200000"]), 1, 1, available=64 * 2**30)
+        check_cpu_memory(run(load_config(["train.seq_len=200000"])), 1, available=64 * 2**30)
     base = [o for o in overrides if not o.startswith("run.dir=")]
     assert main(["train", *base, f"run.dir={tmp_path / 'big'}", "train.seq_len=10000000"]) == 2
     assert "GiB of memory is available" in error_of(capsys)
