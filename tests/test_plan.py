@@ -344,7 +344,7 @@ def test_tensor_parallel_activation_bytes_by_hand(sp):
     dense = norms + gathered + attn + 4 * ffn * a / tp + gathered + norm_output
     routed = d * a + 4 * d + 8 * e + 28 * k + 2 * k * d * a + 4 * k * f * a + 4 * fs * a
     moe = norms + gathered + attn + routed / tp
-    head = d * a * residual + norm_output + gathered + v * a / tp + 16
+    head = d * a * residual + norm_output + gathered + 4 * v / tp + 16  # the vocab-parallel loss's fp32 log-probs
     moe_regions = (attn, 4 * k * f * a / tp, 4 * fs * a / tp)  # recomputed one at a time under full
     moe_full = moe - sum(moe_regions)
     kept = {

@@ -256,20 +256,24 @@ def faulty_pipeline_rank(overrides: list[str], cache: str, bad_rank: int, bad_st
     snapshots of this rank's stage."""
     os.environ["OPTIMUS_CACHE"] = cache
     torch.set_num_threads(1)
+    import optimus.parallel.pipeline as pipeline_module
     import optimus.train.trainer as trainer_module
     from optimus.cli import load_config
 
-    real_loss = trainer_module.Trainer._pipeline_loss
-    rank = dist.get_rank()
+    real_loss, real_pipeline_step = pipeline_module.Pipeline._loss, pipeline_module.Pipeline.step
+    rank, steps_run = dist.get_rank(), [0]
 
-    def poisoned_loss(self, logits_BSV, targets_BS):
-        loss = real_loss(self, logits_BSV, targets_BS)
-        if rank == bad_rank and self.step + 1 == bad_step:
-            self.pipeline_lm_losses[-1] = self.pipeline_lm_losses[-1] + float("nan")
-            loss = loss + float("nan")
-        return loss
+    def counting_step(self, batch_BS1):
+        steps_run[0] += 1
+        return real_pipeline_step(self, batch_BS1)
 
-    trainer_module.Trainer._pipeline_loss = poisoned_loss  # before the pipeline's schedule takes it
+    def poisoned_loss(self, loss_BS, target):
+        if rank == bad_rank and steps_run[0] == bad_step and not self.evaluating:
+            loss_BS = loss_BS + float("nan")
+        return real_loss(self, loss_BS, target)
+
+    # before the pipeline hands its loss to the schedule
+    pipeline_module.Pipeline._loss, pipeline_module.Pipeline.step = poisoned_loss, counting_step
     trainer = trainer_module.Trainer(load_config(overrides))
     snapshots = []
     real_step = trainer.train_step
