@@ -4,8 +4,8 @@
   a CSR sparse x dense matmul on CPUs, `index_add_` elsewhere; no Python loop over tokens.
   16-bit rows are widened to fp32 a block at a time, in cache.
 - expert MLP: one custom autograd.Function for the whole SwiGLU MLP; GEMMs are
-  `torch._grouped_mm` (one call per GEMM for all experts, weight grads included) with a
-  per-expert `torch.mm(out=)` loop when `_grouped_mm` is missing or strides are not 16-byte
+  `torch.nn.functional.grouped_mm` (one call per GEMM for all experts, weight grads included; through
+  `torch_private`) with a per-expert `torch.mm(out=)` loop when it is missing or strides are not 16-byte
   aligned. 16-bit GEMMs on a CPU run per expert on row counts from a small fixed set
   (`cached_rows`), so that oneDNN's kernels for them stay cached from step to step, and
   there the MLP runs one expert at a time (GEMM, SwiGLU, GEMM on rows still in cache), or, for
@@ -22,13 +22,14 @@ import functools
 import warnings
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
 from optimus.kernels.host_reads import group_bounds, token_row_starts
+from optimus.kernels.torch_private import FakeTensor
+from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 
-_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_HAS_GROUPED_MM = torch_grouped_mm is not None
 
 
 def _address(t: torch.Tensor) -> int:
@@ -137,7 +138,7 @@ class RowBounds:
 
     Reading them is a host synchronisation on a GPU (the launch queue drains while the host waits), so only
     the per-expert loops ask, which slice rows by host integers: the CPU's paths, and a GPU's where
-    `torch._grouped_mm` cannot run (`_use_grouped`). `torch._grouped_mm` takes the offsets where they are.
+    grouped_mm cannot run (`_use_grouped`). grouped_mm takes the offsets where they are.
     """
 
     def __init__(self, offsets_E: torch.Tensor, n_rows: int):
@@ -149,12 +150,13 @@ class RowBounds:
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm: [A, K] x [E, K, N] -> [A, N], or [K, A] x [A, N] -> [E, K, N]. Fake tensors (a dry run)
-    run its meta kernel, which refuses all but bf16 (the CUDA kernel's rule) where the CPU kernel takes fp32 and
-    fp16 too: for those it gives the empty output of the shape the CPU kernel would, as a fake kernel does."""
+    """torch's grouped GEMM (`torch_private.grouped_mm`): [A, K] x [E, K, N] -> [A, N], or [K, A] x [A, N] ->
+    [E, K, N]. Fake tensors (a dry run) run its meta kernel, which refuses all but bf16 (the CUDA kernel's rule)
+    where the CPU kernel takes fp32 and fp16 too: for those it gives the empty output of the shape the CPU kernel
+    would, as a fake kernel does."""
     if isinstance(a, FakeTensor) and a.dtype != torch.bfloat16:
         return a.new_empty((a.shape[0], b.shape[2]) if b.dim() == 3 else (offsets_E.shape[0], a.shape[0], b.shape[1]))
-    return torch._grouped_mm(a, b, offsets_E)
+    return torch_grouped_mm(a, b, offs=offsets_E)
 
 
 def _grouped_mm_cached_rows(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: list[int]) -> torch.Tensor:

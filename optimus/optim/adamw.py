@@ -8,15 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.kernels.torch_private import _get_fused_kernels_supported_devices  # [] where torch lacks it
 from optimus.optim.flat_buffer import Segment
-
-try:  # the device list torch.optim.AdamW(fused=True) checks; private, so its absence means the fallback everywhere
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-except ImportError:
-
-    def _get_fused_kernels_supported_devices() -> list[str]:
-        return []
-
 
 # Elements updated at a time: a chunk's fp32 temporaries (4 MiB each) stay in cache between the passes over it.
 # The fused kernel on 11.3M elements (the default model) with bf16 gradients, 2 EPYC cores: 8.8 ms in chunks

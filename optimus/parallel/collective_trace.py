@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimus.kernels.torch_private import ModTracker, TorchDispatchMode
 
 # c10d operator name -> the name a trace records (the torch.distributed function a reader knows).
 _OP_NAMES = {

@@ -9,6 +9,8 @@ from torch.nn.functional import silu
 import optimus.kernels as kernels
 from optimus.config import ConfigError, ModelConfig, MoEConfig
 from optimus.kernels import KernelUnavailable, get_backend, reference, torch_backend
+from optimus.kernels.torch_private import TorchDispatchMode
+from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 from optimus.model import Transformer
 
 
@@ -47,8 +49,8 @@ NAMES = ("out", "d x", "d w13", "d w2", "d weight")
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_expert_path_fp32_matches_reference(top_k, grouped, monkeypatch):
-    if grouped and not hasattr(torch, "_grouped_mm"):
-        pytest.skip(f"torch {torch.__version__} has no _grouped_mm: the loop is the path that runs there")
+    if grouped and torch_grouped_mm is None:
+        pytest.skip(f"torch {torch.__version__} has no grouped_mm: the loop is the path that runs there")
     monkeypatch.setattr(torch_backend, "_HAS_GROUPED_MM", grouped)
     # 37 tokens: ragged per-expert row counts; experts 2 and 5 get no rows.
     leaves, token_idx_A, offsets_E = make_problem(37, 16, 24, 11, top_k, empty_experts=(2, 5))
@@ -341,7 +343,7 @@ def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
     assert len(set(rounded)) == 31 + 16 * 8 + 1  # 16 per octave from 32 to 8191, and 8192
 
 
-class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
+class _MatmulShapes(TorchDispatchMode):
     """Records the operand shapes of every mm and addmm (`shapes`) and the reduction length of every addmm_
     (`accumulated`)."""
 
