@@ -8,7 +8,7 @@ from torch.nn.functional import silu
 
 import optimus.kernels as kernels
 from optimus.config import ConfigError, ModelConfig, MoEConfig
-from optimus.kernels import KernelUnavailable, get_backend, reference, torch_backend
+from optimus.kernels import KernelUnavailable, cpu_schedules, get_backend, reference, torch_backend
 from optimus.kernels.torch_private import TorchDispatchMode
 from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 from optimus.model import Transformer
@@ -154,16 +154,16 @@ def test_bf16_expert_mlp_runs_per_expert_or_padded_where_the_cpu_computes_in_bf1
     per-expert one; either matches the fp32 reference."""
     monkeypatch.setattr(torch_backend, "math_dtype", lambda dtype, device: dtype)
     if schedule == "by_expert":
-        monkeypatch.setattr(torch_backend, "padded_rows", lambda bounds, n_dim, n_ffn: 0)
+        monkeypatch.setattr(cpu_schedules, "padded_rows", lambda bounds, n_dim, n_ffn: 0)
     else:  # any load qualifies
-        monkeypatch.setattr(torch_backend, "_PADDED_MAX_ROWS_RATIO", float("inf"))
+        monkeypatch.setattr(cpu_schedules, "PADDED_MAX_ROWS_RATIO", float("inf"))
     calls = []
-    for name in (f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"):
-        original = getattr(torch_backend, name)
-        monkeypatch.setattr(torch_backend, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    for name in (f"swiglu_mlp_forward_{schedule}", f"swiglu_mlp_backward_{schedule}"):
+        original = getattr(cpu_schedules, name)
+        monkeypatch.setattr(cpu_schedules, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 10, 8, dtype=torch.bfloat16, empty_experts=(3,))
     got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
-    assert calls == [f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"]
+    assert calls == [f"swiglu_mlp_forward_{schedule}", f"swiglu_mlp_backward_{schedule}"]
     leaves32 = [t.detach().float().requires_grad_() for t in leaves]
     want = value_and_grads(reference, leaves32, token_idx_A, offsets_E)
     for name, g, w in zip(NAMES, got, want):
@@ -173,13 +173,13 @@ def test_bf16_expert_mlp_runs_per_expert_or_padded_where_the_cpu_computes_in_bf1
 def _half_swiglu_mlp(schedule, x, w13, w2, dy, bounds, needs):
     """(y, grads) of one 16-bit CPU schedule of the SwiGLU MLP, forward then backward."""
     if schedule == "by_expert":
-        h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
+        h13, silu_gate, h, y = cpu_schedules.swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
         saved = (x, w13, w2, h13, silu_gate, h)
-        return y, torch_backend._swiglu_mlp_backward_by_expert(saved, dy, bounds, needs)
-    rows = torch_backend.cached_rows(max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])))
-    x_pad, h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_padded(x, w13, w2, bounds, rows)
+        return y, cpu_schedules.swiglu_mlp_backward_by_expert(saved, dy, bounds, needs)
+    rows = cpu_schedules.cached_rows(max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])))
+    x_pad, h13, silu_gate, h, y = cpu_schedules.swiglu_mlp_forward_padded(x, w13, w2, bounds, rows)
     saved = (x_pad, w13, w2, h13, silu_gate, h)
-    return y, torch_backend._swiglu_mlp_backward_padded(saved, dy, bounds, needs)
+    return y, cpu_schedules.swiglu_mlp_backward_padded(saved, dy, bounds, needs)
 
 
 @pytest.mark.parametrize("schedule", ["by_expert", "padded"])
@@ -217,11 +217,11 @@ def test_padded_schedule_only_for_small_experts_with_even_loads():
     """`padded_rows`: a cached row count covering the busiest expert where experts are small and loads even;
     0 for large experts, for a load whose padding would exceed the ratio, and for no rows at all."""
     even = [0, 500, 1000, 1490, 2000]  # busiest 510 rows
-    assert torch_backend.padded_rows(even, 256, 256) == torch_backend.cached_rows(510) >= 510
-    assert torch_backend.padded_rows(even, 1024, 1024) == 0  # 500 x 1024 x 1024 multiply-adds per expert
+    assert cpu_schedules.padded_rows(even, 256, 256) == cpu_schedules.cached_rows(510) >= 510
+    assert cpu_schedules.padded_rows(even, 1024, 1024) == 0  # 500 x 1024 x 1024 multiply-adds per expert
     uneven = [0, 1200, 1500, 1800, 2000]  # 4 x 1216 padded rows for 2000
-    assert torch_backend.padded_rows(uneven, 256, 256) == 0
-    assert torch_backend.padded_rows([0, 0, 0], 256, 256) == 0
+    assert cpu_schedules.padded_rows(uneven, 256, 256) == 0
+    assert cpu_schedules.padded_rows([0, 0, 0], 256, 256) == 0
 
 
 @pytest.mark.parametrize("drops", [False, True], ids=["dropless", "dropped"])
@@ -229,7 +229,7 @@ def test_bf16_rows_widened_in_blocks_match_a_reference_summed_in_fp32(drops, mon
     """Permute's backward and combine widen bf16 rows a few tokens at a time (blocks of 8 rows here, so some
     blocks hold only tokens that lost every assignment): each token's sum equals the same bf16 rows summed in
     fp32 by plain PyTorch, rounded once."""
-    monkeypatch.setattr(torch_backend, "_WIDEN_BLOCK_ROWS", 8)
+    monkeypatch.setattr(cpu_schedules, "WIDEN_BLOCK_ROWS", 8)
     leaves, token_idx_A, offsets_E = make_problem(29, 16, 8, 5, 3, dtype=torch.bfloat16)
     weight_A = leaves[3]
     if drops:  # tokens 5..14 keep no assignment at all, others keep some
@@ -336,9 +336,9 @@ def test_import_does_not_need_triton():
 
 def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
     counts = range(1, 8193)
-    rounded = [torch_backend.cached_rows(n) for n in counts]
+    rounded = [cpu_schedules.cached_rows(n) for n in counts]
     assert all(n <= r <= n * 17 / 16 for n, r in zip(counts, rounded))
-    assert all(torch_backend.cached_rows(r) == r for r in rounded)  # a fixed point: the set is closed
+    assert all(cpu_schedules.cached_rows(r) == r for r in rounded)  # a fixed point: the set is closed
     assert rounded[:31] == list(range(1, 32))  # exact below 32 rows
     assert len(set(rounded)) == 31 + 16 * 8 + 1  # 16 per octave from 32 to 8191, and 8192
 
@@ -377,8 +377,8 @@ def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype)
         y = torch_backend.grouped_mm(x, w, row_bounds)
         dx = torch_backend.grouped_mm(g, w.transpose(1, 2), row_bounds)
         dw = torch_backend.grouped_wgrad(x, g, row_bounds)
-    assert seen.shapes and all(torch_backend.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
-    tails = sorted(n % torch_backend._row_step(n) for n in counts if n and n % torch_backend._row_step(n))
+    assert seen.shapes and all(cpu_schedules.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
+    tails = sorted(n % cpu_schedules.row_step(n) for n in counts if n and n % cpu_schedules.row_step(n))
     assert sorted(seen.accumulated) == tails == [1, 1, 1, 12]  # 33, 47, 257 and 300 rows; 100 is a cached count
     x32, w32, g32 = x.float(), w.float(), g.float()
     exact = [(x32[lo:hi] @ w32[e], g32[lo:hi] @ w32[e].t(), x32[lo:hi].t() @ g32[lo:hi])
