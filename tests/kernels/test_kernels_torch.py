@@ -182,12 +182,16 @@ def _half_swiglu_mlp(schedule, x, w13, w2, dy, bounds, needs):
     return y, cpu_schedules.swiglu_mlp_backward_padded(saved, dy, bounds, needs)
 
 
-@pytest.mark.parametrize("schedule", ["by_expert", "padded"])
+@pytest.mark.parametrize("schedule", ["by_expert", "by_expert_fine", "padded"])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
-def test_half_swiglu_mlp_schedules_match_a_plain_fp32_loop(schedule, needs):
+def test_half_swiglu_mlp_schedules_match_a_plain_fp32_loop(schedule, needs, monkeypatch):
     """The 16-bit SwiGLU MLP schedules on a CPU equal plain fp32 autograd over the same bf16 values, per expert.
-    Per expert: windows past each expert's rows, the last window reading rows before its own. Padded: experts
-    of 0 to 300 rows padded to one count. Both: an empty expert, some gradients not needed."""
+    Per expert: windows past each expert's rows, the last window reading rows before its own (`_fine`: with
+    every GEMM counted as large, 32 row counts per octave). Padded: experts of 0 to 300 rows padded to one count.
+    All: an empty expert, some gradients not needed."""
+    if schedule == "by_expert_fine":
+        monkeypatch.setattr(cpu_schedules, "FINE_ROWS_MIN_MACS", 0)
+        schedule = "by_expert"
     gen = torch.Generator().manual_seed(6)
     counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300, 2], 64, 48
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
@@ -343,6 +347,19 @@ def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
     assert len(set(rounded)) == 31 + 16 * 8 + 1  # 16 per octave from 32 to 8191, and 8192
 
 
+def test_large_gemms_round_rows_by_at_most_a_thirty_second_from_a_set_holding_the_small_one():
+    """A GEMM of at least FINE_ROWS_MIN_MACS multiply-adds (coarse experts) rounds to 32 counts per octave; every
+    count of the 16-per-octave set is one of them, so a GEMM that crosses the threshold stays on cached counts."""
+    per_row = cpu_schedules.FINE_ROWS_MIN_MACS // 512  # the GEMM is large from 512 rows on
+    counts = range(1, 8193)
+    rounded = [cpu_schedules.cached_rows(n, per_row) for n in counts]
+    assert rounded[:511] == [cpu_schedules.cached_rows(n) for n in range(1, 512)]  # small GEMMs: as before
+    assert all(n <= r <= n * 33 / 32 for n, r in zip(counts[511:], rounded[511:]))
+    assert all(cpu_schedules.cached_rows(r, per_row) == r for r in rounded)
+    assert len(set(rounded[511:])) == 32 * 4 + 1  # 32 per octave from 512 to 8191, and 8192
+    assert {cpu_schedules.cached_rows(n) for n in range(512, 8193)} <= set(rounded)
+
+
 class _MatmulShapes(TorchDispatchMode):
     """Records the operand shapes of every mm and addmm (`shapes`) and the reduction length of every addmm_
     (`accumulated`)."""
@@ -359,12 +376,16 @@ class _MatmulShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("fine", [False, True], ids=["16-per-octave", "32-per-octave"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype):
+def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype, fine, monkeypatch):
     """Expert row counts that are not cached sizes (33, 257, 47, 300), the first and last experts too: every
     GEMM runs on cached row counts (windows borrowing neighbouring rows) except the weight gradient's tails,
     which are shorter than a row step and so come from a small set too; the results equal exact per-expert GEMMs
-    of the same 16-bit values up to their rounding."""
+    of the same 16-bit values up to their rounding. `fine`: every GEMM counts as large (32 counts per octave)."""
+    if fine:
+        monkeypatch.setattr(cpu_schedules, "FINE_ROWS_MIN_MACS", 0)
+    per_row = 1 if fine else 0  # what makes cached_rows and row_step below take the same set as the GEMMs
     gen = torch.Generator().manual_seed(4)
     counts = [33, 100, 0, 1, 257, 47, 300, 2]
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -377,9 +398,12 @@ def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype)
         y = torch_backend.grouped_mm(x, w, row_bounds)
         dx = torch_backend.grouped_mm(g, w.transpose(1, 2), row_bounds)
         dw = torch_backend.grouped_wgrad(x, g, row_bounds)
-    assert seen.shapes and all(cpu_schedules.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
-    tails = sorted(n % cpu_schedules.row_step(n) for n in counts if n and n % cpu_schedules.row_step(n))
-    assert sorted(seen.accumulated) == tails == [1, 1, 1, 12]  # 33, 47, 257 and 300 rows; 100 is a cached count
+    rounded = cpu_schedules.cached_rows
+    assert seen.shapes and all(rounded(n, per_row) == n for call in seen.shapes for s in call for n in s)
+    step = cpu_schedules.row_step
+    tails = sorted(n % step(n, per_row) for n in counts if n and n % step(n, per_row))
+    # 33, 47, 257 and 300 rows (32 per octave: 257 and 300 only, 33 and 47 are counts of the set); 100 is one
+    assert sorted(seen.accumulated) == tails == ([1, 4] if fine else [1, 1, 1, 12])
     x32, w32, g32 = x.float(), w.float(), g.float()
     exact = [(x32[lo:hi] @ w32[e], g32[lo:hi] @ w32[e].t(), x32[lo:hi].t() @ g32[lo:hi])
              for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]  # fmt: skip
