@@ -4,6 +4,7 @@
     python benchmarks/moe_layer.py --quick          # S1 and S2 only, 3 iterations (about a minute)
     python benchmarks/moe_layer.py --shapes S2 --dtypes bf16 --iters 9
     python benchmarks/moe_layer.py --peers          # with transformers' and torchtitan's expert paths as columns
+    python benchmarks/moe_layer.py --shapes S1 --dtypes bf16 --methods optimus,loop_index_add --iters 15
 
 FLOPs counted (expert FLOPs): only the expert GEMMs, 2*M*N*K per GEMM. Forward is
 x@W13 (2*A*D*2F) + h@W2 (2*A*F*D) = 2*A*D*3F with A = T*K assignments; backward is twice
@@ -19,6 +20,10 @@ Methods (rows):
                 x_e @ W13_e -> silu * up -> @ W2_e with each expert's weights its own tensors
                 (as an nn.ModuleList holds them), torch.cat, weighted index_add; autograd does
                 the backward
+  loop_index_add
+                the per-expert loop of issue 37: per expert, index_select its tokens' rows of x, SwiGLU,
+                and index_add_ the weighted rows into the output (no permute, no concatenation); each
+                expert's weights its own tensors; autograd does the backward
   reference     (--reference) autograd through optimus.kernels.reference, stacked weights sliced
                 per expert: slow, its backward zero-fills whole weight stacks once per expert
   moe_layer     the whole optimus.model.moe.MoE layer, router included (its own routing)
@@ -157,6 +162,31 @@ def make_loop_step(s, dtype, device, gen, same_routing, param_dtype):
     return step
 
 
+def make_loop_index_add_step(s, dtype, device, gen, same_routing, param_dtype):
+    """Issue 37's plain loop: per expert, index_select its rows of x, SwiGLU, index_add_ the weighted rows back."""
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
+    w13_list = [w.detach().clone().requires_grad_() for w in w13]
+    w2_list = [w.detach().clone().requires_grad_() for w in w2]
+    n_ffn = s["F"]
+
+    def step():
+        token_idx_A, weight_A, offsets_E = routings()
+        bounds = [0, *offsets_E.tolist()]
+        with autocast(device, dtype):
+            out_TD = None
+            for e, (w13_e, w2_e) in enumerate(zip(w13_list, w2_list)):
+                lo, hi = bounds[e], bounds[e + 1]
+                idx_R = token_idx_A[lo:hi]
+                h_RF2 = x_TD.index_select(0, idx_R) @ w13_e
+                y_RD = (F.silu(h_RF2[:, :n_ffn]) * h_RF2[:, n_ffn:]) @ w2_e
+                if out_TD is None:
+                    out_TD = y_RD.new_zeros(s["T"], s["D"])
+                out_TD.index_add_(0, idx_R, y_RD * weight_A[lo:hi, None].to(y_RD.dtype))
+        torch.autograd.grad(out_TD, (x_TD, weight_A, *w13_list, *w2_list), dout_TD.to(out_TD.dtype))
+
+    return step
+
+
 def make_dense_step(s, dtype, device, gen, param_dtype, native: bool, row_fraction: int = 1):
     """One dense [A, D] x [D, 3F] linear, fwd + bwd (dx, dW): the equal-FLOP GEMM roofline."""
     A = s["T"] * s["K"] // row_fraction
@@ -233,6 +263,7 @@ def case_steps(s, dtype, device, with_reference, same_routing=False, fp32_params
     steps = {
         "optimus": make_ops_step(torch_ops, *common),
         "loop": make_loop_step(*common),
+        "loop_index_add": make_loop_index_add_step(*common),
         "moe_layer": make_moe_step(*common),
         "dense": make_dense_step(s, dtype, device, gen, param_dtype, native=False),
     }
@@ -259,6 +290,9 @@ def run_case(name, s, dtype_name, args):
     steps, scale, missing = case_steps(
         s, DTYPES[dtype_name], args.device, args.reference, args.same_routing, args.fp32_params, args.peers
     )
+    if args.methods:  # the roofline is always timed
+        keep = set(args.methods.split(","))
+        steps = {m: step for m, step in steps.items() if m in keep or m.startswith("dense")}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     medians = time_round_robin(steps, args.iters, args.warmup, clock)
     rows = {}
@@ -287,8 +321,8 @@ def machine() -> dict:
 
 
 METHOD_ORDER = (
-    "optimus", "loop", "reference", "triton", "hf_eager", "hf_grouped_mm", "torchtitan", "moe_layer", "dense",
-    "dense_native",
+    "optimus", "loop", "loop_index_add", "reference", "triton", "hf_eager", "hf_grouped_mm", "torchtitan",
+    "moe_layer", "dense", "dense_native",
 )  # fmt: skip
 
 
@@ -322,6 +356,7 @@ def parse_args():
     parser.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (what training does)")
     parser.add_argument("--same-routing", action="store_true", help="repeat one routing in every iteration")
     parser.add_argument("--peers", action="store_true", help="also time transformers' and torchtitan's expert paths")
+    parser.add_argument("--methods", default=None, help="comma-separated methods to time (default: all; dense always)")
     parser.add_argument("--fp32-params", action="store_true", help="fp32 weights, bf16 autocast (issue 22 table)")
     args = parser.parse_args()
     if args.quick:

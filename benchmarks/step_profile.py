@@ -127,7 +127,7 @@ def component_seconds(trainer: Trainer, reps: int = 3) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
-    # Long enough for oneDNN's kernel cache to hold the expert GEMMs' row counts (optimus.kernels.torch_backend
+    # Long enough for oneDNN's kernel cache to hold the expert GEMMs' row counts (optimus.kernels.cpu_schedules
     # .cached_rows): the first steps of a run build them.
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=2)

@@ -104,9 +104,7 @@ def check_rank(rank: int, world: int) -> None:
 
 def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu") -> dict:
     """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from optimus.kernels.torch_private import FakeStore, FakeTensorMode
     from optimus.plan import plan_run
     from optimus.train.trainer import Trainer
 

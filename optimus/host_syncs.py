@@ -20,11 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import optimus
+from optimus.kernels.torch_private import LOCAL_SCALAR_DENSE, FakeTensor, TorchDispatchMode
 
 # Ops whose result the host must wait for: a value read, or an output shape that depends on values.
 _SYNCING_OPS = {
@@ -55,7 +54,7 @@ def _caller() -> str:
 
 
 def _syncs(func, args: tuple, kwargs: dict) -> bool:
-    name = func._overloadpacket.__name__
+    name = func.overloadpacket.__name__
     if name == "repeat_interleave":  # its output length is a sum of values unless output_size is given
         return kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None)
     if name == "index":  # a boolean mask index is a nonzero
@@ -117,7 +116,7 @@ class HostSyncCounter(TorchDispatchMode):
         if _syncs(func, args, kwargs):
             if not self._in_tolist:
                 self.counts[_caller()] += 1
-            if self.answer_reads is not None and func is torch.ops.aten._local_scalar_dense.default:
+            if self.answer_reads is not None and func is LOCAL_SCALAR_DENSE:
                 return self.answer_reads(args[0])
         return func(*args, **kwargs)
 

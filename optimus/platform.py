@@ -20,6 +20,7 @@ import torch
 
 from optimus.config import ConfigError, MachineConfig
 from optimus.kernels.dtypes import cpu_has_fast_bf16
+from optimus.kernels.torch_private import DTENSOR_COLLECTIVE_LOGGER
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class _WithoutMessage(logging.Filter):
 
 def quiet_gloo_alltoall_fallback() -> None:
     """Drop DTensor's GLOO_ALLTOALL_FALLBACK message from its logger (every other message of it still shows)."""
-    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    logger = logging.getLogger(DTENSOR_COLLECTIVE_LOGGER)
     if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
         logger.addFilter(_WithoutMessage(GLOO_ALLTOALL_FALLBACK))
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from optimus.config import ConfigError
+from optimus.kernels.torch_private import process_context_processes
 
 DEFAULT_PORT = 29500
 
@@ -462,7 +463,7 @@ class _Forwarder:
 def _failed_ranks(ranks: Any) -> dict[int, int]:
     """{rank: exit code} of the ranks that have ended with a failure (negative: the signal that ended them).
     torch's process context keeps the processes; only it can tell each one's exit code."""
-    codes = {rank: process.exitcode for rank, process in enumerate(ranks._pc.processes)}
+    codes = {rank: process.exitcode for rank, process in enumerate(process_context_processes(ranks))}
     return {rank: code for rank, code in codes.items() if code not in (None, 0)}
 
 

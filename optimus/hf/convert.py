@@ -23,6 +23,7 @@ from optimus.hf.config_map import loss_sources
 from optimus.hf.formats import format_of_hf_config
 from optimus.hf.hub import hub_snapshot, is_hub_id
 from optimus.hf.io import check_save, from_pretrained, read_hf_config, recipe_name, save_state
+from optimus.kernels.torch_private import is_view
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.train.checkpoint import META, inspect
 from optimus.train.checkpoint_checks import hash_files, read_meta
@@ -184,7 +185,7 @@ def _write_checkpoint(
     # The per-expert entries are views of [E, ...] stacks, which DCP would copy all at once before writing;
     # copying them here one by one frees each stack as soon as its last view is replaced (peak ~1 model).
     for key, tensor in state.items():
-        if tensor._is_view():
+        if is_view(tensor):
             state[key] = tensor.clone()
     # A run that resumes from it (checkpoint.load without load_weights_only) starts at step 0.
     for key in ("trainer/step", "trainer/samples_consumed", "trainer/skipped_in_row"):

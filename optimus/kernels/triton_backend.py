@@ -19,11 +19,11 @@ is fixed), so no atomics are needed and results are deterministic.
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
+from optimus.kernels.torch_private import FakeTensor
 
 
 def _token_segments(token_idx_A: Tensor, n_tokens: int):

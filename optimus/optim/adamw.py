@@ -8,15 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from optimus.kernels.torch_private import _get_fused_kernels_supported_devices, fused_adamw_
 from optimus.parallel.flat_buffer import Segment
-
-try:  # the device list torch.optim.AdamW(fused=True) checks; private, so its absence means the fallback everywhere
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-except ImportError:
-
-    def _get_fused_kernels_supported_devices() -> list[str]:
-        return []
-
 
 # Elements updated at a time: a chunk's fp32 temporaries (4 MiB each) stay in cache between the passes over it.
 # The fused kernel on 11.3M elements (the default model) with bf16 gradients, 2 EPYC cores: 8.8 ms in chunks
@@ -34,7 +27,7 @@ class AdamWHyper:
 
 def fused_kernel_available(device: torch.device) -> bool:
     """Whether torch has a fused AdamW kernel for `device`."""
-    return hasattr(torch, "_fused_adamw_") and device.type in _get_fused_kernels_supported_devices()
+    return fused_adamw_ is not None and device.type in _get_fused_kernels_supported_devices()
 
 
 @torch.no_grad()
@@ -77,7 +70,7 @@ def _fused_chunk(p, g, m, v, *, lr, step: torch.Tensor, h: AdamWHyper, weight_de
     which a zero factor, from an infinite norm, cannot)."""
     if grad_scale != 1.0:
         g.mul_(grad_scale)
-    torch._fused_adamw_(
+    fused_adamw_(
         [p], [g], [m], [v], [], [step],
         lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=weight_decay, eps=h.eps,
         amsgrad=False, maximize=False, grad_scale=None, found_inf=None,

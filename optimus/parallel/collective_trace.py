@@ -33,9 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimus.kernels.torch_private import (
+    ModTracker,
+    TorchDispatchMode,
+    current_graph_task_id,
+    resolve_process_group,
+)
 
 # c10d operator name -> the name a trace records (the torch.distributed function a reader knows).
 _OP_NAMES = {
@@ -89,7 +94,7 @@ def _process_group(named: dict[str, Any]) -> dist.ProcessGroup:
     """A c10d operator carries its ProcessGroup boxed; a functional collective carries the group's name."""
     if "process_group" in named:
         return dist.ProcessGroup.unbox(named["process_group"])
-    return dist.distributed_c10d._resolve_process_group(named["group_name"])
+    return resolve_process_group(named["group_name"])
 
 
 # Where each schema keeps this rank's own data (the output of a reduce-scatter or all-gather is derived).
@@ -158,7 +163,7 @@ class CollectiveTrace(TorchDispatchMode):
             innermost = max(modules, key=lambda name: (name.count("."), name))
             # The tracker names modules from the first root it saw (e.g. `Transformer.layers.1.moe`).
             return ("backward " if self._modules.is_bw else "forward ") + innermost.partition(".")[2]
-        if torch._C._current_graph_task_id() != -1:  # in the autograd engine, between two modules' backward hooks
+        if current_graph_task_id() != -1:  # in the autograd engine, between two modules' backward hooks
             return "backward"
         return self._labels[-1] if self._labels else "step"
 

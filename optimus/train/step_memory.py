@@ -23,7 +23,7 @@ def step_memory_tracker(model: torch.nn.Module, optimizer):
     kept, since updating them after every op walks every module seen so far (60% of a 7B rank's dry run),
     and it refuses a root module's second forward (the step's next micro-batch). It also cannot read a sparse
     tensor's storage."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    from optimus.kernels.torch_private import _TOTAL_KEY, MemTracker
 
     class StepMemTracker(MemTracker):
         def _track(self, reftype, t: torch.Tensor) -> None:

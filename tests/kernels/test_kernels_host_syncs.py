@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from optimus.host_syncs import HostSyncCounter
 from optimus.kernels import reference, torch_backend
+from optimus.kernels.torch_private import FakeTensorMode
 from tests.kernels.test_kernels_torch import NAMES, assert_close_rel, expert_path, make_problem, value_and_grads
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+pytestmark = pytest.mark.skipif(not torch_backend._HAS_GROUPED_MM, reason="this torch has no grouped_mm")
 
 
 def expert_path_and_grouped_mm(leaves, token_idx_A, offsets_E):
@@ -20,15 +20,15 @@ def expert_path_and_grouped_mm(leaves, token_idx_A, offsets_E):
 
 
 def test_grouped_mm_path_reads_no_bounds_back(monkeypatch):
-    """fp32 on a CPU with few experts takes torch._grouped_mm, as bf16 on a GPU does: forward and backward of
+    """fp32 on a CPU with few experts takes torch's grouped GEMM, as bf16 on a GPU does: forward and backward of
     the expert MLP and of the grouped GEMM read nothing back (the CPU's combine and permute backward do: they
     run outside the counter)."""
     leaves, token_idx_A, offsets_E = make_problem(24, 16, 24, 4, 2, empty_experts=(1,))
     x_AD = leaves[0].detach()[token_idx_A].requires_grad_()
     w13, w2 = leaves[1], leaves[2]
     calls = []
-    grouped_mm = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *args: calls.append(1) or grouped_mm(*args))
+    grouped_mm = torch_backend.torch_grouped_mm
+    monkeypatch.setattr(torch_backend, "torch_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     with HostSyncCounter() as counter:
         y_AD = torch_backend.expert_swiglu_mlp(x_AD, w13, w2, offsets_E)
         got = [y_AD, *torch.autograd.grad(y_AD, (x_AD, w13, w2), torch.ones_like(y_AD))]
@@ -64,7 +64,7 @@ CUDA_BUILD = pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake
     "device, dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=CUDA_BUILD)]
 )
 def test_the_grouped_mm_path_runs_on_fake_tensors(device, dtype):
-    """The whole expert path and grouped_mm_op where they take torch._grouped_mm (fp32 on a CPU with few
+    """The whole expert path and grouped_mm_op where they take torch's grouped GEMM (fp32 on a CPU with few
     experts, bf16 on a GPU), on fake tensors, which fail any value read: they run, reading nothing, with
     outputs and gradients shaped as in a real run."""
     with_grad = device == "cpu" or torch.cuda.is_available()

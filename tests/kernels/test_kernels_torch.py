@@ -8,7 +8,9 @@ from torch.nn.functional import silu
 
 import optimus.kernels as kernels
 from optimus.config import ConfigError, ModelConfig, MoEConfig
-from optimus.kernels import KernelUnavailable, get_backend, reference, torch_backend
+from optimus.kernels import KernelUnavailable, cpu_schedules, get_backend, reference, torch_backend
+from optimus.kernels.torch_private import TorchDispatchMode
+from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 from optimus.model import Transformer
 
 
@@ -47,8 +49,8 @@ NAMES = ("out", "d x", "d w13", "d w2", "d weight")
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_expert_path_fp32_matches_reference(top_k, grouped, monkeypatch):
-    if grouped and not hasattr(torch, "_grouped_mm"):
-        pytest.skip(f"torch {torch.__version__} has no _grouped_mm: the loop is the path that runs there")
+    if grouped and torch_grouped_mm is None:
+        pytest.skip(f"torch {torch.__version__} has no grouped_mm: the loop is the path that runs there")
     monkeypatch.setattr(torch_backend, "_HAS_GROUPED_MM", grouped)
     # 37 tokens: ragged per-expert row counts; experts 2 and 5 get no rows.
     leaves, token_idx_A, offsets_E = make_problem(37, 16, 24, 11, top_k, empty_experts=(2, 5))
@@ -152,16 +154,16 @@ def test_bf16_expert_mlp_runs_per_expert_or_padded_where_the_cpu_computes_in_bf1
     per-expert one; either matches the fp32 reference."""
     monkeypatch.setattr(torch_backend, "math_dtype", lambda dtype, device: dtype)
     if schedule == "by_expert":
-        monkeypatch.setattr(torch_backend, "padded_rows", lambda bounds, n_dim, n_ffn: 0)
+        monkeypatch.setattr(cpu_schedules, "padded_rows", lambda bounds, n_dim, n_ffn: 0)
     else:  # any load qualifies
-        monkeypatch.setattr(torch_backend, "_PADDED_MAX_ROWS_RATIO", float("inf"))
+        monkeypatch.setattr(cpu_schedules, "PADDED_MAX_ROWS_RATIO", float("inf"))
     calls = []
-    for name in (f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"):
-        original = getattr(torch_backend, name)
-        monkeypatch.setattr(torch_backend, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    for name in (f"swiglu_mlp_forward_{schedule}", f"swiglu_mlp_backward_{schedule}"):
+        original = getattr(cpu_schedules, name)
+        monkeypatch.setattr(cpu_schedules, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     leaves, token_idx_A, offsets_E = make_problem(40, 32, 32, 10, 8, dtype=torch.bfloat16, empty_experts=(3,))
     got = value_and_grads(get_backend("torch"), leaves, token_idx_A, offsets_E)
-    assert calls == [f"_swiglu_mlp_forward_{schedule}", f"_swiglu_mlp_backward_{schedule}"]
+    assert calls == [f"swiglu_mlp_forward_{schedule}", f"swiglu_mlp_backward_{schedule}"]
     leaves32 = [t.detach().float().requires_grad_() for t in leaves]
     want = value_and_grads(reference, leaves32, token_idx_A, offsets_E)
     for name, g, w in zip(NAMES, got, want):
@@ -171,21 +173,25 @@ def test_bf16_expert_mlp_runs_per_expert_or_padded_where_the_cpu_computes_in_bf1
 def _half_swiglu_mlp(schedule, x, w13, w2, dy, bounds, needs):
     """(y, grads) of one 16-bit CPU schedule of the SwiGLU MLP, forward then backward."""
     if schedule == "by_expert":
-        h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
+        h13, silu_gate, h, y = cpu_schedules.swiglu_mlp_forward_by_expert(x, w13, w2, bounds)
         saved = (x, w13, w2, h13, silu_gate, h)
-        return y, torch_backend._swiglu_mlp_backward_by_expert(saved, dy, bounds, needs)
-    rows = torch_backend.cached_rows(max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])))
-    x_pad, h13, silu_gate, h, y = torch_backend._swiglu_mlp_forward_padded(x, w13, w2, bounds, rows)
+        return y, cpu_schedules.swiglu_mlp_backward_by_expert(saved, dy, bounds, needs)
+    rows = cpu_schedules.cached_rows(max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])))
+    x_pad, h13, silu_gate, h, y = cpu_schedules.swiglu_mlp_forward_padded(x, w13, w2, bounds, rows)
     saved = (x_pad, w13, w2, h13, silu_gate, h)
-    return y, torch_backend._swiglu_mlp_backward_padded(saved, dy, bounds, needs)
+    return y, cpu_schedules.swiglu_mlp_backward_padded(saved, dy, bounds, needs)
 
 
-@pytest.mark.parametrize("schedule", ["by_expert", "padded"])
+@pytest.mark.parametrize("schedule", ["by_expert", "by_expert_fine", "padded"])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (True, False, True)])
-def test_half_swiglu_mlp_schedules_match_a_plain_fp32_loop(schedule, needs):
+def test_half_swiglu_mlp_schedules_match_a_plain_fp32_loop(schedule, needs, monkeypatch):
     """The 16-bit SwiGLU MLP schedules on a CPU equal plain fp32 autograd over the same bf16 values, per expert.
-    Per expert: windows past each expert's rows, the last window reading rows before its own. Padded: experts
-    of 0 to 300 rows padded to one count. Both: an empty expert, some gradients not needed."""
+    Per expert: windows past each expert's rows, the last window reading rows before its own (`_fine`: with
+    every GEMM counted as large, 32 row counts per octave). Padded: experts of 0 to 300 rows padded to one count.
+    All: an empty expert, some gradients not needed."""
+    if schedule == "by_expert_fine":
+        monkeypatch.setattr(cpu_schedules, "FINE_ROWS_MIN_MACS", 0)
+        schedule = "by_expert"
     gen = torch.Generator().manual_seed(6)
     counts, D, n_ffn = [33, 100, 0, 1, 257, 47, 300, 2], 64, 48
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
@@ -215,11 +221,11 @@ def test_padded_schedule_only_for_small_experts_with_even_loads():
     """`padded_rows`: a cached row count covering the busiest expert where experts are small and loads even;
     0 for large experts, for a load whose padding would exceed the ratio, and for no rows at all."""
     even = [0, 500, 1000, 1490, 2000]  # busiest 510 rows
-    assert torch_backend.padded_rows(even, 256, 256) == torch_backend.cached_rows(510) >= 510
-    assert torch_backend.padded_rows(even, 1024, 1024) == 0  # 500 x 1024 x 1024 multiply-adds per expert
+    assert cpu_schedules.padded_rows(even, 256, 256) == cpu_schedules.cached_rows(510) >= 510
+    assert cpu_schedules.padded_rows(even, 1024, 1024) == 0  # 500 x 1024 x 1024 multiply-adds per expert
     uneven = [0, 1200, 1500, 1800, 2000]  # 4 x 1216 padded rows for 2000
-    assert torch_backend.padded_rows(uneven, 256, 256) == 0
-    assert torch_backend.padded_rows([0, 0, 0], 256, 256) == 0
+    assert cpu_schedules.padded_rows(uneven, 256, 256) == 0
+    assert cpu_schedules.padded_rows([0, 0, 0], 256, 256) == 0
 
 
 @pytest.mark.parametrize("drops", [False, True], ids=["dropless", "dropped"])
@@ -227,7 +233,7 @@ def test_bf16_rows_widened_in_blocks_match_a_reference_summed_in_fp32(drops, mon
     """Permute's backward and combine widen bf16 rows a few tokens at a time (blocks of 8 rows here, so some
     blocks hold only tokens that lost every assignment): each token's sum equals the same bf16 rows summed in
     fp32 by plain PyTorch, rounded once."""
-    monkeypatch.setattr(torch_backend, "_WIDEN_BLOCK_ROWS", 8)
+    monkeypatch.setattr(cpu_schedules, "WIDEN_BLOCK_ROWS", 8)
     leaves, token_idx_A, offsets_E = make_problem(29, 16, 8, 5, 3, dtype=torch.bfloat16)
     weight_A = leaves[3]
     if drops:  # tokens 5..14 keep no assignment at all, others keep some
@@ -334,14 +340,27 @@ def test_import_does_not_need_triton():
 
 def test_cached_rows_round_up_by_at_most_a_sixteenth_from_a_small_set():
     counts = range(1, 8193)
-    rounded = [torch_backend.cached_rows(n) for n in counts]
+    rounded = [cpu_schedules.cached_rows(n) for n in counts]
     assert all(n <= r <= n * 17 / 16 for n, r in zip(counts, rounded))
-    assert all(torch_backend.cached_rows(r) == r for r in rounded)  # a fixed point: the set is closed
+    assert all(cpu_schedules.cached_rows(r) == r for r in rounded)  # a fixed point: the set is closed
     assert rounded[:31] == list(range(1, 32))  # exact below 32 rows
     assert len(set(rounded)) == 31 + 16 * 8 + 1  # 16 per octave from 32 to 8191, and 8192
 
 
-class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
+def test_large_gemms_round_rows_by_at_most_a_thirty_second_from_a_set_holding_the_small_one():
+    """A GEMM of at least FINE_ROWS_MIN_MACS multiply-adds (coarse experts) rounds to 32 counts per octave; every
+    count of the 16-per-octave set is one of them, so a GEMM that crosses the threshold stays on cached counts."""
+    per_row = cpu_schedules.FINE_ROWS_MIN_MACS // 512  # the GEMM is large from 512 rows on
+    counts = range(1, 8193)
+    rounded = [cpu_schedules.cached_rows(n, per_row) for n in counts]
+    assert rounded[:511] == [cpu_schedules.cached_rows(n) for n in range(1, 512)]  # small GEMMs: as before
+    assert all(n <= r <= n * 33 / 32 for n, r in zip(counts[511:], rounded[511:]))
+    assert all(cpu_schedules.cached_rows(r, per_row) == r for r in rounded)
+    assert len(set(rounded[511:])) == 32 * 4 + 1  # 32 per octave from 512 to 8191, and 8192
+    assert {cpu_schedules.cached_rows(n) for n in range(512, 8193)} <= set(rounded)
+
+
+class _MatmulShapes(TorchDispatchMode):
     """Records the operand shapes of every mm and addmm (`shapes`) and the reduction length of every addmm_
     (`accumulated`)."""
 
@@ -357,12 +376,16 @@ class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("fine", [False, True], ids=["16-per-octave", "32-per-octave"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype):
+def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype, fine, monkeypatch):
     """Expert row counts that are not cached sizes (33, 257, 47, 300), the first and last experts too: every
     GEMM runs on cached row counts (windows borrowing neighbouring rows) except the weight gradient's tails,
     which are shorter than a row step and so come from a small set too; the results equal exact per-expert GEMMs
-    of the same 16-bit values up to their rounding."""
+    of the same 16-bit values up to their rounding. `fine`: every GEMM counts as large (32 counts per octave)."""
+    if fine:
+        monkeypatch.setattr(cpu_schedules, "FINE_ROWS_MIN_MACS", 0)
+    per_row = 1 if fine else 0  # what makes cached_rows and row_step below take the same set as the GEMMs
     gen = torch.Generator().manual_seed(4)
     counts = [33, 100, 0, 1, 257, 47, 300, 2]
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -375,9 +398,12 @@ def test_half_gemms_on_cpu_use_cached_row_counts_and_match_the_exact_ones(dtype)
         y = torch_backend.grouped_mm(x, w, row_bounds)
         dx = torch_backend.grouped_mm(g, w.transpose(1, 2), row_bounds)
         dw = torch_backend.grouped_wgrad(x, g, row_bounds)
-    assert seen.shapes and all(torch_backend.cached_rows(n) == n for call in seen.shapes for s in call for n in s)
-    tails = sorted(n % torch_backend._row_step(n) for n in counts if n and n % torch_backend._row_step(n))
-    assert sorted(seen.accumulated) == tails == [1, 1, 1, 12]  # 33, 47, 257 and 300 rows; 100 is a cached count
+    rounded = cpu_schedules.cached_rows
+    assert seen.shapes and all(rounded(n, per_row) == n for call in seen.shapes for s in call for n in s)
+    step = cpu_schedules.row_step
+    tails = sorted(n % step(n, per_row) for n in counts if n and n % step(n, per_row))
+    # 33, 47, 257 and 300 rows (32 per octave: 257 and 300 only, 33 and 47 are counts of the set); 100 is one
+    assert sorted(seen.accumulated) == tails == ([1, 4] if fine else [1, 1, 1, 12])
     x32, w32, g32 = x.float(), w.float(), g.float()
     exact = [(x32[lo:hi] @ w32[e], g32[lo:hi] @ w32[e].t(), x32[lo:hi].t() @ g32[lo:hi])
              for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]  # fmt: skip

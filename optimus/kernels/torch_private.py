@@ -1,0 +1,334 @@
+"""Every private torch API Optimus uses, in one place; `tests/test_torch_private.py` checks each against torch.
+
+torch moves and renames its private names (a leading underscore, `_internal`, `_tools`, `_subclasses`,
+undocumented methods) in any release, without a deprecation. Optimus imports each one here and nowhere else,
+beside what it is for, where Optimus uses it, the public alternative (or that there is none) and what Optimus
+does when it is missing. A missing name does not break `import optimus`: it becomes None or a stand-in that
+raises `PrivateTorchMissing`, naming it, when used; so the feature that needs it fails with one sentence
+instead of an AttributeError deep in torch, and the test fails by name on the torch that moved it.
+
+`PRIVATE_API` lists them all (the test walks it); the names a package imports are module attributes, loaded
+on first use where only a diagnostic tool needs them (`MemTracker`, `_TOTAL_KEY`, `FakeStore`, `ModTracker`).
+It lives in `kernels`, which imports only torch (and triton), so every package of Optimus may import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The newest torch these notes were checked against (2.13 is the oldest Optimus allows).
+CHECKED_TORCH = "2.14"
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private torch name: `torch_name` (where torch keeps it), what Optimus uses it for and where
+    (`used_by`), `public` (the public alternative, or why there is none) and `when_missing`."""
+
+    torch_name: str
+    used_by: str
+    public: str
+    when_missing: str
+
+    def moved(self) -> str:
+        """The sentence a missing name raises and the test fails with."""
+        return (
+            f"torch {torch.__version__} lacks or changed {self.torch_name} (private torch API, moved or renamed "
+            "without notice). "
+            f"Optimus uses it in {self.used_by}. Without it: {self.when_missing} Public alternative: {self.public}. "
+            "Update optimus/kernels/torch_private.py."
+        )
+
+
+class PrivateTorchMissing(RuntimeError):
+    """A private torch name Optimus needs for the feature at hand is missing from this torch."""
+
+
+PRIVATE_API: dict[str, PrivateName] = {
+    "grouped_mm": PrivateName(
+        "torch._grouped_mm",
+        "optimus/kernels/torch_backend.py (every expert's GEMM in one call, weight gradients included)",
+        "torch.nn.functional.grouped_mm (a documented wrapper of torch._grouped_mm, present in torch 2.13 and "
+        "2.14): Optimus calls it where it exists and torch._grouped_mm only where it does not",
+        "the expert GEMMs run as a per-expert torch.mm loop (the CPU's 16-bit path always does).",
+    ),
+    "fused_adamw_": PrivateName(
+        "torch._fused_adamw_",
+        "optimus/optim/adamw.py (AdamW on flat fp32 shards, a chunk at a time)",
+        "torch.optim.adamw.adamw(..., fused=True), the functional form, takes the same lists and calls this "
+        "kernel (it checks its inputs on every call, and its grad_scale divides where Optimus multiplies)",
+        "AdamW runs torch.optim.AdamW's single-tensor arithmetic (equal within 1e-6, slower).",
+    ),
+    "_get_fused_kernels_supported_devices": PrivateName(
+        "torch.utils._foreach_utils._get_fused_kernels_supported_devices",
+        "optimus/optim/adamw.py (the device types that have the fused AdamW kernel, as torch.optim.AdamW checks)",
+        f"none in torch {CHECKED_TORCH} (torch.optim.AdamW(fused=True) raises on other devices)",
+        "no device counts as having the fused kernel: the single-tensor arithmetic everywhere.",
+    ),
+    "FakeTensor": PrivateName(
+        "torch._subclasses.fake_tensor.FakeTensor",
+        "optimus/kernels (fake tensors take their shape-only paths) and optimus/host_syncs.py",
+        f"none in torch {CHECKED_TORCH} (meta tensors are public, but have no fake device and run no "
+        "device's kernel selection)",
+        "no tensor counts as fake (a stand-in class nothing is an instance of).",
+    ),
+    "FakeTensorMode": PrivateName(
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "optimus/dry_run.py (optimus plan --dry-run: one training step on fake tensors)",
+        f"none in torch {CHECKED_TORCH}",
+        "optimus plan --dry-run stops with this sentence.",
+    ),
+    "FakeStore": PrivateName(
+        "torch.testing._internal.distributed.fake_pg.FakeStore",
+        "optimus/dry_run.py (the store of the 'fake' process group; importing its module registers the backend)",
+        f"none in torch {CHECKED_TORCH}: torch.distributed.HashStore could replace the store, but only "
+        "importing this module registers the 'fake' backend",
+        "optimus plan --dry-run stops with this sentence.",
+    ),
+    "TorchDispatchMode": PrivateName(
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        "optimus/host_syncs.py (profile.host_syncs, dry runs) and optimus/parallel/collective_trace.py "
+        "(profile.collectives, dry runs): they see every aten/c10d operator as it runs",
+        f"none in torch {CHECKED_TORCH} (documented in the 'Extending PyTorch' notes, in a private module; "
+        "torch.overrides.TorchFunctionMode is public but sees torch functions, not the aten ops under them)",
+        "counting host syncs and tracing collectives stop with this sentence when switched on.",
+    ),
+    "ModTracker": PrivateName(
+        "torch.distributed._tools.mod_tracker.ModTracker",
+        "optimus/parallel/collective_trace.py (which module, forward or backward, issued each collective)",
+        f"none in torch {CHECKED_TORCH} (global module hooks and autograd hooks could rebuild it)",
+        "tracing collectives stops with this sentence when switched on.",
+    ),
+    "MemTracker": PrivateName(
+        "torch.distributed._tools.mem_tracker.MemTracker (and its methods _track, _update_peak_stats, "
+        "_pre_fw_hook, attributes _curr_mem_snap, _peak_mem, _peak_mem_snap, _mod_tracker, which Optimus overrides)",
+        "optimus/train/step_memory.py (profile.memory and dry runs: a step's memory by category)",
+        f"none in torch {CHECKED_TORCH} (torch.profiler's profile_memory counts allocations per op, not by category)",
+        "profile.memory and optimus plan --dry-run stop with this sentence.",
+    ),
+    "_TOTAL_KEY": PrivateName(
+        "torch.distributed._tools.mem_tracker._TOTAL_KEY",
+        "optimus/train/step_memory.py (the key of a MemTracker snapshot's total)",
+        f"none in torch {CHECKED_TORCH}",
+        "None (MemTracker is missing with it).",
+    ),
+    "current_graph_task_id": PrivateName(
+        "torch._C._current_graph_task_id",
+        "optimus/parallel/collective_trace.py (a collective issued inside the autograd engine is a backward's)",
+        f"none in torch {CHECKED_TORCH} (torch.autograd.graph has hooks but no 'is a backward running')",
+        "-1 (no backward running): a gradient hook's collectives outside module hooks count as the step's.",
+    ),
+    "resolve_process_group": PrivateName(
+        "torch.distributed.distributed_c10d._resolve_process_group",
+        "optimus/parallel/collective_trace.py (a functional collective carries its group's name, not the group)",
+        f"none in torch {CHECKED_TORCH}",
+        "tracing a functional collective (DTensor's) stops with this sentence.",
+    ),
+    "LOCAL_SCALAR_DENSE": PrivateName(
+        "torch.ops.aten._local_scalar_dense.default",
+        "optimus/host_syncs.py (the op behind .item(), bool(t), int(t): a dry run answers it from shapes)",
+        f"none in torch {CHECKED_TORCH}: a dispatch mode sees only this op for a value read",
+        "None: a dry run cannot answer value reads (it stops at the first one).",
+    ),
+    "is_view": PrivateName(
+        "torch.Tensor._is_view",
+        "optimus/hf/convert.py (an imported checkpoint's per-expert views are copied one by one)",
+        f"none in torch {CHECKED_TORCH}; comparing t.untyped_storage().nbytes() with t.nbytes says whether a "
+        "tensor holds a larger storage, which is what matters there",
+        "that storage comparison.",
+    ),
+    "process_context": PrivateName(
+        "torch.distributed.elastic.multiprocessing.api.MultiprocessContext._pc",
+        "optimus/ranks.py (each local rank's exit code, to name the rank that failed first)",
+        f"none in torch {CHECKED_TORCH} (PContext.wait() reports failures only once torch has reaped them all)",
+        "no rank is seen failing before torch's own poll: the launcher names the failure torch reports.",
+    ),
+    "DTENSOR_COLLECTIVE_LOGGER": PrivateName(
+        "the logger of torch.distributed.tensor._collective_utils",
+        "optimus/platform.py (drops DTensor's gloo all-to-all fallback message, once per call)",
+        f"none in torch {CHECKED_TORCH}",
+        "the message shows again (nothing else changes).",
+    ),
+    "OpOverload._schema": PrivateName(
+        "torch._ops.OpOverload._schema and ._overloadpacket",
+        "optimus/parallel/collective_trace.py (a c10d operator's arguments by name) and optimus/host_syncs.py",
+        f"OpOverload.overloadpacket (public property) for the name; none for the schema in torch {CHECKED_TORCH}",
+        "tracing collectives stops with an AttributeError.",
+    ),
+    "Module._modules": PrivateName(
+        "torch.nn.Module._modules",
+        "optimus/parallel/pipeline.py (a cut stage lists its modules in the whole model's order, the order of "
+        "the optimizer's flat buffers)",
+        "delattr then add_module, one name at a time, in the order wanted",
+        "cutting stages fails (no torch release has changed it).",
+    ),
+}
+
+
+def _stand_in(name: str) -> type:
+    """A class for a missing private class: subclassing it works, instantiating it raises, nothing is an instance."""
+
+    def refuse(self, *args, **kwargs):
+        raise PrivateTorchMissing(PRIVATE_API[name].moved())
+
+    doc = f"Missing from this torch: {PRIVATE_API[name].torch_name}"
+    return type(name, (), {"__init__": refuse, "__doc__": doc, "optimus_stand_in": True})
+
+
+def _attribute(module: str, attr: str) -> Any:
+    """`module.attr`, or None where this torch lacks either."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _class(module: str, attr: str, name: str) -> type:
+    return _attribute(module, attr) or _stand_in(name)
+
+
+# ---- kernels
+
+# `torch.nn.functional.grouped_mm` is torch._grouped_mm behind a documented name; the private op is the fallback.
+# [A, K] x [E, K, N] -> [A, N] (rows grouped by `offs`, each group's end row), or [K, A] x [A, N] -> [E, K, N].
+grouped_mm: Callable[..., torch.Tensor] | None = getattr(torch.nn.functional, "grouped_mm", None)
+if grouped_mm is None and hasattr(torch, "_grouped_mm"):
+
+    def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor | None = None) -> torch.Tensor:
+        return torch._grouped_mm(mat_a, mat_b, offs)
+
+
+FakeTensor: type = _class("torch._subclasses.fake_tensor", "FakeTensor", "FakeTensor")
+FakeTensorMode: type = _class("torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensorMode")
+
+# ---- optimizer
+
+fused_adamw_: Callable | None = getattr(torch, "_fused_adamw_", None)
+_get_fused_kernels_supported_devices: Callable[[], list[str]] = _attribute(
+    "torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"
+) or (lambda: [])
+
+# ---- diagnostics: host syncs, collectives, memory, dry runs
+
+TorchDispatchMode: type = _class("torch.utils._python_dispatch", "TorchDispatchMode", "TorchDispatchMode")
+LOCAL_SCALAR_DENSE = getattr(getattr(torch.ops.aten, "_local_scalar_dense", None), "default", None)
+DTENSOR_COLLECTIVE_LOGGER = "torch.distributed.tensor._collective_utils"
+
+
+def current_graph_task_id() -> int:
+    """The autograd engine's running graph task on this thread, -1 outside a backward."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if get is None else get()
+
+
+def resolve_process_group(group_name: str):
+    """The ProcessGroup of `group_name` (the name a functional collective carries)."""
+    import torch.distributed as dist
+
+    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        raise PrivateTorchMissing(PRIVATE_API["resolve_process_group"].moved())
+    return resolve(group_name)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor's storage."""
+    view = getattr(t, "_is_view", None)
+    return view() if view is not None else t.untyped_storage().nbytes() > t.nbytes
+
+
+def process_context_processes(context) -> list:
+    """The multiprocessing.Process of each local rank of torch.distributed.elastic's `start_processes`, or []."""
+    processes = getattr(getattr(context, "_pc", None), "processes", None)
+    return list(processes) if processes is not None else []
+
+
+# Loaded on first use: only diagnostic tools need them, and their modules import more of torch.distributed.
+_LAZY = {
+    "ModTracker": ("torch.distributed._tools.mod_tracker", "ModTracker"),
+    "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    "_TOTAL_KEY": ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _attribute(*_LAZY[name])
+    if value is None and name != "_TOTAL_KEY":
+        value = _stand_in(name)
+    globals()[name] = value
+    return value
+
+
+# ---- presence: whether this torch has each name where Optimus looks for it
+
+# What Optimus overrides or reads on torch's MemTracker besides its public methods.
+MEM_TRACKER_INTERNALS = ("_track", "_update_peak_stats", "_pre_fw_hook", "_curr_mem_snap", "_peak_mem",
+                         "_peak_mem_snap", "_mod_tracker")  # fmt: skip
+
+
+def _has(module: str, *attrs: str) -> bool:
+    obj = _attribute(module, attrs[0])
+    return obj is not None and all(hasattr(obj, a) for a in attrs[1:])
+
+
+def _source_has(module: str, attr: str, text: str) -> bool:
+    import inspect
+
+    obj = _attribute(module, attr)
+    try:
+        return obj is not None and text in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return False
+
+
+def _instance_has(where: tuple[str, str], attrs: tuple[str, ...]) -> bool:
+    """Whether a new instance of the class at `where` (module, name) has every one of `attrs`."""
+    cls = _attribute(*where)
+    return cls is not None and all(hasattr(cls(), a) for a in attrs)
+
+
+_PROBES: dict[str, Callable[[], bool]] = {
+    "grouped_mm": lambda: grouped_mm is not None,
+    "fused_adamw_": lambda: fused_adamw_ is not None,
+    "_get_fused_kernels_supported_devices": lambda: _has(
+        "torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"
+    ),
+    "FakeTensor": lambda: _has("torch._subclasses.fake_tensor", "FakeTensor"),
+    "FakeTensorMode": lambda: _has("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "FakeStore": lambda: _has(*_LAZY["FakeStore"]),
+    "TorchDispatchMode": lambda: _has("torch.utils._python_dispatch", "TorchDispatchMode"),
+    "ModTracker": lambda: _instance_has(_LAZY["ModTracker"], ("parents", "is_bw", "get_known_fqn")),
+    "MemTracker": lambda: _instance_has(_LAZY["MemTracker"], MEM_TRACKER_INTERNALS),
+    "_TOTAL_KEY": lambda: _has(*_LAZY["_TOTAL_KEY"]),
+    "current_graph_task_id": lambda: hasattr(torch._C, "_current_graph_task_id"),
+    "resolve_process_group": lambda: _has("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    "LOCAL_SCALAR_DENSE": lambda: LOCAL_SCALAR_DENSE is not None,
+    "is_view": lambda: hasattr(torch.Tensor, "_is_view"),
+    "process_context": lambda: _source_has(
+        "torch.distributed.elastic.multiprocessing.api", "MultiprocessContext", "self._pc ="
+    ),
+    "DTENSOR_COLLECTIVE_LOGGER": lambda: importlib.util.find_spec(DTENSOR_COLLECTIVE_LOGGER) is not None,
+    "OpOverload._schema": lambda: all(
+        hasattr(torch.ops.aten.add.Tensor, a) for a in ("_schema", "_overloadpacket", "namespace")
+    ),
+    "Module._modules": lambda: isinstance(getattr(torch.nn.Module(), "_modules", None), dict),
+}
+
+
+def found(name: str) -> bool:
+    """Whether this torch has PRIVATE_API[name] where Optimus looks for it."""
+    return _PROBES[name]()
+
+
+def missing() -> list[str]:
+    """The sentence of every name of PRIVATE_API this torch lacks (empty on the torch versions CI runs)."""
+    return [PRIVATE_API[name].moved() for name in PRIVATE_API if not found(name)]
