@@ -39,7 +39,7 @@ def rank_model(
 def fake_process_group(world: int, rank: int):
     """This process as rank `rank` of `world` on torch's fake process group: groups and meshes of any layout can
     be built, and every collective completes at once without moving data (no other process takes part)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from optimus.kernels.torch_private import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:

@@ -75,7 +75,8 @@ def parallelize(
         cast_parameters(stage, TORCH_DTYPES[t.dtype])  # on meta: the dtype that will be allocated
         if ps.tp > 1:
             apply_tensor_parallel(stage, ps.tp_mesh, ps.sp)
-        parallelize_model(stage, stage_ps, p, equal_tokens=True, timers=timers)  # one micro-batch shape per rank
+        if stage.moe_layers:  # a stage of dense layers only has no experts to split (validate checked the model)
+            parallelize_model(stage, stage_ps, p, equal_tokens=True, timers=timers)  # one micro-batch shape per rank
         apply_activation_checkpointing(stage, t.activation_checkpointing)
     trained = param_groups(stages[0] if n_stages == 1 else merge_stages(stages))  # a tied head copy is not
     materialise(stages, trained, device, stage_ps.world_size)

@@ -88,6 +88,24 @@ def test_indivisible_expert_count_is_a_config_error():
         rank_model(small_config(), build_parallel_state(3))
 
 
+def test_a_pipeline_stage_of_dense_layers_only_builds_under_expert_parallelism(single_process_model):
+    """pp = 2, ep = 2, the first two of four layers dense: pipeline rank 0's stage holds no MoE layer (nothing
+    for expert parallelism to split there), and pipeline rank 1's holds its EP rank's half of each layer's
+    experts. Found by the layout fuzzer (interleaved stages of one dense layer each)."""
+    cfg = small_config(n_layers=4, first_k_dense=2)
+    reference = Transformer(cfg, kernels="torch")
+    reference.init_weights(SEED)
+    whole = dict(reference.named_parameters())
+    for rank in range(4):  # pipeline ranks 0 0 1 1 (stages of two ranks each), EP ranks 0 1 0 1
+        with fake_process_group(4, rank):
+            model = rank_model(cfg, build_parallel_state(ep=2, pp=2), seed=SEED)
+        ep_rank = rank % 2
+        assert [name for name, m in model.layers.items() if m.is_moe] == ([] if rank < 2 else ["2", "3"])
+        for name, param in model.named_parameters():
+            expected = whole[name][ep_rank * 4 : (ep_rank + 1) * 4] if ".experts." in name else whole[name]
+            assert torch.equal(param, expected), f"rank {rank}: {name}"
+
+
 # Peak resident memory of a child process that builds EP rank 0 of 2's model, read by the child itself
 # after the build. VmHWM (optimus.platform.peak_resident_bytes) counts the child's own process image only:
 # getrusage's ru_maxrss would start from this test runner's peak, which fork and exec carry over.
