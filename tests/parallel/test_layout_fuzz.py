@@ -17,7 +17,8 @@ within a test session).
     OPTIMUS_FUZZ_SEED=1234 python -m pytest -q tests/parallel/test_layout_fuzz.py -s  # replay a seed
 
 The seed is drawn afresh for every session unless OPTIMUS_FUZZ_SEED sets it; case i of a seed is the same
-whatever the number of cases (`-k case3` replays one). Every case prints its seed and overrides, and a failing
+whatever the number of cases (`OPTIMUS_FUZZ_CASES=4 ... -k case3` replays case 3 alone: the count must
+exceed the case's number). Every case prints its seed and overrides, and a failing
 case's message holds both and the `optimus train` overrides that reproduce it.
 """
 
@@ -149,7 +150,8 @@ def reference_run(tmp_path_factory):
 
 def reproduction(case: int, args: list[str], layout: list[str]) -> str:
     return (
-        f"OPTIMUS_FUZZ_SEED={SEED} case {case} (tests/parallel/test_layout_fuzz.py -k case{case}); "
+        f"OPTIMUS_FUZZ_SEED={SEED} OPTIMUS_FUZZ_CASES={case + 1} python -m pytest tests/parallel/test_layout_fuzz.py "
+        f"-k case{case}; "
         f"layout run: optimus train {' '.join([*args, *layout])}; reference: optimus train {' '.join(args)} "
         "(data.path: a corpus written by tests.conftest.write_corpus)"
     )
