@@ -4,22 +4,24 @@
 applies the layout of `cfg` to it for this rank, in this order:
 
     1. pipeline cutting   parallel.pp > 1: keep this rank's stages (optimus.parallel.pipeline.cut_stage)
-    2. tensor parallelism parallel.tp > 1: DTensor plans on each stage, sequence parallelism with parallel.sp
+    2. storage dtype      every floating-point parameter in train.dtype, still on meta (tensor parallelism
+                          carries it into its slices)
+    3. tensor parallelism parallel.tp > 1: DTensor plans on each stage, sequence parallelism with parallel.sp
                           (optimus.parallel.tensor_parallel); MoE layers fold the tp ranks into expert parallelism
-    3. expert parallelism keep this rank's block of experts, install the EP dispatcher; global load balancing
-                          gets its process group (optimus.parallel.expert_parallel)
-    4. activation         train.activation_checkpointing (optimus.parallel.activation_checkpointing)
+    4. expert parallelism keep this rank's block of experts, install the EP dispatcher; global load balancing
+                          gets its process group (optimus.parallel.expert_parallel); a stage of dense layers
+                          only is left as it is
+    5. activation         train.activation_checkpointing (optimus.parallel.activation_checkpointing)
        checkpointing
-    5. materialise        every parameter on the device in its storage dtype (train.dtype, set on meta before tensor
-                          parallelism, which carries it into its slices); each data-parallel group's trained
-                          parameters (dense, routed experts) in one flat buffer laid out for the sharded
-                          optimizer, which adopts it (optimus.parallel.flat_buffer.allocate_flat)
-    6. initialise         values from (train.seed, parameter name, global expert index) alone
+    6. materialise        every parameter on the device; each data-parallel group's trained parameters (dense,
+                          routed experts) in one flat buffer laid out for the sharded optimizer, which adopts it
+                          (optimus.parallel.flat_buffer.allocate_flat)
+    7. initialise         values from (train.seed, parameter name, global expert index) alone
                           (optimus.model.init), so every layout starts from the model one process would build
 
-All but the last two act on the meta device, so no rank ever allocates more than its own part. Each step
-reads only what the steps before it produced: TP splits the blocks a stage holds, EP slices the experts TP
-left whole, checkpointing wraps the modules as they will run, and materialising sees the final shapes.
+Steps 1-5 act on the meta device, so no rank ever allocates more than its own part. Each step reads only what
+the steps before it produced: TP splits the blocks a stage holds, EP slices the experts TP left whole,
+checkpointing wraps the modules as they will run, and materialising sees the final shapes.
 """
 
 from __future__ import annotations
