@@ -140,11 +140,16 @@ def make_ops_step(ops, s, dtype, device, gen, same_routing, param_dtype):
     return lambda: forward_backward(routings())
 
 
+def loop_problem(s, device, gen, same_routing, param_dtype):
+    """make_problem's, with each expert's weights leaves of their own (as an nn.ModuleList of experts holds them)."""
+    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
+    separate = [[w.detach().clone().requires_grad_() for w in stack] for stack in (w13, w2)]
+    return x_TD, routings, *separate, dout_TD
+
+
 def make_loop_step(s, dtype, device, gen, same_routing, param_dtype):
     """The plain per-expert loop, each expert's weights separate leaves (an nn.ModuleList of experts)."""
-    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
-    w13_list = [w.detach().clone().requires_grad_() for w in w13]
-    w2_list = [w.detach().clone().requires_grad_() for w in w2]
+    x_TD, routings, w13_list, w2_list, dout_TD = loop_problem(s, device, gen, same_routing, param_dtype)
     n_ffn = s["F"]
 
     def step():
@@ -164,9 +169,7 @@ def make_loop_step(s, dtype, device, gen, same_routing, param_dtype):
 
 def make_loop_index_add_step(s, dtype, device, gen, same_routing, param_dtype):
     """Issue 37's plain loop: per expert, index_select its rows of x, SwiGLU, index_add_ the weighted rows back."""
-    x_TD, routings, w13, w2, dout_TD = make_problem(s, device, gen, same_routing, param_dtype)
-    w13_list = [w.detach().clone().requires_grad_() for w in w13]
-    w2_list = [w.detach().clone().requires_grad_() for w in w2]
+    x_TD, routings, w13_list, w2_list, dout_TD = loop_problem(s, device, gen, same_routing, param_dtype)
     n_ffn = s["F"]
 
     def step():
