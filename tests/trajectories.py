@@ -63,7 +63,9 @@ def assert_same_trajectory(run: list[dict], reference: list[dict], layout: str) 
     for m, ref in zip(run, reference):
         keys = TRAJECTORY_KEYS if flip is None or m["step"] < flip else EVERY_STEP_KEYS
         for key in keys if "loss" in ref else ():  # step 0 holds the starting evaluation only
-            assert m[key] == pytest.approx(ref[key], rel=1e-5), f"{where}: step {m['step']} {key}"
+            assert m[key] == pytest.approx(ref[key], rel=1e-5), (
+                f"{where}: step {m['step']} {key} {m[key]!r}, one process {ref[key]!r}"
+            )
         assert ("val_loss" in m) == ("val_loss" in ref), where
         if "val_loss" in ref:  # the same held-out sequences, whatever the layout
             tolerance = 1e-6 if flip is None or m["step"] < flip else 1e-5
