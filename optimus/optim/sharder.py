@@ -411,6 +411,12 @@ class ShardGroup:
         """Start all-gathering every rank's updated slices into the flat parameter buffer (hence into the
         parameters), bucket by bucket in `gather_order`; `wait_gathered` finishes them."""
         flat, c = self.flat, self.comm
+        # Into the buffer through `.data`, whose version counter is its own: gloo bumps the output's counter when a
+        # gather completes (on its own thread), every parameter viewing the buffer shares the buffer's counter, and
+        # so with overlap_param_gather a bucket landing after an earlier block's forward failed that block's
+        # backward ("modified by an inplace operation") although none of the values it read changed: each block
+        # waits for its own buckets before it reads them.
+        received = flat.buffer.data
         for bi in self.gather_order:
             b = flat.buckets[bi]
             if c.shard_world == 1:  # this rank owns the whole bucket: round the master copy straight into it
@@ -421,7 +427,7 @@ class ShardGroup:
                 mine = flat.shard_view(self.master, b).to(flat.dtype)
             else:
                 mine = flat.owned_view(flat.buffer, b).clone()
-            work = _all_gather(flat.buffer[b.start : b.end], mine, group=c.shard_group, async_op=True)
+            work = _all_gather(received[b.start : b.end], mine, group=c.shard_group, async_op=True)
             self.gathers[bi] = (work, mine)  # `mine` is kept until the collective has read it
 
     def wait_gathered(self, buckets: Iterable[int] | None = None) -> None:
