@@ -63,6 +63,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # std of the untied token embedding's initial draw; null = init_std. A tied embedding is the LM head too and
+    # draws with init_std. The tiny recipe uses 1.0 (recipes/model/tiny.yaml says why).
+    embed_init_std: float | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -136,7 +139,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-3
+    lr: float = 3e-3  # for the tiny default (docs/ARCHITECTURE.md, "The default run"); the Mula experiments set theirs
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
     beta1: float = 0.9
@@ -144,6 +147,15 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
+    # adamw | muon: Muon for the hidden matrices (experts per expert), AdamW with the keys above for the embedding,
+    # LM head, router and vectors (optimus/optim/muon.py); the same lr, schedule and weight decay drive both
+    update: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (torch.optim.Muon's quintic, in bf16)
+    # match_rms_adamw: lr x 0.2 sqrt(max(A, B)) per [A, B] matrix, an update of AdamW's RMS (Moonlight), so that
+    # optim.lr means what it means for AdamW; original: lr x sqrt(max(1, A / B)) (torch.optim.Muon's default)
+    muon_adjust_lr: str = "match_rms_adamw"
     zero: int = 1
     grad_dtype: str = "fp32"  # fp32 | bf16: dtype of gradient accumulation and reduction
     bucket_mb: float = 32.0
@@ -210,6 +222,7 @@ ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 # Values of optim.sharding besides `auto` (optimus.optim implements each; `optimus plan` lists them in this order).
 SHARDING_SCHEMES = ("none", "standard", "ep_aware")
+UPDATE_RULES = ("adamw", "muon")
 
 
 def check_choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
@@ -265,6 +278,8 @@ def validate_model(m: ModelConfig) -> None:
     _positive(m.rope_theta, "model.rope_theta")
     _positive(m.norm_eps, "model.norm_eps")
     _positive(m.init_std, "model.init_std")
+    if m.embed_init_std is not None:
+        _positive(m.embed_init_std, "model.embed_init_std")
     _divides(m.n_heads, "model.n_heads", m.dim, "model.dim", "choose n_heads that divides dim.")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(
@@ -350,6 +365,11 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     validate_pipeline(cfg, world_size)
     validate_layout(world_size, p.ep, p.pp, p.tp)
     validate_tensor_parallel(cfg)
+    if cfg.optim.update == "muon" and p.tp > 1:
+        raise ConfigError(
+            f"optim.update=muon does not combine with parallel.tp={p.tp} yet (the tensor-parallel halves of a "
+            "matrix are not made whole for Newton-Schulz): use parallel.tp=1 or optim.update=adamw."
+        )
     what = "data-parallel ranks" if p.pp > 1 else "world size / parallel.tp" if p.tp > 1 else "world size"
     micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel_size(world_size, p.pp, p.tp), what)
     validate_micro_batches(cfg, world_size)
@@ -379,6 +399,12 @@ def validate_optim(o: OptimConfig) -> None:
         )
     if o.zero not in (1, 2):
         raise ConfigError(f"optim.zero={o.zero} is not supported: set it to 1 or 2.")
+    check_choice(o.update, "optim.update", UPDATE_RULES)
+    check_choice(o.muon_adjust_lr, "optim.muon_adjust_lr", ("match_rms_adamw", "original"))
+    if not 0 <= o.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must lie in [0, 1) (0.95 is usual).")
+    if not 1 <= o.muon_ns_steps < 100:
+        raise ConfigError(f"optim.muon_ns_steps={o.muon_ns_steps} must lie in [1, 100) (5 is usual).")
     _positive(o.bucket_mb, "optim.bucket_mb")
     _positive(o.max_collective_numel, "optim.max_collective_numel")
 

@@ -113,7 +113,7 @@ from optimus.model import (
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
-from optimus.optim.memory import bucket_numel, rank_zero2_staging_bytes, zero_bucket_bytes
+from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.parallel.pipeline import (
     PartCounts,
     in_flight_chunks,
@@ -405,6 +405,7 @@ class Plan:
     flops: dict
     memory: dict
     stages: list[dict]  # pp > 1: per pipeline rank (its stages, layers, bytes); the figures above are the busiest's
+    update: dict  # optim.update and what it adds to a step of the busiest rank (optimus.optim.memory.rank_update_bytes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -502,9 +503,23 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
         memory[f"fits_{key}"] = None if device is None else total <= device
     stages = [_stage_row(r, device, tp, ep) for r in ranks] if pp > 1 else []
     params = {**counts.as_dict(), "per_device": busiest["share"].per_device(tp, ep)}
+    share, stage_world = busiest["share"], world // pp
+    update = {
+        "rule": cfg.optim.update,
+        **rank_update_bytes(
+            cfg.optim.update,
+            sharding,
+            share.local_dense(tp),
+            share.expert // ep,
+            stage_world,
+            stage_world // ep,
+            DTYPE_BYTES[compute],
+            tp,
+        ),
+    }
     return Plan(
         m.name, world, pp, data_parallel_size(world, pp, tp), tp, p.sp and tp > 1, ep, world // pp // ep, sharding,
-        cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages,
+        cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages, update,
     )  # fmt: skip
 
 
@@ -533,6 +548,18 @@ def _verdict_line(mode: str, mem: dict) -> str:
         if other != mode:
             line += f"; with {other} {_verdict(mem[f'total_{key}'], device)}"
     return line
+
+
+def _update_line(update: dict) -> str:
+    """What optim.update adds to a step: Muon's fp32 directions, held and gathered, against the parameter gather."""
+    gather = f"the parameters' all-gather receives {_gib(update['param_gather_received_bytes'])} per step"
+    if update["rule"] != "muon":
+        return f"optimizer update: {update['rule']}; {gather}"
+    return (
+        f"optimizer update: muon (AdamW state layout, no extra persistent bytes); during the step "
+        f"+{_gib(update['step_work_bytes'])} of fp32 update directions, and its gather of whole matrices receives "
+        f"+{_gib(update['gather_received_bytes'])} per step, beside {gather}"
+    )
 
 
 def _staging_note(during: int, at_end: int) -> str:
@@ -609,6 +636,7 @@ def format_plan(plan: Plan) -> str:
         _verdict_line(act["configured_mode"], mem),
         "  (not counted: the runtime's context and collective buffers, allocator caching and fragmentation, "
         "routing imbalance; docs/MEMORY.md)",
+        _update_line(plan.update),
         "",
         f"FLOPs: {f['per_token']:.4g} per token, {f['per_step']:.4g} per step, {f['per_device_per_step']:.4g} "
         "per device per step"

@@ -105,6 +105,7 @@ def test_intervals_and_rates_out_of_range_are_named(override):
         ("model.moe.aux_loss_coef=inf", "must be 0 (off) or a positive finite number"),
         ("model.moe.capacity_factor=nan", "must be a positive, finite number, or null for dropless routing"),
         ("model.init_std=-1.0", "must be a positive, finite number"),
+        ("model.embed_init_std=0.0", "must be a positive, finite number"),
         ("parallel.timeout_s=0.0", "must be a positive, finite number"),
         ("train.grad_clip=nan", "must be 0 (no clipping) or a positive finite number"),
         ("train.seed=-1", "must be 0 or a positive whole number"),

@@ -21,6 +21,7 @@ from optimus.model.moe.experts import expert_offsets
 from optimus.model.moe.router import Router
 
 RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
+EMBEDDING = "embed.weight"
 # With tie_embeddings the LM head is the embedding; a pipeline stage that holds the head alone keeps a copy of it,
 # drawn under the embedding's name so that it starts equal.
 TIED = {"lm_head.weight": "embed.weight"}
@@ -51,15 +52,20 @@ def _copy_draw(param: torch.Tensor, full: torch.Tensor) -> None:
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Normal(0, init_std) matrices, residual projections scaled by 1/sqrt(2 * n_layers), norms 1, router bias 0."""
+    """Normal(0, init_std) matrices, residual projections scaled by 1/sqrt(2 * n_layers), the token embedding
+    Normal(0, embed_init_std or init_std), norms 1, router bias 0."""
     std = cfg.init_std
     residual_std = std / math.sqrt(2 * cfg.n_layers)
+    # A tied embedding is the LM head too: it keeps the head's scale.
+    embed_std = std if cfg.embed_init_std is None or cfg.tie_embeddings else cfg.embed_init_std
     offsets = expert_offsets(model)
     for name, param in model.named_parameters():
         if param.dim() == 1:  # norm weights
             _copy_draw(param, torch.ones(param.shape))
             continue
         param_std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
+        if name.endswith(EMBEDDING):
+            param_std = embed_std
         offset = offsets.get(name)
         if offset is None:
             drawn_as = TIED.get(name, name) if cfg.tie_embeddings else name

@@ -4,7 +4,7 @@ from optimus.config import SHARDING_SCHEMES, OptimusConfig
 from optimus.optim.memory import StateBytes, rank_state_bytes
 from optimus.optim.protocol import Optimizer
 from optimus.optim.schedule import lr_at
-from optimus.optim.sharded import ShardedAdamW, ShardedOptimizer
+from optimus.optim.sharded import ShardedAdamW, ShardedMuon, ShardedOptimizer
 from optimus.optim.sharder import GradSharder
 from optimus.parallel import ParallelState
 
@@ -24,10 +24,12 @@ def build_optimizer(
     """The optimizer `cfg` describes (optim.sharding resolved) over a stage's ranks `ps`: it averages, clips and
     applies the gradients of `micro_batches` backwards in `step(lr)`."""
     sharding = resolve_sharding(cfg.optim.sharding, ps.world_size)
+    if cfg.optim.update == "muon":
+        return ShardedMuon(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied)
     return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied)
 
 
 __all__ = [
-    "SCHEMES", "GradSharder", "Optimizer", "ShardedAdamW", "ShardedOptimizer", "StateBytes", "build_optimizer",
-    "lr_at", "rank_state_bytes", "resolve_sharding",
+    "SCHEMES", "GradSharder", "Optimizer", "ShardedAdamW", "ShardedMuon", "ShardedOptimizer", "StateBytes",
+    "build_optimizer", "lr_at", "rank_state_bytes", "resolve_sharding",
 ]  # fmt: skip

@@ -91,6 +91,7 @@ class AdamW:
     """The AdamW update rule on the fp32 slices a sharder owns: two fp32 moments per owned element, in one
     flat tensor per parameter group, indexed like the group's shard (optimus.optim.sharder.OwnedSlice.lo)."""
 
+    name = "adamw"  # optim.update
     state_kinds = ("exp_avg", "exp_avg_sq")
     state_bytes_per_element = 8  # two fp32 moments
 
@@ -101,6 +102,15 @@ class AdamW:
             group: {kind: torch.zeros(numel, dtype=torch.float32, device=device) for kind in self.state_kinds}
             for group, (numel, device) in shard_numels.items()
         }
+
+    def step(self, sharder, lr: float, step: int, grad_scale: float) -> None:
+        """One step on every slice `sharder` (an optimus.optim.sharder.GradSharder) says this rank owns."""
+        for owned in sharder.owned_slices():
+            self.update(owned, lr, step, grad_scale)
+
+    def step_bytes(self, sharder) -> tuple[int, int]:
+        """(working bytes, bytes received by its own collectives) of one step: AdamW works in place, alone."""
+        return 0, 0
 
     def update(self, owned, lr: float, step: int, grad_scale: float) -> None:
         """One step on `owned` (an OwnedSlice): its gradient times `grad_scale` (1 / replicas x clip factor)."""

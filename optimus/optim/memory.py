@@ -92,6 +92,38 @@ def rank_state_bytes(
     return total
 
 
+MUON_DIRECTION_BYTES = 4  # per element: the fp32 update direction that Muon gathers whole (optimus.optim.muon)
+
+
+def muon_step_bytes(numel: int, shard_world: int, param_size: int) -> tuple[int, int]:
+    """(working bytes, bytes received) of one Muon step for a group of `numel` local elements split over
+    `shard_world` owners: the fp32 direction of the owned shard and, with several owners, the whole group's,
+    gathered (every bucket counted: buckets without a Muon matrix are skipped, so this bounds the figure)."""
+    n = padded_numel(numel, shard_world, param_size)
+    shard = n // shard_world
+    if shard_world == 1:
+        return shard * MUON_DIRECTION_BYTES, 0
+    return (shard + n) * MUON_DIRECTION_BYTES, (n - shard) * MUON_DIRECTION_BYTES
+
+
+def rank_update_bytes(
+    rule: str, scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, tp: int = 1
+) -> dict[str, int]:
+    """What the update rule `rule` adds to one optimizer step of a rank (the arguments of rank_state_bytes):
+    `step_work_bytes` alive during the step only, `gather_received_bytes` received by the rule's own collectives,
+    beside `param_gather_received_bytes`, the parameters' all-gather that every rule has."""
+    worlds = shard_worlds(scheme, world, dp, tp)
+    out = {"step_work_bytes": 0, "gather_received_bytes": 0, "param_gather_received_bytes": 0}
+    for numel, kind in ((dense, "dense"), (expert_local, "expert")):
+        n = padded_numel(numel, worlds[kind], param_size)
+        out["param_gather_received_bytes"] += (n - n // worlds[kind]) * param_size
+        if rule == "muon":
+            work, received = muon_step_bytes(numel, worlds[kind], param_size)
+            out["step_work_bytes"] += work
+            out["gather_received_bytes"] += received
+    return out
+
+
 def zero_bucket_bytes(bucket_mb: float, zero: int) -> int:
     """Bytes of parameters per bucket: `optim.bucket_mb` under ZeRO-2; ZeRO-1 reduces in step(), where only
     the collective size limit cuts a group."""

@@ -7,6 +7,7 @@ from typing import Protocol
 
 class Optimizer(Protocol):
     scheme: str  # optim.sharding as resolved: none | standard | ep_aware
+    update_rule: str  # optim.update: adamw | muon
 
     def step(self, lr: float) -> float:
         """Reduce, clip and apply this step's gradients; return the pre-clip global gradient norm."""
@@ -29,6 +30,9 @@ class Optimizer(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Fill this rank's state from saved ranges of any layout that cover it."""
+
+    def update_bytes(self) -> dict[str, int]:
+        """What the update rule adds to one step on this rank (optimus.optim.memory.rank_update_bytes's keys)."""
 
     def memory_bytes(self) -> dict[str, int]:
         """Persistent bytes this rank holds: parameters, gradients, master weights, the rule's state, padding."""

@@ -1,4 +1,4 @@
-"""The EP-aware sharded optimizer: a gradient sharder (optimus.optim.sharder) and an update rule (AdamW).
+"""The EP-aware sharded optimizer: a gradient sharder (optimus.optim.sharder) and an update rule (AdamW, Muon).
 
     reduce    the sharder finishes the step's reductions -> the global norm of the mean gradient
     update    the rule changes each fp32 slice this rank owns (clip factor and 1 / replicas folded into the step)
@@ -20,6 +20,7 @@ from optimus.config import TORCH_DTYPES, OptimConfig
 from optimus.optim.adamw import AdamW, AdamWHyper
 from optimus.optim.grad_norm import clip_coefficient
 from optimus.optim.memory import zero_bucket_bytes
+from optimus.optim.muon import NS_COEFFICIENTS, Muon, MuonHyper
 from optimus.optim.sharder import GradSharder
 from optimus.optim.state_ranges import StateRange, copy_overlap, range_key
 from optimus.parallel import ParallelState
@@ -31,7 +32,7 @@ class ShardedOptimizer:
 
     def __init__(self, sharder: GradSharder, rule, grad_clip: float):
         self.sharder, self.rule, self.grad_clip = sharder, rule, grad_clip
-        self.scheme = sharder.scheme
+        self.scheme, self.update_rule = sharder.scheme, rule.name
         self.step_count = 0
 
     def step(self, lr: float) -> float:
@@ -41,8 +42,7 @@ class ShardedOptimizer:
             return norm
         self.step_count += 1
         grad_scale = clip_coefficient(norm, self.grad_clip) * self.sharder.mean_scale
-        for owned in self.sharder.owned_slices():
-            self.rule.update(owned, lr, self.step_count, grad_scale)
+        self.rule.step(self.sharder, lr, self.step_count, grad_scale)
         self.sharder.gather()
         return norm
 
@@ -69,6 +69,17 @@ class ShardedOptimizer:
         """Persistent bytes on this rank (parameters, gradients, fp32 master, the rule's state, and padding)."""
         return self.sharder.state_bytes(self.rule.state_bytes_per_element).rounded()
 
+    def update_bytes(self) -> dict[str, int]:
+        """The rule's working bytes in a step and the bytes its own gathers receive, beside what the parameters'
+        all-gather receives (the keys of optimus.optim.memory.rank_update_bytes, from this rank's layout)."""
+        work, received = self.rule.step_bytes(self.sharder)
+        params = sum(
+            (g.flat.padded_numel - g.flat.shard_numel) * g.flat.buffer.element_size()
+            for g in self.sharder.groups.values()
+            if g.comm.shard_world > 1
+        )
+        return {"step_work_bytes": work, "gather_received_bytes": received, "param_gather_received_bytes": params}
+
     def state_dict(self) -> dict:
         """The rule's state (and the fp32 master) of every owned range, keyed "name[lo:hi]" in the full parameter's
         flat index (or "name[lo:hi]@cols[a:b]" in a block of its columns, optimus.optim.state_ranges).
@@ -86,10 +97,16 @@ class ShardedOptimizer:
                 if g.master is not None:
                     entry["master"] = g.master[r.shard_lo : r.shard_hi]
                 shards[range_key(r.name, r.global_lo, r.global_hi, r.cols)] = entry
-        return {"step": self.step_count, "scheme": self.scheme, "shards": shards}
+        return {"step": self.step_count, "scheme": self.scheme, "update": self.update_rule, "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
         """Fill every owned range from the saved shards that overlap it (any layout, as long as they cover it)."""
+        saved_rule = state.get("update", "adamw")  # checkpoints from before Muon hold AdamW's state
+        if saved_rule != self.update_rule:
+            raise ValueError(
+                f"the optimizer state was saved by optim.update={saved_rule}: resume with optim.update={saved_rule}, "
+                "or start from the checkpoint's weights alone (checkpoint.load_weights_only=true)."
+            )
         self.wait_for_params()  # the master copy is refreshed from the parameters
         by_name: dict[str, list[dict]] = {}
         for entry in state["shards"].values():
@@ -127,6 +144,10 @@ def build_sharder(
     )  # fmt: skip
 
 
+def adamw_hyper(cfg: OptimConfig) -> AdamWHyper:
+    return AdamWHyper(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay)
+
+
 class ShardedAdamW(ShardedOptimizer):
     """AdamW for `optim.sharding=none | standard | ep_aware` over `model`'s trainable parameters (see
     optimus.optim.sharder). `micro_batches`: the backwards of one optimizer step (ZeRO-2 reduces after the last);
@@ -138,5 +159,21 @@ class ShardedAdamW(ShardedOptimizer):
     ):  # fmt: skip
         sharder = build_sharder(model, cfg, ps, scheme, micro_batches, timers, tied)
         shards = {kind: (g.flat.shard_numel, g.flat.device) for kind, g in sharder.groups.items()}
-        rule = AdamW(AdamWHyper(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay), shards)
-        super().__init__(sharder, rule, grad_clip)
+        super().__init__(sharder, self.make_rule(cfg, shards), grad_clip)
+
+    @staticmethod
+    def make_rule(cfg: OptimConfig, shards: dict[str, tuple[int, torch.device]]) -> AdamW:
+        return AdamW(adamw_hyper(cfg), shards)
+
+
+class ShardedMuon(ShardedAdamW):
+    """Muon for the hidden matrices and AdamW for the rest (optimus.optim.muon), on the same sharder as
+    ShardedAdamW; the arguments are ShardedAdamW's."""
+
+    @staticmethod
+    def make_rule(cfg: OptimConfig, shards: dict[str, tuple[int, torch.device]]) -> Muon:
+        muon = MuonHyper(
+            cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, NS_COEFFICIENTS, cfg.muon_adjust_lr,
+            cfg.weight_decay,
+        )  # fmt: skip
+        return Muon(muon, adamw_hyper(cfg), shards)

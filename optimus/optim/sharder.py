@@ -407,6 +407,19 @@ class ShardGroup:
             param = sv(self.master, b) if self.master is not None else flat.owned_view(flat.buffer, b)
             yield OwnedSlice(kind, b.shard_offset, param, sv(self.grad_shard, b), segments)
 
+    def all_gather_shard(self, shard_N: torch.Tensor, buckets: Iterable[int]) -> torch.Tensor:
+        """[N_pad]: every owner rank's `shard_N` (a tensor laid out like this rank's shard) at its place in the flat
+        buffer's layout, for `buckets` only (the rest of the result is undefined); an update rule that needs whole
+        matrices (Muon) reads them from it. With one owner the shard is the whole layout already."""
+        flat, c = self.flat, self.comm
+        if c.shard_world == 1:
+            return shard_N
+        full_N = torch.empty(flat.padded_numel, dtype=shard_N.dtype, device=shard_N.device)
+        for bi in buckets:
+            b = flat.buckets[bi]
+            _all_gather(full_N[b.start : b.end], flat.shard_view(shard_N, b), group=c.shard_group)
+        return full_N
+
     def gather_params(self) -> None:
         """Start all-gathering every rank's updated slices into the flat parameter buffer (hence into the
         parameters), bucket by bucket in `gather_order`; `wait_gathered` finishes them."""

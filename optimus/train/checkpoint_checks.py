@@ -26,10 +26,13 @@ from optimus.data.cache import sha256_file
 # Settings that define the sample stream: changing one mid-run silently trains on other data. The data itself
 # is identified by its tokens' content (DataBundle.identity), not by data.path or data.mix: the same tokens under
 # another path (or the same path given relative) resume, and tokens re-made in place are refused.
+# optim.update too: Muon's state is not AdamW's (the first moment holds Muon's momentum, the second is unused).
 RUN_KEYS = (
     "train.seq_len", "train.global_batch", "train.seed", "data.name",
-    "data.text_field", "data.hf_split", "data.hf_config", "data.val_fraction", "data.max_chars",
+    "data.text_field", "data.hf_split", "data.hf_config", "data.val_fraction", "data.max_chars", "optim.update",
 )  # fmt: skip
+# What checkpoints saved before a RUN_KEYS setting existed were saved with (they are held to it).
+RUN_KEYS_BEFORE = {"optim.update": "adamw"}
 # Keys that change the tensors' shapes: a checkpoint's weights cannot go into a model that differs in one.
 SHAPE_KEYS = (
     "n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "first_k_dense", "tie_embeddings",
@@ -42,7 +45,7 @@ ARCH_KEYS = (
 )  # fmt: skip
 SKIP_FILES = ("meta.json", "config.yaml")  # written after the hashes are taken
 # Model keys a start from a checkpoint's weights does not compare: a label, and the initialisation they replace.
-UNCOMPARED_MODEL_KEYS = ("name", "init_std")
+UNCOMPARED_MODEL_KEYS = ("name", "init_std", "embed_init_std")
 
 
 def _get(tree: Any, dotted: str) -> Any:
@@ -73,7 +76,7 @@ def changed_setting(
     if not weights_only:
         saved_run = meta.get("run") or {}
         now = run_identity(cfg, data_identity)
-        pairs += [(k, saved_run.get(k, now[k]), now[k]) for k in now]
+        pairs += [(k, saved_run.get(k, RUN_KEYS_BEFORE.get(k, now[k])), now[k]) for k in now]
     for key, saved, current in pairs:
         if saved is not None and current is not None and _plain(saved) != _plain(current):
             return key, saved, current

@@ -149,4 +149,6 @@ def load_optimizer_state(
     entries = {
         r.key: {"name": r.name, "lo": r.lo, "hi": r.hi, "cols": r.cols, **tensors} for r, tensors in shards.items()
     }
-    optimizer.load_state_dict({"step": step, "scheme": optimizer.scheme, "shards": entries})
+    # The update rule was checked against the checkpoint's run record (optim.update in checkpoint_checks.RUN_KEYS).
+    state = {"step": step, "scheme": optimizer.scheme, "update": optimizer.update_rule, "shards": entries}
+    optimizer.load_state_dict(state)

@@ -372,7 +372,8 @@ class Trainer:
     # ---- the run ------------------------------------------------------------
 
     def write_run_info(self) -> None:
-        mine = {**self.optimizer.memory_bytes(), **cpu_share()}  # cpu_share: whether ranks shared cores
+        # cpu_share: whether ranks shared cores; update_bytes: what the update rule adds to a step (optim.update)
+        mine = {**self.optimizer.memory_bytes(), **self.optimizer.update_bytes(), **cpu_share()}
         per_rank = [None] * self.ps.world_size
         if self.ps.is_distributed:
             dist.all_gather_object(per_rank, mine)
@@ -394,6 +395,7 @@ class Trainer:
             },
             "moe_layers": self.router_stats.layer_ids,  # the block index of each row of expert_tokens
             "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},
+            "optim_update": self.optimizer.update_rule,
             "device": {
                 "type": self.platform.device_type, "name": self.platform.device_name, "backend": self.platform.backend,
                 "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,

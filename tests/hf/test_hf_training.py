@@ -33,12 +33,13 @@ SHAPES = {
     "olmoe": dict(heads=4, kv=2, experts=6, top_k=2, vocab=VOCAB),
     "qwen3_moe": dict(heads=4, kv=2, experts=5, top_k=2, vocab=VOCAB, norm_topk=True),
 }
-OPTIM = OptimConfig(warmup_steps=3, eps=1e-6)  # Optimus's defaults otherwise, on both sides
+# Optimus's defaults otherwise, on both sides; lr 6e-3 so that 10 steps move the loss by more than 0.1
+OPTIM = OptimConfig(lr=6e-3, warmup_steps=3, eps=1e-6)
 TRAIN = [
     "train.dtype=fp32", "kernels=torch", "logging.progress=false", f"train.steps={STEPS}",
     f"train.seq_len={SEQ_LEN}", f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={MICRO_BATCH}",
     f"train.eval_interval={STEPS}", "train.eval_sequences=2", f"optim.warmup_steps={OPTIM.warmup_steps}",
-    f"optim.eps={OPTIM.eps}",
+    f"optim.eps={OPTIM.eps}", f"optim.lr={OPTIM.lr}",
 ]  # fmt: skip
 
 

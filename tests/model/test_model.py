@@ -55,6 +55,18 @@ def test_init_scales_residual_projections():
     assert abs(std - 0.02) < 0.002
     assert abs(residual_std - 0.02 / 4.0) < 0.0005  # 1 / sqrt(2 * 8 layers)
     assert (model.norm.weight == 1).all()
+    assert abs(model.embed.weight.std().item() - 0.02) < 0.002  # embed_init_std null: init_std
+
+
+def test_embedding_draws_with_its_own_std():
+    model = Transformer(tiny_config(dim=256, embed_init_std=1.0), kernels="torch")
+    model.init_weights(torch.Generator().manual_seed(0))
+    assert abs(model.embed.weight.std().item() - 1.0) < 0.05  # 128 x 256 draws
+    assert abs(model.lm_head.weight.std().item() - 0.02) < 0.002  # the head keeps init_std
+    assert abs(model.layers["0"].attn.wq.weight.std().item() - 0.02) < 0.002
+    tied = Transformer(tiny_config(dim=256, embed_init_std=1.0, tie_embeddings=True), kernels="torch")
+    tied.init_weights(torch.Generator().manual_seed(0))
+    assert abs(tied.embed.weight.std().item() - 0.02) < 0.002  # the tied matrix is the head too
 
 
 def test_dense_model_has_no_router_losses():

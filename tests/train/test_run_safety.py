@@ -75,6 +75,7 @@ def test_no_loadable_checkpoint_refuses_and_keeps_them_all(small_run, tmp_path, 
         ("train.global_batch=16", "train.global_batch changed from 8 to 16"),
         ("model.moe.top_k=1", "model.moe.top_k changed from 2 to 1"),
         ("data.val_fraction=0.1", "data.val_fraction changed from 0.02 to 0.1"),
+        ("optim.update=muon", "optim.update changed from adamw to muon"),  # AdamW's moments are not Muon's state
     ],
 )
 def test_resuming_with_other_data_or_shape_is_refused_by_name(small_run, tmp_path, capsys, override, message):
