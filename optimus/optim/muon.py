@@ -147,37 +147,29 @@ class Muon(AdamW):
 
     def _orthogonal_steps(self, flat: FlatParams, slots: list[ParamSlot], u_full, owned_params, lr: float) -> None:
         """Orthogonalise each unit of work (a matrix, or one expert's matrices) that overlaps this rank's
-        elements, batched by shape, and apply it to the elements this rank owns."""
+        elements, batched by shape, write each scaled result over its direction in `u_full` (read once, by the
+        stack), and apply it to the elements this rank owns."""
         owned = [(lo, hi) for lo, hi, _ in owned_params]
-        pending: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        updates = []
+        pending: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
         for s in slots:
-            u_K = u_full[s.start : s.end].view(s.local.shape)
-            delta_K = torch.zeros(s.local.shape, dtype=torch.float32, device=u_full.device)
-            unit_numel = s.local.numel() // (s.local.shape[0] if s.name.endswith((EXPERT_W13, EXPERT_W2)) else 1)
-            touched = False
-            for i, (u_blocks, d_blocks) in enumerate(zip(muon_blocks(s.name, u_K), muon_blocks(s.name, delta_K))):
+            units = muon_blocks(s.name, u_full[s.start : s.end].view(s.local.shape))
+            unit_numel = s.local.numel() // len(units)
+            for i, blocks in enumerate(units):
                 lo, hi = s.start + i * unit_numel, s.start + (i + 1) * unit_numel
-                if not any(a < hi and lo < z for a, z in owned):
-                    continue
-                touched = True
-                for u, d in zip(u_blocks, d_blocks):
-                    pending[tuple(u.shape)].append((u, d))
-            if touched:
-                updates.append((s, delta_K))
-        for shape, pairs in pending.items():
-            o_BMN = newton_schulz(torch.stack([u for u, _ in pairs]), self.muon.ns_steps, self.muon.ns_coefficients)
+                if any(a < hi and lo < z for a, z in owned):
+                    for u in blocks:
+                        pending[tuple(u.shape)].append(u)
+        for shape, directions in pending.items():
+            o_BMN = newton_schulz(torch.stack(directions), self.muon.ns_steps, self.muon.ns_coefficients)
             ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
-            for (_, d), o in zip(pairs, o_BMN):
-                d.copy_(o.float()).mul_(ratio)
+            for u, o in zip(directions, o_BMN):
+                u.copy_(o.float()).mul_(ratio)
         decay = 1 - lr * self.muon.weight_decay
-        for s, delta_K in updates:
-            delta_N = delta_K.view(-1)
+        for s in slots:  # the owned elements of a matrix lie in units orthogonalised above
             for lo, hi, param in owned_params:
                 a, z = max(lo, s.start), min(hi, s.end)
                 if a < z:
-                    p = param[a - lo : z - lo]
-                    p.mul_(decay).sub_(delta_N[a - s.start : z - s.start])
+                    param[a - lo : z - lo].mul_(decay).sub_(u_full[a:z])
 
 
 def muon_slots_of(flat: FlatParams) -> list[ParamSlot]:
