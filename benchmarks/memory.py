@@ -17,6 +17,7 @@ that rank held before the model was built (the interpreter, torch, the data).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 from optimus.model import count_params_of_config
 from optimus.recipes import load_config
@@ -52,6 +55,20 @@ def cpu_flags() -> str:
     except OSError:
         return "flags unknown"
     return " ".join(sorted(set(re.findall(r"\bavx512[a-z_0-9]*", text)))) or "no AVX-512"
+
+
+def machine_meta(script: str) -> dict:
+    """What a benchmark result records about its run: the time, the command, the machine, its CPU flags, the torch
+    version and the load average at the start (a benchmark adds `load_end` when it finishes)."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+        "torch": torch.__version__,
+        "load_start": os.getloadavg()[0],
+    }
 
 
 def run(overrides: list[str], run_dir: Path) -> dict:

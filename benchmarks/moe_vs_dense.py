@@ -26,10 +26,8 @@ OVERRIDEs (`key=value`) go to all three models, e.g. `train.steps=50` for a quic
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,12 +37,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what `optimus train` runs with (optimus/cli.py)
 
-import torch  # noqa: E402
 
 from optimus.recipes import load_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import cpu_flags  # noqa: E402
+from memory import machine_meta  # noqa: E402
 
 MODELS = ("moe", "dense-active", "dense-total")
 
@@ -201,13 +198,7 @@ def main() -> None:
     json_path = args.out / "moe_vs_dense.json"
     previous = json.loads(json_path.read_text()) if args.skip_training and json_path.exists() else None
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/moe_vs_dense.py " + " ".join(sys.argv[1:]),
-        "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "cpu_flags": cpu_flags(),
-        "torch": torch.__version__,
-        "load_start": os.getloadavg()[0],
+        **machine_meta("moe_vs_dense.py"),
         "seeds": args.seeds,
         "steps": cfg.train.steps,
         "global_batch": cfg.train.global_batch,

@@ -19,10 +19,8 @@ Writes results/muon.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,7 @@ from optimus.parallel.flat_buffer import FlatParams, param_groups  # noqa: E402
 from optimus.recipes import load_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import cpu_flags  # noqa: E402
+from memory import machine_meta  # noqa: E402
 
 RULES = ("adamw", "muon")
 
@@ -176,13 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.overrides)
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/muon.py " + " ".join(sys.argv[1:]),
-        "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "cpu_flags": cpu_flags(),
-        "torch": torch.__version__,
-        "load_start": os.getloadavg()[0],
+        **machine_meta("muon.py"),
         "seeds": args.seeds,
         "sweep_lrs": args.sweep_lrs,
         "sweep_steps": args.sweep_steps,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from optimus.optim.adamw import AdamW, AdamWHyper, adamw_update
-from optimus.optim.memory import MUON_DIRECTION_BYTES
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_step_bytes
 from optimus.parallel.flat_buffer import FlatParams, ParamSlot, Segment
 
 NOT_MUON = ("embed.weight", "lm_head.weight", "router.gate.weight")
@@ -52,7 +52,6 @@ class MuonHyper:
     ns_steps: int
     ns_coefficients: tuple[float, float, float]
     adjust_lr: str  # original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
-    weight_decay: float
 
 
 def takes_muon(name: str, ndim: int) -> bool:
@@ -106,16 +105,16 @@ class Muon(AdamW):
 
     def step_bytes(self, sharder) -> tuple[int, int]:
         """(working bytes, bytes received by its gathers) of one step: the fp32 directions of the owned shard and,
-        with several owners, of the gathered group (optimus.optim.memory.muon_step_bytes bounds both)."""
+        with several owners, of the gathered group (optimus.optim.memory.muon_step_bytes), the gathers counted
+        over the buckets that hold a Muon matrix."""
         work = received = 0
         for group in sharder.groups.values():
             flat, world = group.flat, group.comm.shard_world
-            buckets = gathered_buckets(flat)
+            buckets = gathered_buckets(flat, muon_slots_of(flat))
             if not buckets:
                 continue
-            work += flat.shard_numel * MUON_DIRECTION_BYTES
+            work += muon_step_bytes(flat.numel, world, flat.buffer.element_size())[0]
             if world > 1:
-                work += flat.padded_numel * MUON_DIRECTION_BYTES
                 sizes = [flat.buckets[i].end - flat.buckets[i].start for i in buckets]
                 received += sum(n - n // world for n in sizes) * MUON_DIRECTION_BYTES
         return work, received
@@ -137,7 +136,7 @@ class Muon(AdamW):
                     self._momentum(owned.grad[a:z], m[a:z], u[a:z], grad_scale)
             if not muon_slots:
                 continue
-            u_full = group.all_gather_shard(u_shard, gathered_buckets(flat))  # [N_pad]; read inside those buckets
+            u_full = group.all_gather_shard(u_shard, gathered_buckets(flat, muon_slots))  # [N_pad]; read inside them
             self._orthogonal_steps(flat, muon_slots, u_full, owned_params, lr)
 
     def _momentum(self, grad: torch.Tensor, m: torch.Tensor, u: torch.Tensor, grad_scale: float) -> None:
@@ -164,7 +163,7 @@ class Muon(AdamW):
             ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
             for u, o in zip(directions, o_BMN):
                 u.copy_(o.float()).mul_(ratio)
-        decay = 1 - lr * self.muon.weight_decay
+        decay = 1 - lr * self.hyper.weight_decay  # AdamW's decoupled decay, the same key
         for s in slots:  # the owned elements of a matrix lie in units orthogonalised above
             for lo, hi, param in owned_params:
                 a, z = max(lo, s.start), min(hi, s.end)
@@ -176,9 +175,8 @@ def muon_slots_of(flat: FlatParams) -> list[ParamSlot]:
     return [s for s in flat.slots if takes_muon(s.name, s.local.dim())]
 
 
-def gathered_buckets(flat: FlatParams) -> list[int]:
-    """The buckets that hold some of a Muon matrix: the only ones whose directions are gathered."""
-    slots = muon_slots_of(flat)
+def gathered_buckets(flat: FlatParams, slots: list[ParamSlot]) -> list[int]:
+    """The buckets that hold some of `slots` (Muon's matrices): the only ones whose directions are gathered."""
     return [i for i, b in enumerate(flat.buckets) if any(overlap(s, b.start, b.end) for s in slots)]
 
 

@@ -172,8 +172,5 @@ class ShardedMuon(ShardedAdamW):
 
     @staticmethod
     def make_rule(cfg: OptimConfig, shards: dict[str, tuple[int, torch.device]]) -> Muon:
-        muon = MuonHyper(
-            cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, NS_COEFFICIENTS, cfg.muon_adjust_lr,
-            cfg.weight_decay,
-        )  # fmt: skip
+        muon = MuonHyper(cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, NS_COEFFICIENTS, cfg.muon_adjust_lr)
         return Muon(muon, adamw_hyper(cfg), shards)
