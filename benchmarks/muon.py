@@ -6,12 +6,12 @@
    val_loss at equal steps (each evaluation) and at equal wall time (per seed, the last evaluation each rule
    reached within the shorter of the two runs' training seconds), and the optimizer step's time
    (`profile.timers`: time_optimizer_s, median over the steps after the first).
-3. Newton-Schulz time per rank at 1, 2 and 4 ranks (ep_aware, ep = 1): the matrices each rank orthogonalises under
-   Muon's ownership rule (optimus.optim.muon: those overlapping the elements it owns), timed here on this
-   process, one rank after the other; max over the ranks and the sum (the work repeated at shard boundaries).
+3. Newton-Schulz time per rank at 1, 2 and 4 ranks (ep_aware, ep = 1): the units each rank owns under Muon's
+   whole-matrix ownership (optimus.optim.muon_exchange), timed here on this process, one rank after the other;
+   max over the ranks and the sum. `--newton-schulz-only` re-times this part alone into existing results.
 
     python benchmarks/muon.py [--seeds 0 1 2] [--sweep-lrs 1.5e-3 3e-3 6e-3] [--sweep-steps 100]
-                              [--out benchmarks/results] [OVERRIDE ...]
+                              [--newton-schulz-only] [--out benchmarks/results] [OVERRIDE ...]
 
 Writes results/muon.{md,json}.
 """
@@ -33,7 +33,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what `optimus train` runs
 import torch  # noqa: E402
 
 from optimus.model import Transformer  # noqa: E402
-from optimus.optim.muon import NS_COEFFICIENTS, muon_blocks, muon_slots_of, newton_schulz  # noqa: E402
+from optimus.optim.muon import NS_COEFFICIENTS, muon_slots_of, newton_schulz, unit_blocks  # noqa: E402
+from optimus.optim.muon_exchange import MuonExchange  # noqa: E402
 from optimus.parallel.flat_buffer import FlatParams, param_groups  # noqa: E402
 from optimus.recipes import load_config  # noqa: E402
 
@@ -86,15 +87,11 @@ def newton_schulz_per_rank(overrides: list[str], worlds=(1, 2, 4), repeats: int 
                 if not named:
                     continue
                 flat = FlatParams(named, world, rank, 2**62)
-                owned = [b.owned(world, rank) for b in flat.buckets]
-                for s in muon_slots_of(flat):
-                    per_unit = [u for u in muon_blocks(s.name, s.local.detach().float())]
-                    unit = s.local.numel() // len(per_unit)
-                    for i, blocks in enumerate(per_unit):
-                        lo, hi = s.start + i * unit, s.start + (i + 1) * unit
-                        if any(a < hi and lo < z for a, z in owned):
-                            for b in blocks:
-                                batches.setdefault(tuple(b.shape), []).append(b)
+                slots = muon_slots_of(flat)
+                for u in MuonExchange(flat, slots).owned if slots else []:
+                    unit = flat.buffer[u.lo : u.hi].detach().float()
+                    for b in unit_blocks(u.slot, unit):
+                        batches.setdefault(tuple(b.shape), []).append(b)
             stacked = [torch.stack(ms) for ms in batches.values()]
             times = []
             for _ in range(repeats + 1):
@@ -152,10 +149,10 @@ def report(results: dict) -> str:
         lines.append(f"| {step} | {cells[0]:.4f} | {cells[1]:.4f} |")
     lines += [
         "",
-        "Newton-Schulz seconds per step of each rank (ep_aware, ep = 1; the matrices that overlap the rank's owned "
-        "elements, timed on this process):",
+        "Newton-Schulz seconds per step of each rank (ep_aware, ep = 1; the units the rank owns, "
+        f"timed on this process{results.get('newton_schulz_note', '')}):",
         "",
-        "| ranks | per rank | max | sum (work repeated at shard boundaries included) |",
+        "| ranks | per rank | max | sum |",
         "|---:|---|---:|---:|",
     ]
     for world, ns in results["newton_schulz"].items():
@@ -164,14 +161,35 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(results: dict, out: Path) -> None:
+    text = report(results)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "muon.md").write_text(text)
+    (out / "muon.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def retime_newton_schulz(out: Path, overrides: list[str]) -> None:
+    """Part 3 again, into the results of an earlier full run (its training figures are kept as they were)."""
+    results = json.loads((out / "muon.json").read_text())
+    meta = machine_meta("muon.py --newton-schulz-only")
+    results["newton_schulz"] = newton_schulz_per_rank(overrides)
+    results["newton_schulz_note"] = f"; re-timed {meta['date']} by `{meta['command']}`"
+    write(results, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sweep-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
     parser.add_argument("--sweep-steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--newton-schulz-only", action="store_true", help="re-time part 3 into existing results")
     parser.add_argument("overrides", nargs="*", help="key=value for every run")
     args = parser.parse_args()
+    if args.newton_schulz_only:
+        retime_newton_schulz(args.out, args.overrides)
+        return
     cfg = load_config(args.overrides)
     meta = {
         **machine_meta("muon.py"),
@@ -209,11 +227,7 @@ def main() -> None:
         "newton_schulz": newton_schulz_per_rank(args.overrides),
     }  # fmt: skip
     meta["load_end"] = os.getloadavg()[0]
-    text = report(results)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "muon.md").write_text(text)
-    (args.out / "muon.json").write_text(json.dumps(results, indent=2) + "\n")
+    write(results, args.out)
 
 
 if __name__ == "__main__":

@@ -365,11 +365,6 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     validate_pipeline(cfg, world_size)
     validate_layout(world_size, p.ep, p.pp, p.tp)
     validate_tensor_parallel(cfg)
-    if cfg.optim.update == "muon" and p.tp > 1:
-        raise ConfigError(
-            f"optim.update=muon does not combine with parallel.tp={p.tp} yet (the tensor-parallel halves of a "
-            "matrix are not made whole for Newton-Schulz): use parallel.tp=1 or optim.update=adamw."
-        )
     what = "data-parallel ranks" if p.pp > 1 else "world size / parallel.tp" if p.tp > 1 else "world size"
     micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel_size(world_size, p.pp, p.tp), what)
     validate_micro_batches(cfg, world_size)

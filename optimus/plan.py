@@ -114,6 +114,7 @@ from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
 from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
+from optimus.optim.muon import largest_units
 from optimus.parallel.pipeline import (
     PartCounts,
     in_flight_chunks,
@@ -515,6 +516,12 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
             stage_world // ep,
             DTYPE_BYTES[compute],
             tp,
+            largest_units(m),
+            bucket_numel(
+                zero_bucket_bytes(cfg.optim.bucket_mb, cfg.optim.zero),
+                cfg.optim.max_collective_numel,
+                DTYPE_BYTES[compute],
+            ),
         ),
     }
     return Plan(
@@ -557,8 +564,9 @@ def _update_line(update: dict) -> str:
         return f"optimizer update: {update['rule']}; {gather}"
     return (
         f"optimizer update: muon (AdamW state layout, no extra persistent bytes); during the step "
-        f"+{_gib(update['step_work_bytes'])} of fp32 update directions, and its gather of whole matrices receives "
-        f"+{_gib(update['gather_received_bytes'])} per step, beside {gather}"
+        f"at most +{_gib(update['step_work_bytes'])} of fp32 update directions, and its exchange of whole matrices "
+        f"receives at most +{_gib(update['gather_received_bytes'])} per step (run_info.json: the layout's own "
+        f"figures), beside {gather}"
     )
 
 

@@ -92,33 +92,52 @@ def rank_state_bytes(
     return total
 
 
-MUON_DIRECTION_BYTES = 4  # per element: the fp32 update direction that Muon gathers whole (optimus.optim.muon)
+MUON_DIRECTION_BYTES = 4  # per element: the fp32 update direction that Muon moves whole (optimus.optim.muon)
 
 
-def muon_step_bytes(numel: int, shard_world: int, param_size: int) -> tuple[int, int]:
-    """(working bytes, bytes received) of one Muon step for a group of `numel` local elements split over
-    `shard_world` owners: the fp32 direction of the owned shard and, with several owners, the whole group's,
-    gathered (every bucket counted: buckets without a Muon matrix are skipped, so this bounds the figure)."""
-    n = padded_numel(numel, shard_world, param_size)
-    shard = n // shard_world
+def muon_step_bytes(
+    numel: int, shard_world: int, param_size: int, largest_unit: int, bucket: int, tp_split: bool = False,
+    tp: int = 1,
+) -> tuple[int, int]:  # fmt: skip
+    """(working bytes, bytes received) of one Muon step on a rank, at most, from the sizes alone: a group of
+    `numel` local elements split over `shard_world` owners in buckets of `bucket` elements, whose largest unit
+    of work (a matrix, or one expert's matrices) has `largest_unit` elements (optimus.optim.muon_exchange; a
+    run reports its own layout's figures). Per bucket, a rank's slice has at most one unit straddling each end
+    and owns at most the units whose middles it holds, so with several owners it receives at most its slice's
+    updates, or two units' pieces where units are smaller than slices, and a unit per bucket of the units it
+    owns. Held: the direction shard, the owned units, what is sent and received. `tp_split`: the group's
+    matrices are split by tensor parallelism over `tp` ranks, and the owner gathers the other halves."""
+    shard = padded_numel(numel, shard_world, param_size) // shard_world
+    n_buckets = len(bucket_sizes(numel, shard_world, param_size, bucket)) if numel else 0
     if shard_world == 1:
-        return shard * MUON_DIRECTION_BYTES, 0
-    return (shard + n) * MUON_DIRECTION_BYTES, (n - shard) * MUON_DIRECTION_BYTES
+        owned, received, sent = shard, 0, 0  # every unit, assembled from the shard alone
+    else:
+        sent = min(shard, 2 * n_buckets * largest_unit)
+        owned = min(numel, shard + n_buckets * largest_unit)
+        received = sent + min(numel, n_buckets * largest_unit)
+    tp_halves = (tp - 1) * owned if tp_split else 0
+    work = shard + owned + sent + received + tp_halves
+    return work * MUON_DIRECTION_BYTES, (received + tp_halves) * MUON_DIRECTION_BYTES
 
 
 def rank_update_bytes(
-    rule: str, scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, tp: int = 1
-) -> dict[str, int]:
+    rule: str, scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, tp: int = 1,
+    largest_units: dict[str, int] | None = None, bucket: int = 2**62,
+) -> dict[str, int]:  # fmt: skip
     """What the update rule `rule` adds to one optimizer step of a rank (the arguments of rank_state_bytes):
     `step_work_bytes` alive during the step only, `gather_received_bytes` received by the rule's own collectives,
-    beside `param_gather_received_bytes`, the parameters' all-gather that every rule has."""
+    beside `param_gather_received_bytes`, the parameters' all-gather that every rule has. `largest_units`:
+    Muon's largest unit of work per group, whole (optimus.optim.muon.largest_units); `bucket`: elements per
+    bucket (bucket_numel)."""
     worlds = shard_worlds(scheme, world, dp, tp)
     out = {"step_work_bytes": 0, "gather_received_bytes": 0, "param_gather_received_bytes": 0}
     for numel, kind in ((dense, "dense"), (expert_local, "expert")):
         n = padded_numel(numel, worlds[kind], param_size)
         out["param_gather_received_bytes"] += (n - n // worlds[kind]) * param_size
         if rule == "muon":
-            work, received = muon_step_bytes(numel, worlds[kind], param_size)
+            largest = (largest_units or {}).get(kind, 0)
+            split = kind == "dense" and tp > 1
+            work, received = muon_step_bytes(numel, worlds[kind], param_size, largest, bucket, split, tp)
             out["step_work_bytes"] += work
             out["gather_received_bytes"] += received
     return out

@@ -1,6 +1,6 @@
 """Muon on the sharder's owned slices: hidden matrices orthogonalised whole, everything else AdamW.
 
-Which parameters Muon takes (`muon_blocks`), as nn.Linear weights [out, in]:
+Which parameters Muon takes (`takes_muon`, `unit_blocks`), as nn.Linear weights [out, in]:
 
     attention wq, wk, wv, wo; dense and shared-expert w1, w3, w2     one matrix each
     routed experts w13 [E, D, 2F]                                     per expert: gate [F, D] and up [F, D]
@@ -17,12 +17,15 @@ One step (torch.optim.Muon's arithmetic, on fp32):
 
     1. each rank, on the elements it owns: momentum m <- lerp(m, g, 1 - mu); u = lerp(g, m, mu) (Nesterov) or m
        (AdamW on the other elements);
-    2. the sharder all-gathers u over the group's owner ranks (only buckets that hold Muon matrices);
-    3. each rank orthogonalises (Newton-Schulz, in bf16 as torch does) the matrices, or the experts' matrices, that
-       overlap the elements it owns, and applies them there: p <- p (1 - lr wd) - lr_adjusted O.
+    2. each unit of work (a matrix, or one expert's matrices) has one owner among the group's ranks, and the
+       pieces of its u that other ranks hold travel to it (optimus.optim.muon_exchange: an all-to-all, nothing
+       with one owner or when no unit straddles two ranks' slices);
+    3. the owner orthogonalises its units (Newton-Schulz, in bf16 as torch does; batched by shape; a matrix
+       that tensor parallelism splits is first made whole from its tp peers' halves, and each keeps its half of
+       the result) and scales them by the adjusted learning rate;
+    4. the updates travel back to the ranks holding the pieces (the reverse all-to-all), and each applies its
+       own: p <- p (1 - lr wd) - lr_adjusted O.
 
-A matrix lies whole in one rank's elements unless it straddles a shard boundary: then each rank it spans computes
-it (work is spread by ownership, repeated only at boundaries; an expert's matrices are batched per shape).
 The momentum lives in the AdamW first-moment slot of the same elements, and the second-moment slot of Muon's
 elements stays zero, so checkpoints key both rules' state alike (optimus.optim.state_ranges).
 """
@@ -36,8 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from optimus.optim.adamw import AdamW, AdamWHyper, adamw_update
-from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_step_bytes
+from optimus.optim.memory import MUON_DIRECTION_BYTES
+from optimus.optim.muon_exchange import MuonExchange
 from optimus.parallel.flat_buffer import FlatParams, ParamSlot, Segment
+from optimus.parallel.tensor_parallel import SPLIT
 
 NOT_MUON = ("embed.weight", "lm_head.weight", "router.gate.weight")
 EXPERT_W13, EXPERT_W2 = "experts.w13", "experts.w2"
@@ -59,15 +64,30 @@ def takes_muon(name: str, ndim: int) -> bool:
     return ndim >= 2 and not name.endswith(NOT_MUON)
 
 
-def muon_blocks(slot_name: str, local_K: torch.Tensor) -> list[list[torch.Tensor]]:
-    """The [out, in] matrices of one parameter held as `local_K` (its elements, flat, in the parameter's layout;
-    any tensor of that layout), grouped per unit of work: one list per dense matrix, one per routed expert."""
-    if slot_name.endswith(EXPERT_W13):
-        E, D, two_f = local_K.shape
-        return [[x[:, : two_f // 2].T, x[:, two_f // 2 :].T] for x in local_K]  # gate, up: [F, D] each
-    if slot_name.endswith(EXPERT_W2):
-        return [[x.T] for x in local_K]  # [E, F, D] -> down [D, F] per expert
-    return [[local_K]]
+def unit_blocks(slot: ParamSlot, unit: torch.Tensor) -> list[torch.Tensor]:
+    """The [out, in] matrices of one unit of `slot` (optimus.optim.muon_exchange.units_of), from `unit`, its
+    elements flat in the parameter's layout: a routed expert's gate and up, or its down; else the matrix."""
+    if slot.name.endswith(EXPERT_W13):
+        d, two_f = slot.local.shape[1:]
+        x = unit.view(d, two_f)
+        return [x[:, : two_f // 2].T, x[:, two_f // 2 :].T]  # gate, up: [F, D] each
+    if slot.name.endswith(EXPERT_W2):
+        return [unit.view(slot.local.shape[1:]).T]  # [F, D] -> down [D, F]
+    return [unit.view(slot.local.shape)]
+
+
+def largest_units(m) -> dict[str, int]:
+    """Elements of the largest unit of Newton-Schulz work in each group of a model with config `m` (an
+    optimus.config.ModelConfig), whole (before a tensor-parallel split): a dense matrix, or one routed expert's
+    gate and up."""
+    heads = m.n_heads * (m.dim // m.n_heads)
+    dense = [m.dim * heads]
+    if m.moe.n_experts == 0 or m.first_k_dense > 0:
+        dense.append(m.dim * m.ffn_dim)
+    if m.moe.n_experts and m.moe.n_shared_experts:
+        dense.append(m.dim * m.moe.expert_dim * m.moe.n_shared_experts)
+    expert = 2 * m.dim * m.moe.expert_dim if m.moe.n_experts else 0
+    return {"dense": max(dense), "expert": expert}
 
 
 def lr_ratio(shape: tuple[int, int], adjust: str) -> float:
@@ -102,82 +122,100 @@ class Muon(AdamW):
     def __init__(self, hyper: MuonHyper, adamw: AdamWHyper, shard_numels: dict[str, tuple[int, torch.device]]):
         super().__init__(adamw, shard_numels)
         self.muon = hyper
+        self._exchanges: dict[str, MuonExchange | None] = {}
+
+    def exchange(self, kind: str, group) -> MuonExchange | None:
+        """The group's units, owners and exchanges (optimus.optim.muon_exchange), None without a Muon matrix;
+        planned once, from the layout."""
+        if kind not in self._exchanges:
+            slots = muon_slots_of(group.flat)
+            self._exchanges[kind] = MuonExchange(group.flat, slots) if slots else None
+        return self._exchanges[kind]
 
     def step_bytes(self, sharder) -> tuple[int, int]:
-        """(working bytes, bytes received by its gathers) of one step: the fp32 directions of the owned shard and,
-        with several owners, of the gathered group (optimus.optim.memory.muon_step_bytes), the gathers counted
-        over the buckets that hold a Muon matrix."""
+        """(working bytes, bytes received by its exchanges) of one step, from this rank's plan: the fp32
+        directions of the owned shard, the units it owns whole, the pieces it sends and receives, and the
+        tensor-parallel peers' halves of its split matrices."""
         work = received = 0
-        for group in sharder.groups.values():
-            flat, world = group.flat, group.comm.shard_world
-            buckets = gathered_buckets(flat, muon_slots_of(flat))
-            if not buckets:
+        for kind, group in sharder.groups.items():
+            plan = self.exchange(kind, group)
+            if plan is None:
                 continue
-            work += muon_step_bytes(flat.numel, world, flat.buffer.element_size())[0]
-            if world > 1:
-                sizes = [flat.buckets[i].end - flat.buckets[i].start for i in buckets]
-                received += sum(n - n // world for n in sizes) * MUON_DIRECTION_BYTES
+            split = sum(u.numel for u in plan.owned if tp_split_dim(group, u.slot) is not None)
+            tp = group.tp_world() if split else 1
+            work += (group.flat.shard_numel + plan.work_numel() + tp * split) * MUON_DIRECTION_BYTES
+            received += (plan.received_numel() + (tp - 1) * split) * MUON_DIRECTION_BYTES
         return work, received
 
     def step(self, sharder, lr: float, step: int, grad_scale: float) -> None:
         for kind, group in sharder.groups.items():
-            flat = group.flat
-            muon_slots = muon_slots_of(flat)
-            u_shard = torch.zeros(flat.shard_numel, dtype=torch.float32, device=flat.device)
-            owned_params = []
+            flat, plan = group.flat, self.exchange(kind, group)
+            slots = plan.slots if plan else []
+            u_shard = torch.zeros(flat.shard_numel if plan else 0, dtype=torch.float32, device=flat.device)
+            muon_runs = []  # per owned slice: (slice, Muon's runs in it)
             for owned, bucket in zip(group.owned_slices(kind), flat.buckets):
                 lo, hi = bucket.owned(flat.world, flat.rank)
-                owned_params.append((lo, hi, owned.param))
-                muon_runs, adamw_runs = split_runs(owned.segments, muon_slots, lo, hi)
+                runs, adamw_runs = split_runs(owned.segments, slots, lo, hi)
                 m, v = (self.state[kind][k][owned.lo : owned.lo + hi - lo] for k in self.state_kinds)
                 adamw_update(adamw_runs, owned.param, owned.grad, m, v, lr, step, self.hyper, grad_scale)
                 u = u_shard[owned.lo : owned.lo + hi - lo]
-                for a, z in muon_runs:
+                for a, z in runs:
                     self._momentum(owned.grad[a:z], m[a:z], u[a:z], grad_scale)
-            if not muon_slots:
+                muon_runs.append((owned, runs))
+            if plan is None:
                 continue
-            u_full = group.all_gather_shard(u_shard, gathered_buckets(flat, muon_slots))  # [N_pad]; read inside them
-            self._orthogonal_steps(flat, muon_slots, u_full, owned_params, lr)
+            units = plan.gather(u_shard, group.exchange_shard)  # [owned units' elements]
+            self._orthogonalise(plan, units, group, lr)
+            plan.scatter(units, u_shard, group.exchange_shard)  # u_shard now holds the scaled updates
+            decay = 1 - lr * self.hyper.weight_decay  # AdamW's decoupled decay, the same key
+            for owned, runs in muon_runs:
+                u = u_shard[owned.lo : owned.lo + owned.param.numel()]
+                for a, z in runs:
+                    owned.param[a:z].mul_(decay).sub_(u[a:z])
 
     def _momentum(self, grad: torch.Tensor, m: torch.Tensor, u: torch.Tensor, grad_scale: float) -> None:
         g = grad.float() * grad_scale
         m.lerp_(g, 1 - self.muon.momentum)
         u.copy_(torch.lerp(g, m, self.muon.momentum) if self.muon.nesterov else m)
 
-    def _orthogonal_steps(self, flat: FlatParams, slots: list[ParamSlot], u_full, owned_params, lr: float) -> None:
-        """Orthogonalise each unit of work (a matrix, or one expert's matrices) that overlaps this rank's
-        elements, batched by shape, write each scaled result over its direction in `u_full` (read once, by the
-        stack), and apply it to the elements this rank owns."""
-        owned = [(lo, hi) for lo, hi, _ in owned_params]
-        pending: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
-        for s in slots:
-            units = muon_blocks(s.name, u_full[s.start : s.end].view(s.local.shape))
-            unit_numel = s.local.numel() // len(units)
-            for i, blocks in enumerate(units):
-                lo, hi = s.start + i * unit_numel, s.start + (i + 1) * unit_numel
-                if any(a < hi and lo < z for a, z in owned):
-                    for u in blocks:
-                        pending[tuple(u.shape)].append(u)
-        for shape, directions in pending.items():
-            o_BMN = newton_schulz(torch.stack(directions), self.muon.ns_steps, self.muon.ns_coefficients)
+    def _orthogonalise(self, plan: MuonExchange, units: torch.Tensor, group, lr: float) -> None:
+        """Replace each owned unit's direction in `units` by its orthogonalised update times the learning rate;
+        matrices batched by shape, tensor-parallel halves made whole first."""
+        pending: dict[tuple[int, int], list] = defaultdict(list)  # shape -> [(matrix, where its result goes)]
+        split_units = [u for u in plan.owned if tp_split_dim(group, u.slot) is not None]
+        if split_units:  # every tp peer owns the same units (the same layout): one all-gather for all of them
+            mine = torch.cat([units[u.buf_lo : u.buf_lo + u.numel] for u in split_units])
+            peers_TN = group.all_gather_tp(mine)  # [tp, owned split elements]
+            offset = 0
+            for u in split_units:
+                dim, local = tp_split_dim(group, u.slot), u.slot.local.shape
+                halves = [peers_TN[t, offset : offset + u.numel].view(local) for t in range(peers_TN.shape[0])]
+                whole = torch.cat(halves, dim=dim)
+                pending[tuple(whole.shape)].append((whole, (units[u.buf_lo : u.buf_lo + u.numel].view(local), dim)))
+                offset += u.numel
+        for u in plan.owned:
+            if tp_split_dim(group, u.slot) is None:
+                for block in unit_blocks(u.slot, units[u.buf_lo : u.buf_lo + u.numel]):
+                    pending[tuple(block.shape)].append((block, (block, None)))
+        tp_rank = group.tp.rank if group.tp is not None else 0
+        for shape, items in pending.items():
+            o_BMN = newton_schulz(torch.stack([m for m, _ in items]), self.muon.ns_steps, self.muon.ns_coefficients)
             ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
-            for u, o in zip(directions, o_BMN):
-                u.copy_(o.float()).mul_(ratio)
-        decay = 1 - lr * self.hyper.weight_decay  # AdamW's decoupled decay, the same key
-        for s in slots:  # the owned elements of a matrix lie in units orthogonalised above
-            for lo, hi, param in owned_params:
-                a, z = max(lo, s.start), min(hi, s.end)
-                if a < z:
-                    param[a - lo : z - lo].mul_(decay).sub_(u_full[a:z])
+            for (_, (out, dim)), o in zip(items, o_BMN):
+                if dim is not None:  # this rank's half of the whole matrix's update
+                    o = o.narrow(dim, tp_rank * out.shape[dim], out.shape[dim])
+                out.copy_(o.float()).mul_(ratio)
+
+
+def tp_split_dim(group, slot: ParamSlot) -> int | None:
+    """The dimension tensor parallelism splits `slot` along (0: rows, 1: columns), None if it is whole here."""
+    if group.tp is None or group.tp.roles.get(slot.name) != SPLIT:
+        return None
+    return 1 if slot.cols is not None else 0
 
 
 def muon_slots_of(flat: FlatParams) -> list[ParamSlot]:
     return [s for s in flat.slots if takes_muon(s.name, s.local.dim())]
-
-
-def gathered_buckets(flat: FlatParams, slots: list[ParamSlot]) -> list[int]:
-    """The buckets that hold some of `slots` (Muon's matrices): the only ones whose directions are gathered."""
-    return [i for i, b in enumerate(flat.buckets) if any(overlap(s, b.start, b.end) for s in slots)]
 
 
 def overlap(slot: ParamSlot, lo: int, hi: int) -> bool:

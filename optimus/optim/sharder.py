@@ -17,7 +17,8 @@ copy), its gradient buffers, the fp32 master copy of the slices this rank owns (
 the hooks that collect the gradients, the bucketed reductions, the global gradient norm and the all-gathers of
 the updated slices, before `gather()` returns or, with `overlap_param_gather`, behind the next forward
 (optimus.optim.gather_overlap). What it does not own: the update rule, which `owned_slices()` hands the owned
-fp32 slices and their gradients (optimus.optim.adamw).
+fp32 slices and their gradients (optimus.optim.adamw), and which moves anything beyond them through the group's
+own collectives (`exchange_shard`, `all_gather_tp`: Muon's whole matrices, optimus.optim.muon_exchange).
 
 ZeRO-1 keeps a full gradient buffer (with grad_dtype = parameter dtype the parameters' .grad are views into it;
 otherwise hooks add each micro-batch's gradient into it) and reduces in `reduce()`. ZeRO-2 keeps only the owned
@@ -407,18 +408,22 @@ class ShardGroup:
             param = sv(self.master, b) if self.master is not None else flat.owned_view(flat.buffer, b)
             yield OwnedSlice(kind, b.shard_offset, param, sv(self.grad_shard, b), segments)
 
-    def all_gather_shard(self, shard_N: torch.Tensor, buckets: Iterable[int]) -> torch.Tensor:
-        """[N_pad]: every owner rank's `shard_N` (a tensor laid out like this rank's shard) at its place in the flat
-        buffer's layout, for `buckets` only (the rest of the result is undefined); an update rule that needs whole
-        matrices (Muon) reads them from it. With one owner the shard is the whole layout already."""
-        flat, c = self.flat, self.comm
-        if c.shard_world == 1:
-            return shard_N
-        full_N = torch.empty(flat.padded_numel, dtype=shard_N.dtype, device=shard_N.device)
-        for bi in buckets:
-            b = flat.buckets[bi]
-            _all_gather(full_N[b.start : b.end], flat.shard_view(shard_N, b), group=c.shard_group)
-        return full_N
+    def exchange_shard(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """One all_to_all over the group's owner ranks: `send_counts[r]` elements of `send` (consecutive, in rank
+        order) to each rank r; returns the `recv_counts[r]` elements from each, in rank order. An update rule that
+        needs whole matrices (Muon, optimus.optim.muon_exchange) moves them with it."""
+        received = send.new_empty(sum(recv_counts))
+        dist.all_to_all_single(received, send, recv_counts, send_counts, group=self.comm.shard_group)
+        return received
+
+    def tp_world(self) -> int:
+        return 1 if self.tp is None else dist.get_world_size(self.tp.group)
+
+    def all_gather_tp(self, x_N: torch.Tensor) -> torch.Tensor:
+        """[tp, N]: every tensor-parallel peer's `x_N`, in tp-rank order (the dense group of a tp > 1 model)."""
+        out = x_N.new_empty(self.tp_world() * x_N.numel())
+        _all_gather(out, x_N.contiguous(), group=self.tp.group)
+        return out.view(self.tp_world(), -1)
 
     def gather_params(self) -> None:
         """Start all-gathering every rank's updated slices into the flat parameter buffer (hence into the
