@@ -156,6 +156,10 @@ class OptimConfig:
     # match_rms_adamw: lr x 0.2 sqrt(max(A, B)) per [A, B] matrix, an update of AdamW's RMS (Moonlight), so that
     # optim.lr means what it means for AdamW; original: lr x sqrt(max(1, A / B)) (torch.optim.Muon's default)
     muon_adjust_lr: str = "match_rms_adamw"
+    # bf16 (torch.optim.Muon's) | fp32: the Newton-Schulz iteration's dtype. In bf16 a direction one fp32 unit
+    # apart (another layout's summation order) can round to another bf16 value and move its matrix's update by a
+    # bf16 unit; fp32 makes layouts agree within fp32 rounding, where fp32 matrix products cost more
+    muon_ns_dtype: str = "bf16"
     zero: int = 1
     grad_dtype: str = "fp32"  # fp32 | bf16: dtype of gradient accumulation and reduction
     bucket_mb: float = 32.0
@@ -396,6 +400,7 @@ def validate_optim(o: OptimConfig) -> None:
         raise ConfigError(f"optim.zero={o.zero} is not supported: set it to 1 or 2.")
     check_choice(o.update, "optim.update", UPDATE_RULES)
     check_choice(o.muon_adjust_lr, "optim.muon_adjust_lr", ("match_rms_adamw", "original"))
+    check_choice(o.muon_ns_dtype, "optim.muon_ns_dtype", ("bf16", "fp32"))
     if not 0 <= o.muon_momentum < 1:
         raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must lie in [0, 1) (0.95 is usual).")
     if not 1 <= o.muon_ns_steps < 100:

@@ -57,6 +57,7 @@ class MuonHyper:
     ns_steps: int
     ns_coefficients: tuple[float, float, float]
     adjust_lr: str  # original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
+    ns_dtype: torch.dtype = torch.bfloat16  # the iteration's (optim.muon_ns_dtype)
 
 
 def takes_muon(name: str, ndim: int) -> bool:
@@ -98,11 +99,14 @@ def lr_ratio(shape: tuple[int, int], adjust: str) -> float:
     return math.sqrt(max(1.0, a / b))
 
 
-def newton_schulz(x_BMN: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz iteration, in bf16, on a batch of same-shape matrices."""
+def newton_schulz(
+    x_BMN: torch.Tensor, steps: int, coefficients: tuple[float, float, float], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz iteration, in `dtype` (torch's: bf16), on a batch of same-shape
+    matrices."""
     a, b, c = coefficients
     tall = x_BMN.shape[-2] > x_BMN.shape[-1]
-    x = x_BMN.bfloat16()
+    x = x_BMN.to(dtype)
     if tall:
         x = x.transpose(-2, -1)
     x = x / x.flatten(1).norm(dim=1).clamp(min=NS_EPS).view(-1, 1, 1)
@@ -199,7 +203,8 @@ class Muon(AdamW):
                     pending[tuple(block.shape)].append((block, (block, None)))
         tp_rank = group.tp.rank if group.tp is not None else 0
         for shape, items in pending.items():
-            o_BMN = newton_schulz(torch.stack([m for m, _ in items]), self.muon.ns_steps, self.muon.ns_coefficients)
+            stack_BMN = torch.stack([m for m, _ in items])
+            o_BMN = newton_schulz(stack_BMN, self.muon.ns_steps, self.muon.ns_coefficients, self.muon.ns_dtype)
             ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
             for (_, (out, dim)), o in zip(items, o_BMN):
                 if dim is not None:  # this rank's half of the whole matrix's update

@@ -172,5 +172,8 @@ class ShardedMuon(ShardedAdamW):
 
     @staticmethod
     def make_rule(cfg: OptimConfig, shards: dict[str, tuple[int, torch.device]]) -> Muon:
-        muon = MuonHyper(cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, NS_COEFFICIENTS, cfg.muon_adjust_lr)
+        muon = MuonHyper(
+            cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, NS_COEFFICIENTS, cfg.muon_adjust_lr,
+            TORCH_DTYPES[cfg.muon_ns_dtype],
+        )  # fmt: skip
         return Muon(muon, adamw_hyper(cfg), shards)

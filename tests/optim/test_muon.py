@@ -11,13 +11,16 @@ shard boundaries and are gathered whole.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
+import torch.optim._muon as torch_muon_module  # the reference's Newton-Schulz function
 
 from optimus.config import ParallelConfig
 from optimus.optim import ShardedMuon, lr_at
-from optimus.optim.muon import newton_schulz
+from optimus.optim.muon import NS_COEFFICIENTS, newton_schulz
 from optimus.parallel import build_parallel_state, parallelize_model
 from tests.distributed import run_distributed
 from tests.optim.test_sharded_optimizer import (
@@ -36,20 +39,39 @@ from tests.optim.test_sharded_optimizer import (
     param_groups,
     run_layouts,
 )
-from tests.trajectories import MUON_TOLERANCES, assert_same_trajectory
+from tests.trajectories import assert_same_trajectory
 
 ADAMW_ONLY = ("embed.weight", "lm_head.weight", "router.gate.weight")
-# Losses are compared at 1e-5 every step, gradient norms at 5e-5 and the parameters after 8 steps within 2^-8
-# (bf16's spacing): Newton-Schulz runs in bf16, as torch's does, so a 1e-7 difference in a momentum element (the
-# clip factor from an fp32 norm here and an fp64 one there, another reduction order) can move its bf16 rounding by
-# one unit and the whole orthogonalised update of its matrix with it. Measured at most: 1.3e-5 on the norm, 1.1e-3
-# on a parameter (one step alone agrees within 4e-9).
+# Newton-Schulz in torch's bf16 (`BF16`): a 1e-7 difference in a momentum element (the clip factor from an fp32
+# norm here and an fp64 one there, another reduction order) can move its bf16 rounding by one unit and the whole
+# orthogonalised update of its matrix with it, so over 8 steps the gradient norm is compared within 5e-5 and the
+# parameters within 2^-8 (bf16's spacing); measured at most 1.3e-5 and 1.1e-3 (one step alone agrees within
+# 4e-9). In fp32 (`optim.muon_ns_dtype=fp32`, the reference running torch's own iteration in fp32) the layouts
+# are held to 1e-5 like AdamW's.
 ONE_STEP_LR = 1e-2
-TOLERANCES = {"norm_tol": MUON_TOLERANCES["grad_norm"], "param_tol": 2**-8}
+BF16 = {"norm_tol": 5e-5, "param_tol": 2**-8}
+FP32 = {"norm_tol": 1e-5, "param_tol": 1e-5}
 
 
-def muon_cfg(zero: int = 1, **kw):
-    return dataclasses.replace(optim_cfg(zero, **kw), update="muon")
+def muon_cfg(zero: int = 1, ns_dtype: str = "fp32", **kw):
+    return dataclasses.replace(optim_cfg(zero, **kw), update="muon", muon_ns_dtype=ns_dtype)
+
+
+@contextmanager
+def torch_muon_in(ns_dtype: str):
+    """torch.optim.Muon with its own Newton-Schulz function run in `ns_dtype`: the function casts its input with
+    Tensor.bfloat16, which for fp32 becomes a copy in fp32 while it runs."""
+    if ns_dtype == "bf16":
+        yield
+        return
+    original = torch_muon_module._zeropower_via_newtonschulz
+
+    def in_fp32(grad, *args):
+        with mock.patch.object(torch.Tensor, "bfloat16", lambda t: t.float().clone()):
+            return original(grad, *args)
+
+    with mock.patch.object(torch_muon_module, "_zeropower_via_newtonschulz", in_fp32):
+        yield
 
 
 def hidden_matrices(name: str, p: torch.Tensor) -> list[torch.Tensor]:
@@ -64,11 +86,12 @@ def hidden_matrices(name: str, p: torch.Tensor) -> list[torch.Tensor]:
     return [p]
 
 
-def muon_reference(n_micro_batches: int = GLOBAL_MICRO_BATCHES) -> dict:
+def muon_reference(n_micro_batches: int = GLOBAL_MICRO_BATCHES, ns_dtype: str = "fp32") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _muon_reference(n_micro_batches)
+        with torch_muon_in(ns_dtype):
+            return _muon_reference(n_micro_batches, ns_dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -111,8 +134,8 @@ class TorchMuonAdamW:
         return norm
 
 
-def _muon_reference(n_micro_batches: int) -> dict:
-    model, cfg = new_model(), muon_cfg()
+def _muon_reference(n_micro_batches: int, ns_dtype: str) -> dict:
+    model, cfg = new_model(), muon_cfg(ns_dtype=ns_dtype)
     optimizers = TorchMuonAdamW(model, cfg, cfg.lr)
     losses, norms = [], []
     for step, micro_batches in enumerate(batches()[:, :n_micro_batches]):
@@ -128,21 +151,30 @@ def _muon_reference(n_micro_batches: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def muon_refs() -> dict[int, dict]:
-    out = {n: muon_reference(n) for n in (4, GLOBAL_MICRO_BATCHES)}
+def muon_refs() -> dict[tuple[int, str], dict]:
+    """The reference's runs by (micro-batches, Newton-Schulz dtype)."""
+    keys = [(4, "fp32"), (GLOBAL_MICRO_BATCHES, "fp32"), (GLOBAL_MICRO_BATCHES, "bf16")]
+    out = {(n, dtype): muon_reference(n, dtype) for n, dtype in keys}
     assert min(min(r["norms"]) for r in out.values()) > GRAD_CLIP, "the test needs clipping to act on every step"
     return out
 
 
 def test_newton_schulz_batches_torchs_iteration():
-    from torch.optim._muon import _zeropower_via_newtonschulz  # the reference's own function
-
+    """Bit for bit torch's own function in bf16; in fp32, torch's function made to run in fp32 (torch_muon_in)."""
     g = torch.Generator().manual_seed(3)
     for shape in ((48, 24), (24, 48), (32, 32)):
         mats = torch.randn(3, *shape, generator=g)
-        want = torch.stack([_zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7) for m in mats])
-        got = newton_schulz(mats.transpose(-2, -1).contiguous().transpose(-2, -1), 5, (3.4445, -4.7750, 2.0315))
-        assert torch.equal(got, want), shape
+        strided = mats.transpose(-2, -1).contiguous().transpose(-2, -1)
+        for ns_dtype, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            with torch_muon_in(ns_dtype):
+                want = torch.stack(
+                    [torch_muon_module._zeropower_via_newtonschulz(m, NS_COEFFICIENTS, 5, 1e-7) for m in mats]
+                )
+            got = newton_schulz(strided, 5, NS_COEFFICIENTS, dtype)
+            assert got.dtype == want.dtype == dtype
+            torch.testing.assert_close(
+                got, want, rtol=0 if ns_dtype == "bf16" else 1e-5, atol=0 if ns_dtype == "bf16" else 1e-6
+            )
 
 
 def one_step(layouts: list[tuple]) -> list[dict]:
@@ -162,27 +194,28 @@ def one_step(layouts: list[tuple]) -> list[dict]:
     return out
 
 
-def one_step_reference() -> dict[str, torch.Tensor]:
+def one_step_reference(ns_dtype: str) -> dict[str, torch.Tensor]:
     model = new_model()
     for mb in batches()[0]:
         (loss_of(model, mb, GLOBAL_MICRO_BATCHES) / GLOBAL_MICRO_BATCHES).backward()
-    TorchMuonAdamW(model, muon_cfg(), ONE_STEP_LR).step(ONE_STEP_LR)
+    with torch_muon_in(ns_dtype):
+        TorchMuonAdamW(model, muon_cfg(ns_dtype=ns_dtype), ONE_STEP_LR).step(ONE_STEP_LR)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_one_step_equals_torch_muon(world):
+@pytest.mark.parametrize("world, ns_dtype, tol", [(1, "bf16", 1e-6), (2, "bf16", 2e-3), (2, "fp32", 1e-6)])
+def test_one_step_equals_torch_muon(world, ns_dtype, tol):
     """One step, before rounding differences compound. One process: every parameter within 1e-6 of the reference's.
     Two ranks (every scheme and ZeRO stage, buckets small enough that matrices straddle them and the ranks): the
-    gradients are summed in another order, and a momentum element one fp32 unit apart can round to another bf16
-    value in Newton-Schulz; measured, that moves a matrix's update by up to 1.3% (3e-4 of the matrix), while a
-    wrong matrix (w13 taken whole instead of gate and up) puts it 5e-2 off: within 2e-3 there."""
+    gradients are summed in another order, and in bf16 a momentum element one fp32 unit apart can round to another
+    bf16 value in Newton-Schulz; measured, that moves a matrix's update by up to 1.3% (3e-4 of the matrix), while a
+    wrong matrix (w13 taken whole instead of gate and up) puts it 5e-2 off: within 2e-3 there. In fp32: 1e-6."""
     if world == 1:
-        layouts, tol = [("none", muon_cfg(1))], 1e-6
+        layouts = [("none", muon_cfg(1, ns_dtype))]
     else:
-        cfgs = {1: muon_cfg(1, max_numel=3000), 2: muon_cfg(2, bucket_mb=0.01)}
-        layouts, tol = [(scheme, cfgs[zero]) for scheme in ("none", "standard", "ep_aware") for zero in (1, 2)], 2e-3
-    want = one_step_reference()
+        cfgs = {1: muon_cfg(1, ns_dtype, max_numel=3000), 2: muon_cfg(2, ns_dtype, bucket_mb=0.01)}
+        layouts = [(scheme, cfgs[zero]) for scheme in ("none", "standard", "ep_aware") for zero in (1, 2)]
+    want = one_step_reference(ns_dtype)
     per_rank = run_distributed(one_step, world, layouts)
     for i, (scheme, cfg) in enumerate(layouts):
         got = assemble([r[i] for r in per_rank])
@@ -192,19 +225,21 @@ def test_one_step_equals_torch_muon(world):
 
 
 def test_one_process_matches_torch_muon(muon_refs):
-    """scheme none on one rank: the sharded optimizer's Muon and AdamW split against torch's two optimizers."""
-    per_rank = run_distributed(run_layouts, 1, [(1, "none", muon_cfg(1))])
-    assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES], **TOLERANCES)
+    """scheme none on one rank, Newton-Schulz in torch's bf16: the sharded optimizer's Muon and AdamW split against
+    torch's two optimizers as they come (BF16's tolerances)."""
+    per_rank = run_distributed(run_layouts, 1, [(1, "none", muon_cfg(1, "bf16"))])
+    assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "bf16"], **BF16)
 
 
 def test_dp2_schemes_match_torch_muon(muon_refs):
-    """Every scheme x ZeRO stage on two ranks, with buckets small enough that matrices straddle them."""
+    """Every scheme x ZeRO stage on two ranks, with buckets small enough that matrices straddle them (the layout
+    tests run Newton-Schulz in fp32, against torch's own iteration in fp32, within 1e-5)."""
     cfgs = {1: muon_cfg(1, max_numel=3000), 2: muon_cfg(2, bucket_mb=0.01)}
     layouts = [(1, scheme, cfgs[zero]) for scheme in ("none", "standard", "ep_aware") for zero in (1, 2)]
     per_rank = run_distributed(run_layouts, 2, layouts)
     for i, (_, scheme, cfg) in enumerate(layouts):
         try:
-            assert_matches([r[i] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES], **TOLERANCES)
+            assert_matches([r[i] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "fp32"], **FP32)
         except AssertionError as err:
             raise AssertionError(f"{scheme} zero={cfg.zero}: {err}") from err
 
@@ -223,7 +258,7 @@ def test_world4_expert_parallel_matches_torch_muon(muon_refs):
     per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
     for i, (ep, scheme, cfg, *_, dispatcher, n_mb) in enumerate(layouts):
         try:
-            assert_matches([r[i] for r in per_rank], muon_refs[n_mb], **TOLERANCES)
+            assert_matches([r[i] for r in per_rank], muon_refs[n_mb, "fp32"], **FP32)
         except AssertionError as err:
             raise AssertionError(f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}: {err}") from err
 
@@ -232,12 +267,12 @@ def test_resharded_resume_matches_torch_muon(muon_refs):
     """Halfway, a fresh model and optimizer with another bucket layout continue from the merged state."""
     first, then = muon_cfg(1, max_numel=3000), muon_cfg(2, bucket_mb=0.01)
     per_rank = run_distributed(run_layouts, 2, [(1, "ep_aware", first, torch.float32, None, then)])
-    assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES], **TOLERANCES)
+    assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "fp32"], **FP32)
 
 
 def test_pipeline_stages_match_one_process_through_optimus_train(tmp_path, corpus_file, single_threaded):
     """pp = 2 (1F1B, ep = 2, ZeRO-2) under `optimus train optim.update=muon`: each stage's sharder gathers and
-    orthogonalises its own matrices; one process's trajectory (tests/trajectories.py, with MUON_TOLERANCES)."""
+    orthogonalises its own matrices; one process's trajectory (tests/trajectories.py; Newton-Schulz in fp32)."""
     from tests.parallel.test_pipeline import COMMON
     from tests.trajectories import step_records, train_layouts
 
@@ -246,19 +281,26 @@ def test_pipeline_stages_match_one_process_through_optimus_train(tmp_path, corpu
         "pp=2 ep=2 zero=2": ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "optim.zero=2",
                              "optim.bucket_mb=0.01"],
     }  # fmt: skip
-    args = [*COMMON, "optim.update=muon", "optim.lr=3e-3", "data=text", f"data.path={corpus_file}"]
+    args = [
+        *COMMON,
+        "optim.update=muon",
+        "optim.muon_ns_dtype=fp32",
+        "optim.lr=3e-3",
+        "data=text",
+        f"data.path={corpus_file}",
+    ]
     metrics, infos = train_layouts(tmp_path, runs, args)
     reference = metrics["nproc=1"]
     assert len({round(m["loss"], 6) for m in step_records(reference)}) == len(step_records(reference))  # it moves
     assert infos["pp=2 ep=2 zero=2"]["optim_update"] == "muon"
-    assert_same_trajectory(metrics["pp=2 ep=2 zero=2"], reference, "pp=2 ep=2 zero=2", MUON_TOLERANCES)
+    assert_same_trajectory(metrics["pp=2 ep=2 zero=2"], reference, "pp=2 ep=2 zero=2")
 
 
 def test_tensor_parallel_matches_one_process_through_optimus_train(tmp_path, corpus_file, single_threaded):
     """tp = 2 under `optimus train optim.update=muon`, with a dense first layer (w1/w3/w2 split too): each split
     matrix's owner gathers its tp peer's half, orthogonalises the whole and keeps its own half. Alone (one owner
     per group), and with dp 2 x ep 2, ZeRO-2 and buckets small enough that matrices straddle owners (both
-    exchanges). One process's trajectory (tests/trajectories.py, with MUON_TOLERANCES)."""
+    exchanges). One process's trajectory (tests/trajectories.py; Newton-Schulz in fp32)."""
     from optimus.plan import make_plan
     from optimus.recipes import load_config
     from tests.parallel.test_pipeline import COMMON
@@ -270,14 +312,15 @@ def test_tensor_parallel_matches_one_process_through_optimus_train(tmp_path, cor
         "tp=2 ep=2 no sp, zero=2": ["parallel.nproc=4", "parallel.tp=2", "parallel.ep=2", "parallel.sp=false",
                                     "optim.zero=2", "optim.bucket_mb=0.01"],
     }  # fmt: skip
-    args = [*COMMON, "model.first_k_dense=1", "optim.update=muon", "optim.lr=3e-3", "data=text",
+    args = [*COMMON, "model.first_k_dense=1", "optim.update=muon", "optim.muon_ns_dtype=fp32", "optim.lr=3e-3",
+            "data=text",
             f"data.path={corpus_file}"]  # fmt: skip
     metrics, infos = train_layouts(tmp_path, runs, args)
     reference = metrics.pop("nproc=1")
     assert len({round(m["loss"], 6) for m in step_records(reference)}) == len(step_records(reference))  # it moves
     for layout, run in metrics.items():
         assert infos[layout]["optim_update"] == "muon"
-        assert_same_trajectory(run, reference, layout, MUON_TOLERANCES)
+        assert_same_trajectory(run, reference, layout)
     # the tp peers' halves travel: four ranks report what their exchanges and tp gathers received
     assert all(r["gather_received_bytes"] > 0 for r in infos["tp=2 ep=2 no sp, zero=2"]["per_rank"])
     for layout, info in infos.items():  # `optimus plan`'s bound holds for every rank of the real layout
