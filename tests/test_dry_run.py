@@ -28,6 +28,8 @@ LAYOUTS = {
     "pp2xep2": ["parallel.pp=2", "parallel.ep=2", "optim.zero=2"],
     "tp2xep2": ["parallel.tp=2", "parallel.ep=2"],
     "pp2xtp2": ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"],
+    # Muon: its exchanges of whole matrices over the dense and expert owners and the tp peers' halves
+    "tp2xep2 muon": ["parallel.tp=2", "parallel.ep=2", "optim.update=muon", "optim.zero=2", "optim.bucket_mb=0.01"],
 }
 
 
