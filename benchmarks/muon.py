@@ -172,7 +172,7 @@ def write(results: dict, out: Path) -> None:
 def retime_newton_schulz(out: Path, overrides: list[str]) -> None:
     """Part 3 again, into the results of an earlier full run (its training figures are kept as they were)."""
     results = json.loads((out / "muon.json").read_text())
-    meta = machine_meta("muon.py --newton-schulz-only")
+    meta = machine_meta("muon.py")
     results["newton_schulz"] = newton_schulz_per_rank(overrides)
     results["newton_schulz_note"] = f"; re-timed {meta['date']} by `{meta['command']}`"
     write(results, out)
