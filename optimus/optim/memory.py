@@ -95,6 +95,17 @@ def rank_state_bytes(
 MUON_DIRECTION_BYTES = 4  # per element: the fp32 update direction that Muon moves whole (optimus.optim.muon)
 
 
+def muon_work_numel(shard: int, owned: int, received: int, split: int, tp: int) -> int:
+    """Elements one Muon step holds beside the parameters and their state (optimus.optim.muon): the direction
+    shard, the units the rank owns and their stacked copy for Newton-Schulz (whole matrices), the exchanges'
+    send and receive buffers (`received` elements each way over both rounds), and for the `split` elements of
+    owned tensor-parallel matrices this rank's halves joined, the `tp` peers' halves gathered and the whole
+    matrices."""
+    stacked = owned - split + tp * split
+    tp_buffers = (1 + 2 * tp) * split if split else 0
+    return shard + owned + 2 * received + stacked + tp_buffers
+
+
 def muon_step_bytes(
     numel: int, shard_world: int, param_size: int, largest_unit: int, bucket: int, tp_split: bool = False,
     tp: int = 1,
@@ -102,22 +113,22 @@ def muon_step_bytes(
     """(working bytes, bytes received) of one Muon step on a rank, at most, from the sizes alone: a group of
     `numel` local elements split over `shard_world` owners in buckets of `bucket` elements, whose largest unit
     of work (a matrix, or one expert's matrices) has `largest_unit` elements (optimus.optim.muon_exchange; a
-    run reports its own layout's figures). Per bucket, a rank's slice has at most one unit straddling each end
-    and owns at most the units whose middles it holds, so with several owners it receives at most its slice's
-    updates, or two units' pieces where units are smaller than slices, and a unit per bucket of the units it
-    owns. Held: the direction shard, the owned units, what is sent and received. `tp_split`: the group's
-    matrices are split by tensor parallelism over `tp` ranks, and the owner gathers the other halves."""
+    run reports its own layout's figures). Per bucket, a rank's slice takes part in at most two units it does
+    not hold whole (one straddling each end, or two larger than the slice), so with several owners it sends at
+    most its shard or two units per bucket, and receives as much back plus at most two units per bucket of
+    the units it owns. `tp_split`: the group's matrices are split by tensor parallelism over `tp` ranks, and
+    the owner gathers the other halves."""
     shard = padded_numel(numel, shard_world, param_size) // shard_world
     n_buckets = len(bucket_sizes(numel, shard_world, param_size, bucket)) if numel else 0
     if shard_world == 1:
-        owned, received, sent = shard, 0, 0  # every unit, assembled from the shard alone
+        owned, received = shard, 0  # every unit, assembled from the shard alone
     else:
         sent = min(shard, 2 * n_buckets * largest_unit)
-        owned = min(numel, shard + n_buckets * largest_unit)
-        received = sent + min(numel, n_buckets * largest_unit)
-    tp_halves = (tp - 1) * owned if tp_split else 0
-    work = shard + owned + sent + received + tp_halves
-    return work * MUON_DIRECTION_BYTES, (received + tp_halves) * MUON_DIRECTION_BYTES
+        remote_of_owned = min(numel, 2 * n_buckets * largest_unit)
+        owned, received = min(numel, shard + remote_of_owned), sent + remote_of_owned
+    split = owned if tp_split and tp > 1 else 0
+    work = muon_work_numel(shard, owned, received, split, tp)
+    return work * MUON_DIRECTION_BYTES, (received + (tp - 1) * split) * MUON_DIRECTION_BYTES
 
 
 def rank_update_bytes(

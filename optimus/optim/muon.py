@@ -39,13 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from optimus.optim.adamw import AdamW, AdamWHyper, adamw_update
-from optimus.optim.memory import MUON_DIRECTION_BYTES
-from optimus.optim.muon_exchange import MuonExchange
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_work_numel
+from optimus.optim.muon_exchange import EXPERT_W2, EXPERT_W13, MuonExchange
 from optimus.parallel.flat_buffer import FlatParams, ParamSlot, Segment
 from optimus.parallel.tensor_parallel import SPLIT
 
 NOT_MUON = ("embed.weight", "lm_head.weight", "router.gate.weight")
-EXPERT_W13, EXPERT_W2 = "experts.w13", "experts.w2"
 NS_EPS = 1e-7  # torch.optim.Muon's
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic (a, b, c)
 
@@ -137,9 +136,8 @@ class Muon(AdamW):
         return self._exchanges[kind]
 
     def step_bytes(self, sharder) -> tuple[int, int]:
-        """(working bytes, bytes received by its exchanges) of one step, from this rank's plan: the fp32
-        directions of the owned shard, the units it owns whole, the pieces it sends and receives, and the
-        tensor-parallel peers' halves of its split matrices."""
+        """(working bytes, bytes received by its exchanges) of one step, from this rank's plan
+        (optimus.optim.memory.muon_work_numel says what is held)."""
         work = received = 0
         for kind, group in sharder.groups.items():
             plan = self.exchange(kind, group)
@@ -147,9 +145,10 @@ class Muon(AdamW):
                 continue
             split = sum(u.numel for u in plan.owned if tp_split_dim(group, u.slot) is not None)
             tp = group.tp_world() if split else 1
-            work += (group.flat.shard_numel + plan.work_numel() + tp * split) * MUON_DIRECTION_BYTES
-            received += (plan.received_numel() + (tp - 1) * split) * MUON_DIRECTION_BYTES
-        return work, received
+            exchanged = plan.received_numel()
+            work += muon_work_numel(group.flat.shard_numel, plan.buf_numel, exchanged, split, tp)
+            received += exchanged + (tp - 1) * split
+        return work * MUON_DIRECTION_BYTES, received * MUON_DIRECTION_BYTES
 
     def step(self, sharder, lr: float, step: int, grad_scale: float) -> None:
         for kind, group in sharder.groups.items():

@@ -3,13 +3,14 @@ the matrix's direction there and its update back.
 
 A unit of work is one hidden matrix, or one routed expert's matrices (gate and up, or down; optimus.optim.muon).
 Its elements lie in a group's flat buffer at [lo, hi); the buckets and the ranks' slices of them cut that range
-into pieces, each held by one rank (optimus.parallel.flat_buffer). The unit's owner is the rank whose slice
-holds its middle element:
+into pieces, each held by one rank (optimus.parallel.flat_buffer). Owners are chosen unit by unit in flat
+order: the rank that holds most of the unit's elements, and among ranks that hold equally many (a unit that
+covers several ranks' slices whole) the one with the fewest elements owned so far, then the lowest:
 
-    unit smaller than a slice     mostly inside one rank's slice: the owner holds nearly all of it, and only the
-                                  units that straddle a boundary travel (in part)
-    unit larger than a slice      consecutive units have their middles in different ranks' slices, so the
-                                  Newton-Schulz work is spread over the ranks instead of repeated on each
+    unit smaller than a slice     mostly inside one rank's slice: its holder owns it, and only the units that
+                                  straddle a boundary travel (in part)
+    unit larger than a slice      the ranks it covers take turns, so the Newton-Schulz work is spread over the
+                                  ranks instead of landing on whichever rank a repeating layout favours
 
 Every rank computes the same units and owners from the layout alone (the ranks of a shard group hold the same
 shapes), so the exchanges need no metadata. One step:
@@ -19,9 +20,10 @@ shapes), so the exchanges need no metadata. One step:
     2. the owner orthogonalises them (optimus.optim.muon)
     3. `scatter`: each owner sends every piece's update back to the rank that holds it (the reverse all_to_all)
 
-A rank receives in both rounds together at most its own elements' updates plus the pieces of the units it owns
-that others hold: on average at most two fp32 shards, against the whole group's directions that an all-gather
-would bring to every rank. With one owner (a shard world of 1) nothing travels.
+Per bucket, a rank's slice has at most two units straddling its ends and takes part in at most two units larger
+than itself, so what a rank sends, and what it receives of the units it owns, is at most two units per bucket
+(optimus.optim.memory.muon_step_bytes bounds it so); an all-gather of the directions would bring every rank the
+whole group. With one owner (a shard world of 1) nothing travels.
 """
 
 from __future__ import annotations
@@ -70,11 +72,16 @@ class Unit:
         return self.hi - self.lo
 
 
+EXPERT_W13, EXPERT_W2 = "experts.w13", "experts.w2"  # routed experts' tensors [E, ...]: a unit per expert
+
+
 def units_of(slot: ParamSlot) -> list[tuple[int, int]]:
     """The flat ranges of `slot`'s units: one per routed expert for the experts' tensors [E, ...], else one."""
-    n_units = slot.local.shape[0] if ".experts." in slot.name else 1
-    per_unit = (slot.end - slot.start) // n_units
-    return [(slot.start + i * per_unit, slot.start + (i + 1) * per_unit) for i in range(n_units)]
+    if not slot.name.endswith((EXPERT_W13, EXPERT_W2)):
+        return [(slot.start, slot.end)]
+    n_experts = slot.local.shape[0]
+    per_unit = (slot.end - slot.start) // max(1, n_experts)
+    return [(slot.start + i * per_unit, slot.start + (i + 1) * per_unit) for i in range(n_experts)]
 
 
 class MuonExchange:
@@ -86,6 +93,7 @@ class MuonExchange:
         self.units: list[Unit] = []  # those this rank owns or holds a piece of, in flat order
         self.owned: list[Unit] = []
         self.crosses = False  # whether any unit spans two ranks' slices (else no exchange is needed)
+        self.load = [0] * self.world  # elements owned so far, per rank
         for slot in slots:
             for i, (lo, hi) in enumerate(units_of(slot)):
                 self._add_unit(slot, i, lo, hi)
@@ -95,38 +103,45 @@ class MuonExchange:
         self._plan_exchanges()
 
     def _add_unit(self, slot: ParamSlot, index: int, lo: int, hi: int) -> None:
-        owner = self._rank_holding((lo + hi - 1) // 2)
-        spanned = self._ranks_spanned(lo, hi)
-        self.crosses = self.crosses or spanned > 1
-        if owner == self.rank:
-            unit = Unit(slot, index, lo, hi, owner, pieces=list(self._pieces(lo, hi)))
-            self.owned.append(unit)
-        else:
-            mine = list(self._pieces(lo, hi, only=self.rank))
-            if not mine:
-                return
+        first, held = self._held(lo, hi)
+        most = max(held)
+        owner = min((self.load[first + i], first + i) for i, n in enumerate(held) if n == most)[1]
+        self.load[owner] += hi - lo
+        self.crosses = self.crosses or sum(1 for n in held if n) > 1
+        mine = list(self._pieces(lo, hi, None if owner == self.rank else self.rank))
+        if mine:
             unit = Unit(slot, index, lo, hi, owner, pieces=mine)
-        self.units.append(unit)
+            self.units.append(unit)
+            if owner == self.rank:
+                self.owned.append(unit)
 
-    def _rank_holding(self, i: int) -> int:
-        b = self.flat.buckets[bisect.bisect_right(self._bucket_starts, i) - 1]
-        return (i - b.start) // ((b.end - b.start) // self.world)
-
-    def _ranks_spanned(self, lo: int, hi: int) -> int:
-        first, last = self._rank_holding(lo), self._rank_holding(hi - 1)
-        same_bucket = bisect.bisect_right(self._bucket_starts, lo) == bisect.bisect_right(self._bucket_starts, hi - 1)
-        return last - first + 1 if same_bucket else self.world  # across buckets: treat as spread over every rank
-
-    def _pieces(self, lo: int, hi: int, only: int | None = None):
-        """The pieces of [lo, hi), bucket by bucket and rank by rank (of rank `only` alone when given)."""
+    def _cuts(self, lo: int, hi: int):
+        """Per bucket that [lo, hi) meets: (bucket, slice size, first and last element there, first and last rank)."""
         for bi in range(bisect.bisect_right(self._bucket_starts, lo) - 1, len(self.flat.buckets)):
             b = self.flat.buckets[bi]
             if b.start >= hi:
                 return
             size = (b.end - b.start) // self.world
             a, z = max(lo, b.start), min(hi, b.end)
-            ranks = range((a - b.start) // size, (z - 1 - b.start) // size + 1)
-            for r in ranks if only is None else [only] if only in ranks else []:
+            yield b, size, a, z, (a - b.start) // size, (z - 1 - b.start) // size
+
+    def _held(self, lo: int, hi: int) -> tuple[int, list[int]]:
+        """(r, held): held[i] elements of [lo, hi) are in rank r + i's slices, for the ranks from the first to
+        the last that hold some. Plain ints: the plan is made under a dry run's fake tensors too."""
+        cuts = list(self._cuts(lo, hi))
+        r0, r1 = min(c[4] for c in cuts), max(c[5] for c in cuts)
+        held = [0] * (r1 - r0 + 1)
+        for b, size, a, z, first, last in cuts:
+            held[first + 1 - r0 : last - r0] = [n + size for n in held[first + 1 - r0 : last - r0]]
+            held[first - r0] += min(z, b.start + (first + 1) * size) - a
+            if last > first:
+                held[last - r0] += z - (b.start + last * size)
+        return r0, held
+
+    def _pieces(self, lo: int, hi: int, rank: int | None = None):
+        """The pieces of [lo, hi), bucket by bucket and rank by rank (of `rank` alone when given)."""
+        for b, size, a, z, first, last in self._cuts(lo, hi):
+            for r in range(first, last + 1) if rank is None else [rank] if first <= rank <= last else []:
                 slice_lo = b.start + r * size
                 p_lo, p_hi = max(a, slice_lo), min(z, slice_lo + size)
                 yield Piece(r, p_lo, p_hi, b.shard_offset + p_lo - slice_lo)
@@ -175,7 +190,3 @@ class MuonExchange:
     def received_numel(self) -> int:
         """Elements this rank receives in one step's two exchanges."""
         return (sum(self.recv_counts) + sum(self.send_counts)) if self.crosses else 0
-
-    def work_numel(self) -> int:
-        """Elements of the step's buffers beyond the direction shard: owned units, and what is sent and received."""
-        return self.buf_numel + 2 * self.received_numel()

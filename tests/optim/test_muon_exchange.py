@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_step_bytes, muon_work_numel
 from optimus.optim.muon import muon_slots_of
 from optimus.optim.muon_exchange import MuonExchange, units_of
 from optimus.parallel.flat_buffer import FlatParams
@@ -96,3 +97,39 @@ def test_units_smaller_than_a_slice_stay_where_they_are():
     for rank in range(4):
         got, shard = received(rank, 4)
         assert got < shard / 10, (rank, got, shard)
+
+
+def plans(named: list, world: int, bucket: int) -> list[MuonExchange]:
+    """Every rank's plan of one layout, built in this process (the plan needs no communication)."""
+    out = []
+    for rank in range(world):
+        flat = FlatParams(named, world, rank, bucket)
+        out.append(MuonExchange(flat, muon_slots_of(flat)))
+    return out
+
+
+def test_units_that_cover_several_slices_take_turns():
+    """Sixteen 64 x 64 matrices in buckets of one matrix each, over 8 ranks: every rank's slice holds an eighth
+    of every matrix. Choosing by a fixed position (the middle element) would give all sixteen to one rank; the
+    least-loaded rule gives two to each."""
+    named = [(f"layers.{i}.attn.wq.weight", torch.nn.Parameter(torch.zeros(64, 64))) for i in range(16)]
+    owned = [len(p.owned) for p in plans(named, 8, 64 * 64)]
+    assert owned == [2] * 8
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_bounds_every_ranks_step(seed):
+    """`optimus plan`'s bound (optim.memory.muon_step_bytes) against each rank's own plan, for random shapes,
+    worlds and bucket sizes (units within slices, across slices, across buckets)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    named = random_params(seed)
+    numel = sum(p.numel() for _, p in named)
+    for world in (2, 3, 4, 8):
+        for bucket in (2**62, int(torch.randint(64, 4000, (1,), generator=g))):
+            every = plans(named, world, bucket)
+            largest = max(u.numel for p in every for u in p.owned)
+            bound_work, bound_received = muon_step_bytes(numel, world, 4, largest, bucket)
+            for p in every:
+                work = muon_work_numel(p.flat.shard_numel, p.buf_numel, p.received_numel(), 0, 1)
+                assert work * MUON_DIRECTION_BYTES <= bound_work, (world, bucket, p.rank)
+                assert p.received_numel() * MUON_DIRECTION_BYTES <= bound_received, (world, bucket, p.rank)
