@@ -171,10 +171,7 @@ class MuonExchange:
         for s, b, n in self.local:
             buf[b : b + n] = shard[s : s + n]
         if self.crosses:
-            sent = torch.cat([shard[s : s + n] for s, n in self.send]) if self.send else shard.new_empty(0)
-            received = exchange(sent, self.send_counts, self.recv_counts)
-            for (b, n), part in zip(self.recv, received.split([n for _, n in self.recv])):
-                buf[b : b + n] = part
+            move(shard, self.send, buf, self.recv, self.send_counts, self.recv_counts, exchange)
         return buf
 
     def scatter(self, buf: torch.Tensor, shard: torch.Tensor, exchange: Exchange) -> None:
@@ -182,11 +179,16 @@ class MuonExchange:
         for s, b, n in self.local:
             shard[s : s + n] = buf[b : b + n]
         if self.crosses:
-            sent = torch.cat([buf[b : b + n] for b, n in self.recv]) if self.recv else buf.new_empty(0)
-            received = exchange(sent, self.recv_counts, self.send_counts)
-            for (s, n), part in zip(self.send, received.split([n for _, n in self.send])):
-                shard[s : s + n] = part
+            move(buf, self.recv, shard, self.send, self.recv_counts, self.send_counts, exchange)
 
     def received_numel(self) -> int:
         """Elements this rank receives in one step's two exchanges."""
         return (sum(self.recv_counts) + sum(self.send_counts)) if self.crosses else 0
+
+
+def move(src, src_runs, dst, dst_runs, send_counts: list[int], recv_counts: list[int], exchange: Exchange) -> None:
+    """One exchange: the runs [(start, n)] of `src` sent in order, what arrives written over the runs of `dst`."""
+    sent = torch.cat([src[a : a + n] for a, n in src_runs]) if src_runs else src.new_empty(0)
+    received = exchange(sent, send_counts, recv_counts)
+    for (a, n), part in zip(dst_runs, received.split([n for _, n in dst_runs])):
+        dst[a : a + n] = part

@@ -30,6 +30,7 @@ from tests.optim.test_sharded_optimizer import (
     STEPS,
     assemble,
     assert_matches,
+    backward_micro_batches,
     batches,
     fp64_norm,
     local_params,
@@ -139,11 +140,7 @@ def _muon_reference(n_micro_batches: int, ns_dtype: str) -> dict:
     optimizers = TorchMuonAdamW(model, cfg, cfg.lr)
     losses, norms = [], []
     for step, micro_batches in enumerate(batches()[:, :n_micro_batches]):
-        total = 0.0
-        for mb in micro_batches:
-            loss = loss_of(model, mb, n_micro_batches)
-            (loss / n_micro_batches).backward()
-            total += loss.item()
+        total = backward_micro_batches(model, micro_batches)
         norms.append(optimizers.step(lr_at(step, cfg, STEPS)))
         model.zero_grad()
         losses.append(total / n_micro_batches)

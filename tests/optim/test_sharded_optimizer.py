@@ -85,17 +85,24 @@ def reference(n_micro_batches: int = GLOBAL_MICRO_BATCHES, skip_steps: tuple[int
         torch.set_num_threads(threads)
 
 
+def backward_micro_batches(model, micro_batches) -> float:
+    """Accumulate the gradients of the mean loss over `micro_batches` (one process, the whole global batch);
+    returns the sum of their losses."""
+    total = 0.0
+    for mb in micro_batches:
+        loss = loss_of(model, mb, len(micro_batches))
+        (loss / len(micro_batches)).backward()
+        total += loss.item()
+    return total
+
+
 def _reference(n_micro_batches: int, skip_steps: tuple[int, ...]) -> dict:
     model, cfg = new_model(), optim_cfg(1)
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     losses, norms = [], []
     for step, micro_batches in enumerate(batches()[:, :n_micro_batches]):
-        total = 0.0
-        for mb in micro_batches:
-            loss = loss_of(model, mb, n_micro_batches)
-            (loss / n_micro_batches).backward()
-            total += loss.item()
+        total = backward_micro_batches(model, micro_batches)
         norm = fp64_norm(model.parameters())
         norms.append(norm)
         with torch.no_grad():
