@@ -34,6 +34,7 @@ Commands:
   checkpoint import HF_DIR --out CKPT  an Optimus checkpoint + model recipe from an OLMoE/Qwen3-MoE/Mixtral dir
   report RUN_DIR...     scaling-efficiency report (throughput, MFU, step-time breakdown) of a series of runs
   plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
+  plan --predict [...]  predicted step time, MFU, time split and scaling (--nodes A,B,C) on the recipe's machine
   plan --dry-run [...]  one training step of the layout at its real size on fake tensors: memory, collectives
 
 Run `optimus <command> --help` for the options of one command.
@@ -168,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             from optimus.dry_run import main as dry_run_main
 
             return dry_run_main(rest)
+        if command == "plan" and "--predict" in rest:
+            from optimus.perf.predict import main as predict_main
+
+            return predict_main(rest)
         if command == "plan":
             from optimus.plan import main as plan_main
 

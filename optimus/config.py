@@ -70,6 +70,26 @@ class ModelConfig:
 
 
 @dataclass
+class MachinePerfConfig:
+    """The performance model's numbers for one device and its links (optimus.perf.machine); null = measured on
+    the spot (machine=local) or, for a cluster, a recipe that cannot be predicted. Bandwidths per direction."""
+
+    peak_flops_fp32: float | None = None  # fp32 matrix FLOP/s per device
+    gemm_efficiency: float | None = None  # fraction of the peak a large matrix product reaches
+    attention_efficiency: float | None = None  # ... an attention kernel; null = gemm_efficiency
+    memory_bandwidth_gbs: float | None = None  # device memory, GB/s
+    kernel_floor_us: float | None = None  # the shortest a kernel takes: launch and start-up
+    devices_per_package: int = 1  # devices that share a package (GCDs of an MI250X, tiles of a PVC)
+    package_gbs: float | None = None  # between devices of one package
+    package_latency_us: float | None = None
+    node_gbs: float | None = None  # between devices of one node (per device)
+    node_latency_us: float | None = None
+    nic_gbs: float | None = None  # one NIC
+    nics_per_node: int | None = None
+    network_latency_us: float | None = None
+
+
+@dataclass
 class MachineConfig:
     name: str = "local"
     device: str = "auto"  # auto | cpu | cuda | xpu
@@ -78,6 +98,7 @@ class MachineConfig:
     peak_flops: float | None = None  # bf16 FLOP/s per device; null = table or CPU probe
     memory_gb: float | None = None  # memory per device, for the planner
     account_required: bool = False  # its scheduler rejects a job without a project to charge (launch --account)
+    perf: MachinePerfConfig = field(default_factory=MachinePerfConfig)
 
 
 @dataclass
@@ -415,6 +436,11 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     _positive_or_null(m.ranks_per_node, "machine.ranks_per_node", "for local runs")
     _positive_or_null(m.peak_flops, "machine.peak_flops", "to look it up or probe it")
     _positive_or_null(m.memory_gb, "machine.memory_gb", "when unknown")
+    for key, value in vars(m.perf).items():
+        _positive_or_null(value, f"machine.perf.{key}", "to measure it here (machine=local)")
+    for key in ("gemm_efficiency", "attention_efficiency"):
+        if (getattr(m.perf, key) or 0) > 1:
+            raise ConfigError(f"machine.perf.{key}={getattr(m.perf, key)} is a fraction of the peak: use (0, 1].")
     _positive(d.vocab_size, "data.vocab_size")
     _positive(d.max_chars, "data.max_chars")
     _non_negative(d.prefetch, "data.prefetch", "no background loading")

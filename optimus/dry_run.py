@@ -102,8 +102,14 @@ def check_rank(rank: int, world: int) -> None:
         raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
 
 
-def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu") -> dict:
-    """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs."""
+def dry_run_rank(
+    cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu", step_trace=None
+) -> dict:
+    """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs.
+    With `step_trace` (an optimus.perf.step_trace.StepTrace: the collective trace that also records every
+    operator and marks the pipeline's actions), the step's events under `events` and the schedule's order
+    under `schedule`, instead of the memory (torch's MemTracker, which the performance model does not need,
+    fails on the interleaved schedules' backwards)."""
     from optimus.kernels.torch_private import FakeStore, FakeTensorMode
     from optimus.plan import plan_run
     from optimus.train.trainer import Trainer
@@ -124,20 +130,22 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
         trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
         gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
         with fake, using(load):
-            memory = step_memory_tracker(trainer.model, trainer.optimizer)
-            trainer.collectives = CollectiveTrace()
+            memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
+            trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
             trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
             with ExitStack() as stack:
                 for recorder in (memory, trainer.collectives, trainer.host_syncs):
-                    stack.enter_context(recorder)
+                    if recorder is not None:
+                        stack.enter_context(recorder)
+                if step_trace is not None and trainer.pipeline is not None:
+                    stack.enter_context(step_trace.mark_actions(trainer.pipeline.pipeline_stages))
                 trainer.train_step()
         ps = trainer.ps
     finally:
         dist.destroy_process_group()
     plan = plan_run(spec)
     planned = plan.stages[ps.pp_rank]["total_bytes"] if plan.stages else plan.memory["total_configured"]
-    measured = step_memory.record(memory)
-    return {
+    result = {
         "rank": rank,
         "world": world,
         "layout": {
@@ -153,10 +161,35 @@ def dry_run_rank(cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1
         },
         "device": device,
         "imbalance": imbalance,
-        "memory": {**measured, "planned_bytes": planned, "optimizer_state": trainer.optimizer.memory_bytes()},
+        "memory": None
+        if memory is None
+        else {
+            **step_memory.record(memory),
+            "planned_bytes": planned,
+            "optimizer_state": trainer.optimizer.memory_bytes(),
+        },
         "collectives": trainer.collectives.calls,
         "host_syncs": trainer.host_syncs.as_list(),
         "seconds": time.perf_counter() - started,
+    }
+    if step_trace is not None:
+        result["events"] = step_trace.finish()
+        result["schedule"] = pipeline_order(trainer)
+    return result
+
+
+def pipeline_order(trainer) -> dict[int, list[str]] | None:
+    """Every pipeline rank's actions in the order an interleaved schedule runs them (torch's pipeline_order,
+    which those schedules execute, as "F2_5"-style strings: type, stage, micro-batch); None otherwise (GPipe's
+    and 1F1B's pipeline_order is a drawing, not what they run: optimus.perf.replay.single_stage_order)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
+    if not isinstance(schedule, PipelineScheduleMulti):
+        return None
+    return {
+        int(rank): [f"{a.computation_type.value}{a.stage_index}_{a.microbatch_index}" for a in actions if a is not None]
+        for rank, actions in schedule.pipeline_order.items()
     }
 
 

@@ -660,7 +660,11 @@ def parser() -> argparse.ArgumentParser:
         "activations with and without checkpointing) and FLOPs per step for a recipe on a layout.",
     )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--nodes", type=int, help="nodes of machine.ranks_per_node ranks each")
+    where.add_argument(
+        "--nodes",
+        type=node_counts,
+        help="nodes of machine.ranks_per_node ranks each; with --predict a list (32,64,128)",
+    )
     where.add_argument("--world", type=int, help="total ranks (default: parallel.nproc)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     dry = p.add_argument_group("dry run", "one training step of the layout at its world size, on fake tensors")
@@ -675,14 +679,31 @@ def parser() -> argparse.ArgumentParser:
     dry.add_argument(
         "--check-groups", action="store_true", help="also run enough ranks to check that each group's members agree"
     )
+    pred = p.add_argument_group("prediction", "the step time: dry runs of the step replayed on the machine's model")
+    pred.add_argument(
+        "--predict", action="store_true", help="step time, tokens/s, MFU and time split (optimus/perf/predict.py)"
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
     return p
 
 
-def world_size(cfg: OptimusConfig, nodes: int | None, world: int | None) -> int:
+def node_counts(text: str) -> list[int]:
+    """--nodes 32 or --nodes 32,64,128."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nodes {text}: give one node count or a list (32,64)") from None
+    return counts
+
+
+def world_size(cfg: OptimusConfig, nodes: list[int] | int | None, world: int | None) -> int:
     from optimus.job_scripts import check_groups_in_node
 
     check_groups_in_node(cfg)  # the rule `optimus launch` applies: TP and EP groups inside one node of the machine
+    if isinstance(nodes, list):
+        if len(nodes) > 1:
+            raise ConfigError(f"--nodes {','.join(map(str, nodes))}: a list of node counts needs --predict.")
+        nodes = nodes[0]
     if nodes is not None:
         if nodes < 1:
             raise ConfigError(f"--nodes {nodes} must be at least 1.")
@@ -706,6 +727,8 @@ def main(argv: list[str]) -> int:
     dry_only = [flag for flag in ("dry_run", "rank", "out", "check_groups") if getattr(opts, flag)]
     if dry_only:  # optimus.cli hands `plan --dry-run` to optimus.dry_run.main
         raise ConfigError(f"--{dry_only[0].replace('_', '-')} belongs to a dry run: run `optimus plan --dry-run`.")
+    if opts.predict:  # ... and `plan --predict` to optimus.perf.predict.main
+        raise ConfigError("--predict is run by `optimus plan --predict` (optimus.perf.predict.main).")
     plan = make_plan(cfg, world)
     sys.stdout.write((json.dumps(plan.as_dict(), indent=2) if opts.json else format_plan(plan)) + "\n")
     return 0

@@ -376,6 +376,7 @@ class Pipeline:
             )
             if timers:
                 _StageClock(self, index, stage)
+        self.pipeline_stages = pipeline_stages  # torch's stage objects, whose actions a step trace marks
         schedule_cls = SCHEDULES[schedule]
         driven = pipeline_stages if schedule in INTERLEAVED_SCHEDULES else pipeline_stages[0]
         self.schedule = schedule_cls(driven, n_microbatches=n_micro_batches, loss_fn=self._loss, scale_grads=False)

@@ -18,6 +18,7 @@ def build_report(
     warmup_steps: int = 2,
     notes=(),
     overwrite: bool = False,
+    predict: bool = False,
 ) -> list[dict]:
     """Read, check, summarise and write; returns the per-run rows (sorted by device count). An earlier report
     in `out` is replaced only with `overwrite`."""
@@ -35,6 +36,10 @@ def build_report(
         row["device"] = run.device_name
         summaries.append(row)
     rows = add_efficiency(summaries, mode)
+    if predict:
+        from optimus.report.predicted import add_predictions
+
+        add_predictions(rows, {str(run.path): run for run in runs}, mode)
     write_report(rows, mode, warmup_steps, list(notes), Path(out))
     print_table(rows, mode)
     for note in shared_core_notes(rows):
@@ -59,11 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=2, help="steps dropped from the start of each run (default 2)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's header (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report in --out (refused by default)")
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="put the performance model's step time beside each run's (optimus plan --predict)",
+    )
     return p
 
 
 def main(argv: list[str]) -> int:
     opts = _parser().parse_args(argv)
-    build_report(opts.runs, opts.out, opts.mode, opts.warmup_steps, opts.note, opts.overwrite)
+    build_report(opts.runs, opts.out, opts.mode, opts.warmup_steps, opts.note, opts.overwrite, opts.predict)
     print(f"report written to {Path(opts.out) / 'report.md'}")
     return 0

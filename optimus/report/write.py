@@ -17,6 +17,7 @@ COLUMNS = (
     "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_mean_s", "step_time_std_s", "step_time_p50_s",
     "step_time_p90_s", "speedup", "efficiency", "shared_cores",
 )  # fmt: skip
+PREDICTED_COLUMNS = ("predicted_step_s", "predicted_error", "predicted_efficiency")  # with --predict
 REPORT_FILES = ("report.md", "report.csv", "report.json", "efficiency.png", "throughput.png", "breakdown.png")
 
 
@@ -58,6 +59,11 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             f"{1e3 * r['step_time_p50_s']:.1f} / {1e3 * r['step_time_p90_s']:.1f}",
             _fmt(r["speedup"]), _efficiency_cell(r),
         ])  # fmt: skip
+    if rows and "predicted_step_s" in rows[0]:
+        header += ["predicted step ms", "measured vs predicted", "predicted efficiency"]
+        for r, row_cells in zip(rows, cells):
+            row_cells += [f"{1e3 * r['predicted_step_s']:.1f}", f"{100 * r['predicted_error']:+.1f}%",
+                          f"{100 * r['predicted_efficiency']:.1f}%"]  # fmt: skip
     return header, cells
 
 
@@ -87,7 +93,8 @@ MFU = that / the device's peak (run_info.json; on CPU a matmul probe). Weak effi
 device / that of the smallest run; strong efficiency = (T_1 x N_1) / (T_N x N), T = mean step time.
 The breakdown (profile.timers=true) is rank 0's exclusive time per phase, with the device synchronised
 at each phase boundary; communication inside the autograd backward counts as backward; `other` is the
-rest of the step (loss reductions for logging, Python)."""
+rest of the step (loss reductions for logging, Python). With --predict: the step time `optimus plan
+--predict` gives for each run's config and world size, and the efficiency those predicted times give."""
 
 
 def write_markdown(rows: list[dict], mode: str, warmup: int, notes: list[str], plots: list[str], path: Path) -> None:
@@ -108,9 +115,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
     phases = phase_order(rows)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*COLUMNS, *(f"time_{p}_s" for p in phases)])
+        predicted = [c for c in PREDICTED_COLUMNS if rows and c in rows[0]]
+        writer.writerow([*COLUMNS, *predicted, *(f"time_{p}_s" for p in phases)])
         for r in rows:
-            writer.writerow([r[c] for c in COLUMNS] + [r["breakdown_s"].get(p) for p in phases])
+            writer.writerow([r[c] for c in (*COLUMNS, *predicted)] + [r["breakdown_s"].get(p) for p in phases])
 
 
 def print_table(rows: list[dict], mode: str) -> None:

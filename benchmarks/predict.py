@@ -1,0 +1,295 @@
+"""The performance model (`optimus plan --predict`) against measured and published step times.
+
+    python benchmarks/predict.py local [--out benchmarks/results]
+        real `optimus train` runs on this machine (gloo, 1 and 2 processes, several layouts) beside the
+        prediction for each from the `local` machine model, measured in the same run:
+        predict_local.{md,json}
+    python benchmarks/predict.py studies [--out benchmarks/results] [--cache DIR]
+        the Frontier study's 22B / 175B / 1T figures and the Aurora MoE study's 220B-A10B scaling beside the
+        predictions for the experiment recipes, and a sensitivity table (each machine number halved and
+        doubled): predict_studies.json. The dry runs take minutes each; their traces are kept in --cache.
+    python benchmarks/predict.py recipes [--out benchmarks/results] [--cache DIR]
+        every experiment recipe at benchmarks/dry_run.py's world sizes: predict_recipes.json
+    python benchmarks/predict.py tables
+        the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
+        by hand around them)
+
+The local runs are timed one after another on an otherwise idle machine; each `optimus train` step time is the
+median of its steps after the first three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from memory import cpu_flags  # noqa: E402  benchmarks/ is first on sys.path
+
+from optimus.config import ConfigError  # noqa: E402
+from optimus.perf.machine import MachineModel, machine_model  # noqa: E402
+
+# Layouts of the default tiny model this machine can run, each with its process count.
+LOCAL_LAYOUTS = [
+    ("1 process", 1, []),
+    ("1 process, 2 micro-batches", 1, ["train.global_batch=16"]),
+    ("1 process, fp32", 1, ["train.dtype=fp32"]),
+    ("2 processes, dp 2", 2, ["train.global_batch=16"]),
+    ("2 processes, ep 2", 2, ["parallel.ep=2", "train.global_batch=16"]),
+    ("2 processes, pp 2 (1F1B, 4 micro-batches)", 2, ["parallel.pp=2", "train.micro_batch=2"]),
+    ("2 processes, tp 2", 2, ["parallel.tp=2"]),
+]
+STEPS, SKIP = 10, 3
+
+
+def measured_step(nproc: int, overrides: list[str]) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "optimus", "train", f"parallel.nproc={nproc}", f"train.steps={STEPS}",
+               "train.log_interval=1", "train.eval_interval=1000", f"run.dir={tmp}/run", *overrides]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        records = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    return statistics.median(times[SKIP:])
+
+
+def predicted_step(nproc: int, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "optimus", "plan", "--predict", "--json", "--world", str(nproc),
+           f"parallel.nproc={nproc}", *overrides]  # fmt: skip
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def run_local(out: Path) -> None:
+    rows = []
+    for label, nproc, overrides in LOCAL_LAYOUTS:
+        measured = measured_step(nproc, overrides)
+        predicted = predicted_step(nproc, overrides)
+        rows.append({"layout": label, "nproc": nproc, "overrides": overrides, "measured_s": measured,
+                     "predicted_s": predicted["step_time_s"], "time_split": predicted["time_split"],
+                     "error": predicted["step_time_s"] / measured - 1,
+                     "machine_numbers": predicted["machine_numbers"]})  # fmt: skip
+        print(f"{label}: measured {measured:.3f} s, predicted {predicted['step_time_s']:.3f} s", flush=True)
+    info = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": __import__("torch").__version__}
+    (out / "predict_local.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    lines = [
+        "# Predicted against measured step times on this machine",
+        "",
+        f"`python benchmarks/predict.py local`. Machine: {info['cpus']} CPUs ({info['cpu_flags']}), torch "
+        f"{info['torch']}. Measured: `optimus train` (default tiny model and data, {STEPS} steps, the median step "
+        f"time after the first {SKIP}). Predicted: `optimus plan --predict --json --world N` with the same "
+        "overrides, from the `local` machine model it measures (matrix and attention rates, elementwise bandwidth "
+        "by size, host time per operator, gloo); the runs one after another, nothing else running.",
+        "",
+        "| layout | measured s | predicted s | error | predicted split (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["time_split"].items(), key=lambda kv: -kv[1]) if v)
+        lines.append(f"| {r['layout']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+                     f"{100 * r['error']:+.1f}% | {split} |")  # fmt: skip
+    (out / "predict_local.md").write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The studies
+
+
+def traces_for(recipe: str, nodes: int, batch_factor: float, cache: Path, extra: tuple[str, ...] = ()) -> tuple:
+    """(cfg, world, traces) of an experiment recipe at `nodes` with its batch scaled, traced or from the cache."""
+    from optimus.perf.predict import scaled_batch, trace_step
+    from optimus.recipes import load_config
+
+    cfg = scaled_batch(load_config([f"experiment={recipe}", *extra]), batch_factor)
+    world = nodes * cfg.machine.ranks_per_node
+    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}.json.gz"
+    if path.exists():
+        traces = {int(k): v for k, v in json.loads(gzip.decompress(path.read_bytes())).items()}
+    else:
+        print(f"{recipe} on {nodes} nodes, global batch {cfg.train.global_batch}:", flush=True)
+        traces = trace_step(cfg, world)
+        path.write_bytes(gzip.compress(json.dumps(traces).encode()))
+    return cfg, world, traces
+
+
+# Published: (recipe, nodes, MFU) from Dash et al. (Frontier); scaling from both studies.
+PUBLISHED_MFU = [("frontier-22b", 16, 0.3838), ("frontier-175b", 128, 0.3614), ("frontier-1t", 384, 0.3196)]
+# (recipe, node counts, published efficiencies, source, recipe overrides): weak scaling keeps the batch per
+# rank of the first node count, strong scaling its global batch. The Frontier series scale up from the
+# recipes' study-sized point (tracing a smaller world replays more micro-batches per rank: hours here).
+PUBLISHED_SCALING = [
+    ("frontier-175b", [128, 256], {"weak": 1.00, "strong": 0.89}, "Dash et al.: 175B to 1,024 GCDs", ()),
+    (
+        "aurora-mula-220b-a10b",
+        [32, 128, 1024],
+        {"weak": 0.90},
+        "Aurora MoE study: 384 to 12,288 tiles",
+        ("train.global_batch=384",),
+    ),  # 8 micro-batches per data-parallel rank, as the recipe at 256 nodes
+    ("frontier-1t", [384, 768], {"weak": 1.00, "strong": 0.87}, "Dash et al.: 1T to 3,072 GCDs", ()),
+]
+# The machine numbers the sensitivity table halves and doubles, one at a time.
+SENSITIVITY = [
+    "gemm_efficiency", "memory_bandwidth", "kernel_floor", "package.bandwidth", "node.bandwidth",
+    "network.bandwidth", "package.latency", "node.latency", "network.latency",
+]  # fmt: skip
+
+
+def _scaled(machine: MachineModel, key: str, factor: float) -> MachineModel:
+    """The machine with one number scaled (`link.field` for a link's; efficiencies stay at most 1)."""
+    if "." in key:
+        link, field = key.split(".")
+        value = getattr(machine, link)
+        return machine.with_values(**{link: dataclasses.replace(value, **{field: getattr(value, field) * factor})})
+    if key == "gemm_efficiency":  # attention's efficiency moves with it where the recipe leaves it at the same
+        return machine.with_values(
+            gemm_efficiency=min(machine.gemm_efficiency * factor, 1.0),
+            attention_efficiency=min(machine.attention_efficiency * factor, 1.0),
+        )
+    return machine.with_values(**{key: getattr(machine, key) * factor})
+
+
+def run_recipes(out: Path, cache: Path) -> None:
+    """Every experiment recipe at the world size of benchmarks/dry_run.py's table."""
+    from dry_run import LAYOUTS
+
+    from optimus.perf.predict import prediction_of
+
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    # The studies' points last: `studies` traces them too, and the second to arrive reads them from the cache.
+    order = sorted(LAYOUTS, key=lambda layout: layout[0] in ("frontier-175b", "frontier-1t"))
+    for name, overrides, nodes in order:
+        recipe = overrides[0].removeprefix("experiment=")
+        cfg, world, traces = traces_for(recipe, nodes, 1.0, cache, tuple(overrides[1:]))
+        pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
+        rows.append({"layout": name, "nodes": nodes, **pred.as_dict()})
+        (out / "predict_recipes.json").write_text(json.dumps(rows, indent=1))
+
+
+def run_studies(out: Path, cache: Path) -> None:
+    from optimus.perf.predict import prediction_of
+
+    cache.mkdir(parents=True, exist_ok=True)
+    result = {"mfu": [], "scaling": [], "sensitivity": []}
+    for recipe, nodes, published in PUBLISHED_MFU:
+        cfg, world, traces = traces_for(recipe, nodes, 1.0, cache)
+        machine = machine_model(cfg.machine)
+        pred = prediction_of(cfg, world, machine, traces)
+        result["mfu"].append({"recipe": recipe, "nodes": nodes, "published_mfu": published, **pred.as_dict()})
+        base = pred.step_time_s
+        for key in SENSITIVITY:
+            moved = {f: prediction_of(cfg, world, _scaled(machine, key, f), traces).step_time_s / base - 1
+                     for f in (0.5, 2.0)}  # fmt: skip
+            result["sensitivity"].append({"recipe": recipe, "parameter": key, "x0.5": moved[0.5], "x2": moved[2.0]})
+        _write_studies(out, result)
+    for recipe, node_counts, published, source, extra in PUBLISHED_SCALING:
+        rows = []
+        for nodes in node_counts:
+            factor = nodes / node_counts[0]
+            row = {"nodes": nodes}
+            for mode, batch_factor in (("strong", 1.0), ("weak", factor)):
+                if mode == "strong" and "strong" not in published:
+                    continue
+                try:
+                    cfg, world, traces = traces_for(recipe, nodes, batch_factor, cache, extra)
+                except ConfigError as refused:  # a layout that does not divide the batch
+                    row[mode] = {"refused": str(refused)}
+                    continue
+                row[mode] = prediction_of(cfg, world, machine_model(cfg.machine), traces).as_dict()
+            rows.append(row)
+        for row in rows:
+            for mode in ("strong", "weak"):
+                base, here = rows[0].get(mode), row.get(mode)
+                if base and here and "step_time_s" in base and "step_time_s" in here:
+                    ratio = base["step_time_s"] / here["step_time_s"]
+                    row[f"{mode}_efficiency"] = ratio * (node_counts[0] / row["nodes"] if mode == "strong" else 1)
+        result["scaling"].append(
+            {"recipe": recipe, "overrides": list(extra), "source": source, "published": published, "rows": rows}
+        )
+        _write_studies(out, result)
+
+
+def _write_studies(out: Path, result: dict) -> None:
+    (out / "predict_studies.json").write_text(json.dumps(result, indent=1))
+
+
+def _split_cell(split: dict, step: float) -> str:
+    top = sorted(split.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k.removeprefix('exposed_')} {100 * v / step:.0f}%" for k, v in top if v / step >= 0.005)
+
+
+def print_tables(out: Path) -> None:
+    """The markdown tables of predict.md from predict_studies.json and predict_recipes.json."""
+    studies = json.loads((out / "predict_studies.json").read_text())
+    print("| recipe | nodes (devices) | global batch | predicted step s | predicted TFLOPS/device | predicted MFU | "
+          "published MFU | error | predicted split |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in studies["mfu"]:
+        error = r["mfu"] / r["published_mfu"] - 1
+        print(f"| {r['recipe']} | {r['nodes']} ({r['world']}) | {r['global_batch']} | {r['step_time_s']:.2f} | "
+              f"{r['tflops_per_device']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['published_mfu']:.2f}% | "
+              f"{100 * error:+.0f}% | {_split_cell(r['time_split'], r['step_time_s'])} |")  # fmt: skip
+    print()
+    print("| recipe | nodes | mode | global batch | predicted step s | predicted MFU | predicted efficiency | "
+          "published | split |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for series in studies["scaling"]:
+        for row in series["rows"]:
+            for mode in ("strong", "weak"):
+                pred = row.get(mode)
+                if pred is None:
+                    continue
+                if "refused" in pred:
+                    print(f"| {series['recipe']} | {row['nodes']} | {mode} | | refused: {pred['refused']} | | | | |")
+                    continue
+                eff = row.get(f"{mode}_efficiency")
+                published = series["published"].get(mode)
+                print(f"| {series['recipe']} | {row['nodes']} | {mode} | {pred['global_batch']} | "
+                      f"{pred['step_time_s']:.2f} | {100 * pred['mfu']:.1f}% | "
+                      f"{'-' if eff is None else f'{100 * eff:.1f}%'} | "
+                      f"{'-' if published is None else f'{100 * published:.0f}%'} | "
+                      f"{_split_cell(pred['time_split'], pred['step_time_s'])} |")  # fmt: skip
+    print()
+    print("| recipe | parameter | step time, parameter x0.5 | step time, x2 |")
+    print("|---|---|---|---|")
+    for r in sorted(studies["sensitivity"], key=lambda r: (r["recipe"], -abs(r["x0.5"]) - abs(r["x2"]))):
+        print(f"| {r['recipe']} | {r['parameter']} | {100 * r['x0.5']:+.1f}% | {100 * r['x2']:+.1f}% |")
+    print()
+    recipes = json.loads((out / "predict_recipes.json").read_text())
+    print("| layout | devices | predicted step s | tokens/s | TFLOPS/device | MFU | split |")
+    print("|---|---|---|---|---|---|---|")
+    for r in recipes:
+        split = _split_cell(r["time_split"], r["step_time_s"])
+        print(f"| {r['layout']} | {r['world']} | {r['step_time_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tflops_per_device']:.1f} | {100 * r['mfu']:.1f}% | {split} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["local", "studies", "recipes", "tables"])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "local":
+        run_local(out)
+    elif args.what == "tables":
+        print_tables(out)
+    elif args.what == "recipes":
+        run_recipes(out, Path(args.cache))
+    else:
+        run_studies(out, Path(args.cache))
+
+
+if __name__ == "__main__":
+    main()

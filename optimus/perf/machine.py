@@ -1,0 +1,288 @@
+"""A machine as the performance model sees it: one device's rates, and the links between devices by class.
+
+A cluster's numbers come from its machine recipe (`machine.perf`, each with its source written beside it);
+`machine=local` measures this machine on the spot: the CPU's matrix rates with the threads one rank gets,
+its memory bandwidth, the host's time per operator (a CPU runs the host and the kernels in series), and
+gloo's latency and bandwidth between processes.
+
+Link classes, from the closest: `package` (devices of one GPU package: an MI250X's two GCDs, a PVC's two
+tiles), `node` (devices of one node), `network` (between nodes, through the node's NICs, which all of the
+node's devices share).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+
+from optimus.config import ConfigError, MachineConfig
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s per direction
+    latency: float  # seconds per message (per step of a ring or tree)
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    name: str
+    peak_flops: float  # bf16 matrix FLOP/s per device
+    peak_flops_fp32: float
+    gemm_efficiency: float  # fraction of the peak a large matrix product reaches
+    attention_efficiency: float  # ... an attention kernel (FLOPs of the work it does, optimus.perf.step_trace)
+    memory_bandwidth: float  # bytes/s per device, of a large elementwise kernel
+    kernel_floor: float  # seconds: the shortest kernel
+    ranks_per_node: int
+    devices_per_package: int
+    package: Link
+    node: Link
+    network: Link  # one NIC
+    nics_per_node: int
+    host_op: float = 0.0  # seconds of host time per kernel, in series with it (CPU devices); 0 for GPUs
+    host_view: float = 0.0  # ... per view or allocation
+    # Measured (bytes moved, bytes/s) of elementwise kernels by size, where caches make small kernels faster
+    # than the memory (a CPU); empty: memory_bandwidth at every size.
+    bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def bandwidth_at(self, moved: float) -> float:
+        """Bytes/s of a kernel that moves `moved` bytes (log-linear between the measured sizes)."""
+        table = self.bandwidth_by_size
+        if not table:
+            return self.memory_bandwidth
+        if moved <= table[0][0]:
+            return table[0][1]
+        for (s0, b0), (s1, b1) in zip(table, table[1:]):
+            if moved <= s1:
+                f = math.log(moved / s0) / math.log(s1 / s0)
+                return b0 + f * (b1 - b0)
+        return table[-1][1]
+
+    def with_values(self, **changes) -> MachineModel:
+        """A copy with some numbers changed (the sensitivity table scales them one at a time)."""
+        return replace(self, **changes)
+
+
+# The recipe keys every cluster needs, and what to write when one is missing.
+_REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us",
+             "nic_gbs", "nics_per_node", "network_latency_us")  # fmt: skip
+
+
+def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
+    """The model of the recipe's machine; `local` is measured here for `nproc` ranks on this machine."""
+    if machine.name == "local":
+        return measure_local(nproc)
+    p = machine.perf
+    missing = [key for key in _REQUIRED if getattr(p, key) is None]
+    if not machine.peak_flops:
+        missing.insert(0, "peak_flops")
+    if missing or not machine.ranks_per_node:
+        raise ConfigError(
+            f"machine={machine.name} has no performance model ({', '.join(missing) or 'ranks_per_node'} unset): "
+            f"write machine.perf.* in recipes/machine/{machine.name}.yaml with each number's source."
+        )
+    node = Link(p.node_gbs * 1e9, p.node_latency_us * 1e-6)
+    package = Link(p.package_gbs * 1e9, p.package_latency_us * 1e-6) if p.package_gbs else node
+    return MachineModel(
+        name=machine.name,
+        peak_flops=float(machine.peak_flops),
+        peak_flops_fp32=float(p.peak_flops_fp32 or machine.peak_flops / 4),
+        gemm_efficiency=p.gemm_efficiency,
+        attention_efficiency=p.attention_efficiency or p.gemm_efficiency,
+        memory_bandwidth=p.memory_bandwidth_gbs * 1e9,
+        kernel_floor=p.kernel_floor_us * 1e-6,
+        ranks_per_node=machine.ranks_per_node,
+        devices_per_package=p.devices_per_package,
+        package=package,
+        node=node,
+        network=Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6),
+        nics_per_node=p.nics_per_node,
+        sources={"recipe": f"recipes/machine/{machine.name}.yaml"},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# machine=local: measured
+
+
+def _best_time(fn, seconds: float) -> float:
+    """The fastest of repeated calls for about `seconds` (the undisturbed time on a shared machine)."""
+    fn()
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        start = time.perf_counter()
+        fn()
+        t = time.perf_counter() - start
+        best, spent = min(best, t), spent + t
+    return best
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# Elementwise kernels a training step is made of, for the measured bandwidth: (name, dtype, kernel).
+_BASKET = (
+    ("mul bf16", torch.bfloat16, lambda x: torch.mul(x, x)),
+    ("add fp32", torch.float32, lambda x: torch.add(x, x)),
+    ("exp fp32", torch.float32, torch.exp),
+    ("silu bf16", torch.bfloat16, torch.nn.functional.silu),
+    ("bf16 to fp32", torch.bfloat16, lambda x: x.float()),
+    ("sum fp32", torch.float32, lambda x: x.sum(-1)),
+)
+_SIZES = (2**16, 2**19, 2**22, 2**25)  # bytes read: from inside a core's cache to far beyond the last level
+
+
+def _moved(x: torch.Tensor, y: torch.Tensor) -> int:
+    return x.numel() * x.element_size() + y.numel() * y.element_size()
+
+
+def measure_cpu(threads: int, seconds: float = 0.3) -> dict:
+    """This CPU's rates with `threads` threads, with glibc keeping freed memory as a training run does
+    (optimus.platform.keep_cpu_allocations): matrix FLOP/s (bf16, fp32) at a training-like size and of causal
+    attention (the fastest of repeated runs: a shared machine's undisturbed rate); the median bytes/s of a
+    basket of elementwise kernels at four sizes; the host's time per operator (a tiny add; a view)."""
+    from optimus.platform import keep_cpu_allocations
+
+    keep_cpu_allocations()
+    torch.set_num_threads(threads)
+    rates = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(512, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)  # [M, K], [K, N]
+        rates[dtype] = 2 * 512 * 1024 * 1024 / _best_time(partial(torch.mm, a, b), seconds)
+    by_size = []
+    for size in _SIZES:
+        speeds = []
+        for _, dtype, kernel in _BASKET:
+            rows = size // torch.empty((), dtype=dtype).element_size() // 256
+            x = torch.randn(rows, 256, dtype=dtype)  # [R, 256]
+            speeds.append(_moved(x, kernel(x)) / _median_time(partial(kernel, x), 7))
+        by_size.append((float(size), statistics.median(speeds)))
+    rates["attention"] = _attention_rate(seconds)
+    x, y = torch.randn(8), torch.randn(8)
+    add = _median_time(lambda: [torch.add(x, y) for _ in range(200)], 5) / 200
+    view = _median_time(lambda: [x.view(2, 4) for _ in range(200)], 5) / 200
+    return {"bf16": rates[torch.bfloat16], "fp32": rates[torch.float32], "attention": rates["attention"],
+            "by_size": by_size,
+            "host_op": add, "host_view": view}  # fmt: skip
+
+
+def _attention_rate(seconds: float) -> float:
+    """FLOP/s of causal bf16 attention, forward and backward, at q, k, v [4, 8, 512, 64]."""
+    from optimus.perf.step_trace import attention_flops
+
+    q, k, v = (torch.randn(4, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+
+    flops = attention_flops(q, k, True, False) + attention_flops(q, k, True, True)
+    return flops / _best_time(step, seconds)
+
+
+def _cpu_process(threads: int, results) -> None:
+    results.put(measure_cpu(threads))
+
+
+def _gloo_rank(rank: int, world: int, init_file: str, sizes: list[int], results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    times = []
+    for numel in sizes:
+        x = torch.randn(numel)
+
+        def reduce(x=x):
+            dist.barrier()
+            dist.all_reduce(x)
+
+        barrier = _median_time(dist.barrier, 7)
+        times.append(max(_median_time(reduce, 7) - barrier, 1e-7))
+    if rank == 0:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def measure_gloo(world: int = 2) -> Link:
+    """gloo between `world` processes here: latency and bandwidth of a ring all-reduce fitted to two sizes
+    (a ring moves 2 (n - 1) / n of the buffer in 2 (n - 1) steps)."""
+    import torch.multiprocessing as mp
+
+    sizes = [256, 2**22]  # 1 KiB, 16 MiB
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, sizes, results)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        small, large = results.get()
+        for proc in procs:
+            proc.join()
+    steps = 2 * (world - 1)
+    latency = small / steps
+    volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
+    return Link(bandwidth=volume / max(large - small, 1e-9), latency=latency)
+
+
+def _in_a_process(target, *args):
+    """target(*args, queue) run in a fresh process; what it puts in the queue."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    proc = ctx.Process(target=target, args=(*args, results))
+    proc.start()
+    value = results.get()
+    proc.join()
+    return value
+
+
+_local_cache: dict[int, MachineModel] = {}
+
+
+def measure_local(nproc: int) -> MachineModel:
+    """This machine for `nproc` ranks, each with its share of the cores (as `optimus train` gives them)."""
+    from optimus.platform import available_cores
+
+    if nproc not in _local_cache:
+        threads = max(1, len(available_cores()) // nproc)
+        cpu = _in_a_process(_cpu_process, threads)  # its malloc settings and threads stay there
+        peers = max(2, min(nproc, 4))
+        link = measure_gloo(peers)
+        _local_cache[nproc] = MachineModel(
+            name="local",
+            peak_flops=cpu["bf16"],
+            peak_flops_fp32=cpu["fp32"],
+            gemm_efficiency=1.0,  # the rates are measured at a training-sized product, not a datasheet peak
+            attention_efficiency=cpu["attention"] / cpu["bf16"],
+            memory_bandwidth=cpu["by_size"][-1][1],
+            bandwidth_by_size=tuple(cpu["by_size"]),
+            kernel_floor=0.0,
+            ranks_per_node=max(nproc, 1),
+            devices_per_package=1,
+            package=link,
+            node=link,
+            network=link,
+            nics_per_node=1,
+            host_op=cpu["host_op"],
+            host_view=cpu["host_view"],
+            sources={"measured": f"this machine, {threads} thread(s) per rank, gloo between {peers} processes"},
+        )
+    return _local_cache[nproc]

@@ -1,0 +1,367 @@
+"""`optimus plan --predict`: the step time of a layout, from dry runs of its real step replayed on a machine model.
+
+The dry run (optimus.dry_run) traces the ranks the replay needs, each a whole step on fake tensors with every
+operator and collective recorded (optimus.perf.step_trace): without a pipeline the first rank; with one, the
+first rank of the first, second and last pipeline ranks (the second stands for the middle ones). Then:
+
+    no pipeline   the rank's trace replayed on one stream (optimus.perf.replay.Stream): the step
+    a pipeline    each traced action (a forward or backward of one micro-batch on one stage) replayed alone; a
+                  stage's action costs the sum of its parts (each MoE or dense layer at the mean of the traced
+                  layers of its kind, its embedding, its head, the rest), so stages not traced cost what their
+                  layers cost; torch's schedule order for every pipeline rank played out across stages
+                  (play_schedule); the step adds what comes before the schedule and after it (the optimizer)
+
+Time split: compute, optimizer (its kernels), exposed communication by kind, pipeline bubble. Its parts add up
+to the step time of the rank that ends last. MFU counts the model's FLOPs (optimus.model.flops_per_token, as
+`optimus train` reports it) over the step time and the devices' bf16 peak.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+from optimus.config import ConfigError, OptimusConfig
+from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
+from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
+from optimus.perf.costs import collective_time
+from optimus.perf.machine import MachineModel, machine_model
+from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
+from optimus.perf.step_trace import StepTrace
+
+
+@dataclass
+class Prediction:
+    machine: str
+    world: int
+    nodes: float | None
+    global_batch: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    time_split: dict[str, float]  # seconds by part: compute, optimizer, exposed_<kind>, pipeline_bubble
+    traced_ranks: list[int] = field(default_factory=list)
+    machine_numbers: dict = field(default_factory=dict)  # the machine model it was replayed on
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def traced_pp_ranks(pp: int) -> list[int]:
+    """The pipeline ranks a prediction traces: the first, the second (a middle one) and the last."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def _flat_split(split: Counter) -> dict[str, float]:
+    """Stream split keys as the prediction names them: compute, optimizer, exposed_<kind>."""
+    out = {}
+    for key, seconds in split.items():
+        out[key if key in ("compute", "optimizer", "pipeline_bubble") else f"exposed_{key}"] = seconds
+    return out
+
+
+def predict_from_traces(
+    cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]
+) -> tuple[float, Counter]:
+    """(step seconds, split) from dry-run results by pipeline rank (each with `events` and `schedule`)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        stream = Stream(machine, traces[0]["rank"], p.tp).run(traces[0]["events"])
+        stream.drain()
+        return stream.t, stream.split
+    return _pipeline_step(cfg, world, machine, traces)
+
+
+def _place_class(place: str, moe_ids: set[int]) -> str:
+    if place.startswith("layers."):
+        return "moe" if int(place.split(".")[1]) in moe_ids else "dense"
+    return place if place in ("embed", "head") else "other"
+
+
+@dataclass
+class _Part:
+    """The cost of one part of a stage's action (a layer of a kind, the embedding, the head), from every traced
+    action that has it: seconds by split kind, and async collectives still in flight when the action ends."""
+
+    splits: list[Counter] = field(default_factory=list)
+    in_flight: list[float] = field(default_factory=list)
+
+    def add(self, split: Counter, in_flight: float, share: float = 1.0) -> None:
+        self.splits.append(Counter({k: v * share for k, v in split.items()}))
+        self.in_flight.append(in_flight * share)
+
+    def mean(self) -> tuple[Counter, float]:
+        if not self.splits:
+            return Counter(), 0.0
+        total = Counter()
+        for split in self.splits:
+            total.update(split)
+        n = len(self.splits)
+        return Counter({k: v / n for k, v in total.items()}), sum(self.in_flight) / n
+
+
+def _stage_parts(stage: int, n_stages: int, layers_of: list[list[int]], moe_ids: set[int]) -> list[str]:
+    """The parts a stage's action is made of: a part per layer (`moe` or `dense`), `embed` on the first stage,
+    `head` and `other_last` (its loss) on the last, `other` (what runs outside the model) elsewhere."""
+    parts = [_place_class(f"layers.{i}", moe_ids) for i in layers_of[stage]]
+    parts += ["embed"] if stage == 0 else []
+    return parts + (["head", "other_last"] if stage == n_stages - 1 else ["other"])
+
+
+def _traced_parts(machine, traces, tp, n_stages, layers_of, moe_ids) -> dict[tuple[str, str], _Part]:
+    """Each traced action replayed alone, its time shared out to its parts, by (action type, part)."""
+    parts: dict[tuple[str, str], _Part] = defaultdict(_Part)
+    for result in traces.values():
+        for action in split_actions(result["events"])[1]:
+            stream = Stream(machine, result["rank"], tp).run(action.events, skip_p2p=True)
+            by_class: dict[str, Counter] = defaultdict(Counter)
+            in_flight: Counter = Counter()
+            for (place, kind), seconds in stream.place_split.items():
+                by_class[_place_class(place, moe_ids)][kind] += seconds
+            for place, seconds in stream.in_flight_by_place().items():
+                in_flight[_place_class(place, moe_ids)] += seconds
+            own = Counter(_stage_parts(action.stage, n_stages, layers_of, moe_ids))
+            for cls, count in own.items():
+                for _ in range(count):  # a layer of a kind: the traced layers' mean
+                    parts[(action.type, cls)].add(by_class[cls], in_flight[cls], 1 / count)
+    return parts
+
+
+def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
+    p, m = cfg.parallel, cfg.model
+    n_stages = p.pp * p.pp_virtual
+    moe_ids = set(moe_layer_ids(m))
+    layers_of = stage_layer_ids(stage_sizes(m, n_stages, list(p.pp_layers) if p.pp_layers else None))
+    parts = _traced_parts(machine, traces, p.tp, n_stages, layers_of, moe_ids)
+    stage_cost: dict[tuple[str, int], tuple[float, float, Counter]] = {}  # (seconds, in flight, split)
+    for kind in ("F", "B", "I", "W"):
+        for stage in range(n_stages):
+            split, in_flight = Counter(), 0.0
+            for part in _stage_parts(stage, n_stages, layers_of, moe_ids):
+                part_split, part_in_flight = parts[(kind, part)].mean()
+                split.update(part_split)
+                in_flight += part_in_flight
+            stage_cost[(kind, stage)] = (sum(split.values()), in_flight, split)
+
+    # What runs before the schedule (pipeline rank 0's) and after it (the slowest traced rank's: the optimizer).
+    before = Stream(machine, traces[0]["rank"], p.tp).run(split_actions(traces[0]["events"])[0])
+    afters = [Stream(machine, r["rank"], p.tp).run(split_actions(r["events"])[2]) for r in traces.values()]
+    for after in afters:
+        after.drain()
+    after = max(afters, key=lambda stream: stream.t)
+
+    sends = [
+        e["call"]["bytes"]
+        for r in traces.values()
+        for e in r["events"]
+        if e["e"] == "comm" and e["call"]["op"] == "send"
+    ]
+    p2p_bytes = max(sends, default=0)  # a micro-batch's activations (or their gradient) between two stages
+    stage_world, offset = world // p.pp, traces[0]["rank"]
+
+    def transfer(a: int, b: int) -> float:
+        ra, rb = (a % p.pp) * stage_world + offset, (b % p.pp) * stage_world + offset
+        if ra == rb or not p2p_bytes:
+            return 0.0
+        return collective_time(machine, {"op": "send", "ranks": [ra, rb], "bytes": p2p_bytes}, ra)
+
+    order = schedule_order(cfg, traces)
+    played = play_schedule(order, n_stages, lambda kind, stage: stage_cost[(kind, stage)][:2], transfer)
+    critical = max(played.end, key=played.end.get)
+    split = Counter(before.split)
+    for kind, stage, _ in order[critical]:
+        split.update(stage_cost[(kind, stage)][2])
+    split["pipeline_bubble"] += played.bubble(critical)
+    split["data_parallel"] += played.comm_tail[critical]
+    split.update(after.split)
+    return before.t + played.end[critical] + after.t, split
+
+
+def schedule_order(cfg: OptimusConfig, traces: dict[int, dict]) -> dict[int, list[tuple[str, int, int]]]:
+    """Every pipeline rank's actions in the order its schedule runs them, checked against the traced ranks'."""
+    p = cfg.parallel
+    first = traces[min(traces)]
+    if first["schedule"] is not None:
+        order = parse_order(first["schedule"])
+    else:
+        order = single_stage_order(p.pp_schedule, p.pp, first["layout"]["accum"])
+    for pp_rank, result in traces.items():
+        ran = [(a.type, a.stage, a.mb) for a in split_actions(result["events"])[1]]
+        if ran != order[pp_rank]:
+            raise RuntimeError(f"pipeline rank {pp_rank} ran its actions in another order than the replay assumes: "
+                               f"{ran[:8]} ... against {order[pp_rank][:8]} ...")  # fmt: skip
+    return order
+
+
+def check_predictable(cfg: OptimusConfig) -> None:
+    if cfg.model.moe.capacity_factor is not None:
+        raise ConfigError("--predict traces dropless routing only: set model.moe.capacity_factor=null.")
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "interleaved_zb":
+        raise ConfigError(
+            "--predict cannot trace parallel.pp_schedule=interleaved_zb (torch's module tracker fails on its "
+            "autograd.grad backward): predict interleaved_1f1b, whose forwards and backwards are the same work."
+        )
+
+
+def trace_step(cfg: OptimusConfig, world: int, imbalance: float = 1.0, log=print) -> dict[int, dict]:
+    """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with events)."""
+    from optimus.dry_run import dry_run_rank
+
+    check_predictable(cfg)
+    stage_world = world // cfg.parallel.pp
+    traces = {}
+    for pp_rank in traced_pp_ranks(cfg.parallel.pp):
+        rank = pp_rank * stage_world
+        log(f"  dry run of rank {rank} of {world} (pipeline rank {pp_rank}) ...")
+        traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, step_trace=StepTrace())
+    return traces
+
+
+def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]) -> Prediction:
+    """The step's figures from its traces replayed on `machine`."""
+    t = cfg.train
+    step, split = predict_from_traces(cfg, world, machine, traces)
+    tokens = t.global_batch * t.seq_len
+    model_flops = flops_per_token(count_params_of_config(cfg.model), cfg.model, t.seq_len) * tokens
+    tflops = model_flops / step / world
+    nodes = world / machine.ranks_per_node if machine.ranks_per_node else None
+    return Prediction(
+        machine=machine.name, world=world, nodes=nodes, global_batch=t.global_batch, step_time_s=step,
+        tokens_per_s=tokens / step, tflops_per_device=tflops / 1e12, mfu=tflops / machine.peak_flops,
+        time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
+        machine_numbers=asdict(machine),
+    )  # fmt: skip
+
+
+def predict(cfg: OptimusConfig, world: int, machine: MachineModel | None = None, imbalance: float = 1.0,
+            log=print) -> Prediction:  # fmt: skip
+    """Trace the ranks the replay needs (dry runs) and replay them on the machine model."""
+    traces = trace_step(cfg, world, imbalance, log)
+    return prediction_of(cfg, world, machine or machine_model(cfg.machine, world), traces)
+
+
+def scaled_batch(cfg: OptimusConfig, factor: float) -> OptimusConfig:
+    """The recipe with its global batch scaled by `factor` (weak scaling: the same batch per rank)."""
+    scaled = copy.deepcopy(cfg)
+    batch = cfg.train.global_batch * factor
+    if batch != int(batch):
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} x {factor} is not a whole batch for weak "
+                          "scaling: pick node counts that are multiples of the first.")  # fmt: skip
+    scaled.train.global_batch = int(batch)
+    return scaled
+
+
+def scaling(cfg: OptimusConfig, worlds: list[int], machine_for, log=print, imbalance: float = 1.0) -> list[dict]:
+    """Per world size: the strong-scaling prediction (the recipe's global batch) and the weak-scaling one (the
+    batch grown with the world from the first), with efficiencies against the first world size:
+    strong = T(W0) W0 / (T(W) W), weak = T(W0) / T(W). A strong-scaling point whose layout does not divide the
+    batch is left out (`strong` None, and `strong_refused` says why)."""
+    from optimus.config import validate
+
+    validate(copy.deepcopy(cfg), worlds[0])  # the first world size is every efficiency's base: it must run
+    rows = []
+    for world in worlds:
+        row = {"world": world, "strong": None}
+        try:
+            validate(copy.deepcopy(cfg), world)  # a layout that does not divide the batch is refused here
+            log(f"{world} ranks, strong scaling (global batch {cfg.train.global_batch}):")
+            row["strong"] = predict(cfg, world, machine_for(world), imbalance, log=log)
+        except ConfigError as refused:
+            row["strong_refused"] = str(refused)
+            log(f"{world} ranks: no strong-scaling point: {refused}")
+        weak_cfg = scaled_batch(cfg, world / worlds[0])
+        if world == worlds[0]:
+            row["weak"] = row["strong"]
+        else:
+            log(f"{world} ranks, weak scaling (global batch {weak_cfg.train.global_batch}):")
+            row["weak"] = predict(weak_cfg, world, machine_for(world), imbalance, log=log)
+        rows.append(row)
+    base = rows[0]["strong"]
+    for row in rows:
+        strong = row["strong"]
+        row["strong_efficiency"] = (
+            base.step_time_s * base.world / (strong.step_time_s * row["world"]) if strong else None
+        )
+        row["weak_efficiency"] = base.step_time_s / row["weak"].step_time_s
+    return rows
+
+
+def format_prediction(pred: Prediction) -> list[str]:
+    where = f"{pred.nodes:g} nodes, " if pred.nodes else ""
+    lines = [
+        f"predicted step on {pred.machine} ({where}{pred.world} ranks, global batch {pred.global_batch}): "
+        f"{pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_device:.1f} TFLOPS per "
+        f"device, MFU {100 * pred.mfu:.1f}%",
+        "  time split: " + ", ".join(f"{k} {v:.3f} s ({100 * v / pred.step_time_s:.0f}%)"
+                                     for k, v in sorted(pred.time_split.items(), key=lambda kv: -kv[1]) if v > 0),
+    ]  # fmt: skip
+    return lines
+
+
+def format_scaling(rows: list[dict]) -> list[str]:
+    lines = ["ranks | strong: step s, tokens/s, MFU, efficiency | weak: batch, step s, MFU, efficiency"]
+    for row in rows:
+        s, w = row["strong"], row["weak"]
+        strong = (
+            f"{s.step_time_s:.3f}, {s.tokens_per_s:,.0f}, {100 * s.mfu:.1f}%, {100 * row['strong_efficiency']:.1f}%"
+            if s
+            else "(the batch does not divide)"
+        )
+        lines.append(
+            f"{row['world']:>5} | {strong} | {w.global_batch}, {w.step_time_s:.3f}, {100 * w.mfu:.1f}%, "
+            f"{100 * row['weak_efficiency']:.1f}%"
+        )
+    return lines
+
+
+def scaling_json(rows: list[dict]) -> dict:
+    first = rows[0]["strong"]
+    return {
+        **first.as_dict(),
+        "scaling": [
+            {"world": r["world"], "nodes": r["weak"].nodes, "strong": r["strong"] and r["strong"].as_dict(),
+             "weak": r["weak"].as_dict(), "strong_efficiency": r["strong_efficiency"],
+             "weak_efficiency": r["weak_efficiency"]}
+            for r in rows
+        ],
+    }  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """`optimus plan --predict [--nodes A,B,C | --world W] [--imbalance X] [--json] overrides` (the options of
+    optimus.plan.parser)."""
+    import json
+    import sys
+    import warnings
+
+    from optimus.plan import parser, world_size
+    from optimus.recipes import load_config
+
+    opts = parser().parse_intermixed_args(argv)
+    cfg = load_config(opts.overrides)
+    if opts.dry_run or opts.rank or opts.out or opts.check_groups:
+        raise ConfigError("--predict runs its own dry runs: leave out --dry-run, --rank, --out and --check-groups.")
+
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the sharder's checks
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+    worlds = [world_size(cfg, [n], None) for n in opts.nodes] if opts.nodes else [world_size(cfg, None, opts.world)]
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.json else print
+    models: dict[int, MachineModel] = {}
+
+    def machine_for(world: int) -> MachineModel:
+        if world not in models:
+            models[world] = machine_model(cfg.machine, world)
+        return models[world]
+
+    if len(worlds) == 1:
+        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), opts.imbalance, log=log)
+        print(json.dumps(prediction.as_dict(), indent=2) if opts.json else "\n".join(format_prediction(prediction)))
+        return 0
+    rows = scaling(cfg, worlds, machine_for, log=log, imbalance=opts.imbalance)
+    if opts.json:
+        print(json.dumps(scaling_json(rows), indent=2))
+    else:
+        print("\n".join(format_prediction(rows[0]["strong"]) + format_scaling(rows)))
+    return 0

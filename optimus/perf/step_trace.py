@@ -1,0 +1,270 @@
+"""Everything one rank does in a training step, in order: the input of the performance model.
+
+`StepTrace` is the collective trace (optimus.parallel.collective_trace: its `.calls` and `phase(...)` work as
+there) that also records every other operator the step dispatches, so a dry run on fake tensors describes the
+step the code will run - its recomputation, its optimizer, its loss - rather than a formula's idea of it.
+`.events` holds, in issue order:
+
+    {"e": "ops", "where": "layers.3", "bw": false, "ops": [[kind, flops, bytes, fp32, count], ...]}
+        a run of operators in one place (`layers.N`, `embed`, `head` or a phase label such as `optimizer`) and
+        direction (`bw`: inside the autograd engine, recomputation included); kind `mm` (a matrix product,
+        with its FLOPs), `attn` (an attention kernel, FLOPs of the work it does: half the scores when causal),
+        `mem` (any other kernel: bytes read and written) or `view` (no kernel: views, allocations)
+    {"e": "comm", "id": 7, "async": true, "call": {...}, "as": "reduce_scatter"}
+        a collective, `call` as collective_trace records it; `async` when the code does not wait for it where it
+        is issued (async_op=True, isend/irecv, functional collectives); `as` (where present) the collective it
+        stands for (optimus.parallel.collectives.reduce_scatter_sum issues gloo's reduce-scatter as an
+        all-to-all of the blocks; on a GPU the library's reduce-scatter runs, and is priced)
+    {"e": "wait", "id": 7}
+        the first operator that reads what async collective 7 wrote (or a functional collective's wait)
+    {"e": "action", "type": "F" | "B" | "I" | "W", "stage": 2, "mb": 5} ... {"e": "end"}
+        one action of a pipeline schedule (forward, full backward, input backward, weight backward of
+        micro-batch `mb` on stage `stage`), when `mark_actions` wraps the rank's pipeline stages
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from optimus.kernels.torch_private import current_graph_task_id
+from optimus.parallel.collective_trace import (
+    _NAMESPACES,
+    _NOT_COLLECTIVES,
+    _OP_NAMES,
+    CollectiveTrace,
+    _named_arguments,
+    _record,
+)
+
+# Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
+_NO_KERNEL = {
+    "detach", "alias", "lift_fresh", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
+    "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
+}  # fmt: skip
+_ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
+# Python functions of torch.distributed that issue a collective without waiting for it.
+_ASYNC_CALLERS = {"isend", "irecv", "batch_isend_irecv"}
+# Optimus's functions that issue one collective as another on a CPU (gloo), and what a GPU's library runs.
+_STANDS_FOR = {"reduce_scatter_sum": "reduce_scatter"}
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(_tensors(value))
+    return out
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> int:
+    """FLOPs an attention kernel does for q [B, H, Sq, D] and k [B, Hk, Sk, D]: two products of Sq x Sk x D per
+    head forward (scores, then values), five backward (the scores again, and the gradients of q, k, v and the
+    probabilities); a causal kernel skips the masked half."""
+    b, h, sq, d = q.shape
+    sk = k.shape[-2]
+    flops = 2 * 2 * b * h * sq * sk * d
+    if backward:
+        flops = flops * 5 // 2
+    return flops // 2 if causal else flops
+
+
+def _attention_args(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    backward = name.endswith("_backward")
+    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
+    causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args)
+    return q, k, causal
+
+
+def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
+    """(kind, FLOPs, bytes read and written, fp32 matrix product) of one operator call."""
+    name = func._overloadpacket.__name__
+    if func.is_view or name in _NO_KERNEL or func.namespace == "prim":  # prim: metadata (a tensor's device)
+        return "view", 0, 0, False
+    inputs = _tensors(list(args) + list(kwargs.values()))
+    moved = _nbytes(inputs) + _nbytes(_tensors([out]))
+    fp32 = any(t.dtype == torch.float32 for t in inputs)
+    if _ATTENTION.search(name):
+        q, k, causal = _attention_args(name, args, kwargs)
+        return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return "mm", int(flop_registry[packet](*args, **kwargs, out_val=out)), moved, fp32
+    if name == "_grouped_mm":  # [M, K] x [G, K, N]: every row meets one group's matrix
+        a, b = inputs[0], inputs[1]
+        return "mm", 2 * a.shape[0] * a.shape[-1] * b.shape[-1], moved, fp32
+    return "mem", 0, moved, False
+
+
+def _stands_for() -> str | None:
+    """The collective an emulation issues this one for (gloo's reduce-scatter as an all-to-all), if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _STANDS_FOR:
+            return _STANDS_FOR[frame.f_code.co_name]
+        frame = frame.f_back
+    return None
+
+
+def _issued_async() -> bool:
+    """Whether the torch.distributed call that issued this collective returns without waiting for it."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _ASYNC_CALLERS:
+            return True
+        if "async_op" in frame.f_locals and frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return bool(frame.f_locals["async_op"])
+        frame = frame.f_back
+    return False
+
+
+# Where a c10d operator's schema keeps the tensors it writes (in place for all_reduce, broadcast and recv).
+_OUTPUT_NAMES = ("output", "output_tensor", "outputs", "output_tensors", "tensors")
+
+
+def _written(func, args: tuple, kwargs: dict, out) -> list[torch.Tensor]:
+    """The tensors a collective writes: its output arguments (c10d), or what it returns (functional)."""
+    if func.namespace == "_c10d_functional":
+        return _tensors([out])
+    if func._overloadpacket.__name__ == "send":
+        return []
+    named = _named_arguments(func, args, kwargs)
+    return _tensors([named[key] for key in _OUTPUT_NAMES if key in named])
+
+
+def place_of(module: str) -> str:
+    """The model part a module belongs to: `layers.N`, `embed`, `head` (final norm, LM head), or its name."""
+    layer = _LAYER.search(module)
+    if layer:
+        return f"layers.{layer.group(1)}"
+    if module.endswith("embed"):
+        return "embed"
+    if module.endswith(("lm_head", "norm")):
+        return "head"
+    return module
+
+
+class StepTrace(CollectiveTrace):
+    """Records a step's operators and collectives into `.events` (and its collectives into `.calls`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+        self._pending: dict[StorageWeakRef, int] = {}  # storage an async collective writes -> its id
+        self._ops: Counter | None = None
+        self._ops_key: tuple | None = None
+
+    def _close_ops(self) -> None:
+        if self._ops:
+            where, bw = self._ops_key
+            self.events.append({"e": "ops", "where": where, "bw": bw, "ops": [[*k, n] for k, n in self._ops.items()]})
+        self._ops, self._ops_key = None, None
+
+    def _emit(self, event: dict) -> None:
+        self._close_ops()
+        self.events.append(event)
+
+    def _place(self) -> tuple[str, bool]:
+        where = self._where()  # "forward layers.1.ffn", "backward ...", "backward", or a phase label
+        direction, _, module = where.partition(" ")
+        bw = current_graph_task_id() != -1 or direction == "backward"
+        if direction in ("forward", "backward"):
+            return (place_of(module) if module else "other"), bw
+        return where, bw
+
+    def _wait_for_inputs(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref in self._pending:
+                self._emit({"e": "wait", "id": self._pending.pop(ref)})
+
+    def _collective(self, func, args: tuple, kwargs: dict):
+        name = func._overloadpacket.__name__
+        named = _named_arguments(func, args, kwargs)
+        call = _record(_OP_NAMES.get(name, name), named, self._where())
+        self.calls.append(call)
+        is_async = func.namespace == "_c10d_functional" or _issued_async()
+        self._wait_for_inputs([t for t in _tensors(list(args)) if t.numel()])  # a collective reads its inputs too
+        cid = len(self.calls) - 1
+        event = {"e": "comm", "id": cid, "async": is_async, "call": call}
+        stands_for = _stands_for()
+        if stands_for:
+            event["as"] = stands_for
+        self._emit(event)
+        out = func(*args, **kwargs)
+        if is_async:
+            for t in _written(func, args, kwargs, out):
+                self._pending[StorageWeakRef(t.untyped_storage())] = cid
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        if func.namespace in _NAMESPACES:
+            if name == "wait_tensor":
+                self._wait_for_inputs(_tensors(list(args)))
+                return func(*args, **kwargs)
+            if name not in _NOT_COLLECTIVES:
+                return self._collective(func, args, kwargs)
+            return func(*args, **kwargs)
+        if self._pending:
+            self._wait_for_inputs(_tensors(list(args) + list(kwargs.values())))
+        out = func(*args, **kwargs)
+        kind, flops, moved, fp32 = op_cost(func, args, kwargs, out)
+        key = self._place()
+        if key != self._ops_key:
+            self._close_ops()
+            self._ops, self._ops_key = Counter(), key
+        self._ops[(kind, flops, moved, fp32)] += 1
+        return out
+
+    def finish(self) -> list[dict]:
+        """The events, with the last run of operators closed."""
+        self._close_ops()
+        return self.events
+
+    @contextmanager
+    def mark_actions(self, stages):
+        """Mark each forward and backward torch's pipeline stages run (`stages`: PipelineStage objects)."""
+
+        def wrap(stage, method: str, kind):
+            original = getattr(stage, method)
+
+            def marked(chunk_id, *args, **kwargs):
+                full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+                self._emit({"e": "action", "type": kind(full), "stage": stage.stage_index, "mb": chunk_id})
+                try:
+                    return original(chunk_id, *args, **kwargs)
+                finally:
+                    self._emit({"e": "end"})
+
+            setattr(stage, method, marked)
+
+        for stage in stages:
+            wrap(stage, "forward_one_chunk", lambda full: "F")
+            wrap(stage, "backward_one_chunk", lambda full: "B" if full else "I")
+            wrap(stage, "backward_weight_one_chunk", lambda full: "W")
+        try:
+            yield
+        finally:
+            for stage in stages:
+                for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                    del stage.__dict__[method]

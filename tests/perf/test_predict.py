@@ -1,0 +1,120 @@
+"""`optimus plan --predict` end to end: the JSON it prints, its time split, its scaling efficiencies, its
+refusals, and the ordering of the layouts measured on this machine (benchmarks/results/predict_local.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optimus.cli import main
+from optimus.perf.machine import Link, MachineModel
+from optimus.perf.predict import prediction_of, trace_step
+from optimus.recipes import load_config
+from tests.conftest import TINY_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = [*TINY_MODEL, "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2"]
+
+
+def predict_json(capsys, *args: str) -> dict:
+    assert main(["plan", "--predict", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_pipeline_prediction_on_this_machine(capsys):
+    # Two pipeline stages on two local ranks: the machine measured here, the 1F1B order checked against the
+    # traced ranks' actions, and a split whose parts add up to the step.
+    out = predict_json(capsys, "--world", "2", *SMALL, "parallel.nproc=2", "parallel.pp=2")
+    assert out["machine"] == "local" and out["world"] == 2
+    assert out["traced_ranks"] == [0, 1]
+    assert sum(out["time_split"].values()) == pytest.approx(out["step_time_s"], rel=1e-9)
+    assert out["time_split"]["pipeline_bubble"] > 0
+    assert out["tokens_per_s"] == pytest.approx(8 * 32 / out["step_time_s"])
+    assert 0 < out["mfu"] < 1
+
+
+def test_scaling_across_node_counts(capsys):
+    # frontier's machine model at 1 and 2 nodes (8 and 16 ranks of ep 8): strong scaling keeps the batch,
+    # weak scaling doubles it; the efficiencies follow from the step times as their definitions say.
+    args = ["--nodes", "1,2", "machine=frontier", *SMALL, "train.global_batch=32", "parallel.ep=4"]
+    out = predict_json(capsys, *args)
+    one, two = out["scaling"]
+    assert (one["world"], two["world"]) == (8, 16)
+    assert two["weak"]["global_batch"] == 64 and two["strong"]["global_batch"] == 32
+    t1, t2s, t2w = one["strong"]["step_time_s"], two["strong"]["step_time_s"], two["weak"]["step_time_s"]
+    assert two["strong_efficiency"] == pytest.approx(t1 * 8 / (t2s * 16))
+    assert two["weak_efficiency"] == pytest.approx(t1 / t2w)
+    assert one["strong_efficiency"] == one["weak_efficiency"] == pytest.approx(1.0)
+    assert out["step_time_s"] == t1
+    # The data-parallel reductions cross the network at 2 nodes: more exposed data-parallel time per step.
+    assert two["weak"]["time_split"].get("exposed_data_parallel", 0) > one["weak"]["time_split"].get(
+        "exposed_data_parallel", 0
+    )
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["plan", "--predict", "--nodes", "1", "machine=nvidia"], "peak_flops"),
+        (["plan", "--nodes", "1,2"], "needs --predict"),
+        (["plan", "--predict", "--world", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved_zb",
+          "parallel.pp_virtual=2"], "interleaved_1f1b"),
+    ],
+)  # fmt: skip
+def test_refusals(capsys, args, words):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
+def _machine(numbers: dict) -> MachineModel:
+    links = {key: Link(**numbers[key]) for key in ("package", "node", "network")}
+    table = tuple(tuple(row) for row in numbers["bandwidth_by_size"])
+    return MachineModel(**{**numbers, **links, "bandwidth_by_size": table})
+
+
+def test_predictions_order_the_measured_layouts():
+    # Replayed on the machine numbers measured with them, the predictions order every two layouts whose
+    # measured step times differ by more than a quarter as the measurements do.
+    results = json.loads((REPO / "benchmarks" / "results" / "predict_local.json").read_text())
+    rows = [r for r in results["rows"] if r["nproc"] == 1 or "parallel.ep=2" in r["overrides"]]
+    predicted = {}
+    for row in rows:
+        cfg = load_config([f"parallel.nproc={row['nproc']}", *row["overrides"]])
+        traces = trace_step(cfg, row["nproc"], log=lambda line: None)
+        predicted[row["layout"]] = prediction_of(cfg, row["nproc"], _machine(row["machine_numbers"]), traces)
+    pairs = 0
+    for a in rows:
+        for b in rows:
+            if a["measured_s"] > 1.25 * b["measured_s"]:
+                pairs += 1
+                assert predicted[a["layout"]].step_time_s > predicted[b["layout"]].step_time_s, (a, b)
+    assert pairs >= 2
+
+
+def test_report_puts_the_prediction_beside_each_run(tmp_path):
+    # Two runs of one recipe on frontier's model (8 and 16 ranks, strong scaling): the report's predicted step
+    # is the model's for each run's own config, and its predicted efficiency the report's formula on them.
+    import yaml
+    from omegaconf import OmegaConf
+
+    from optimus.perf.predict import predict
+    from optimus.report import build_report
+    from tests.report.test_report import make_run
+
+    overrides = ["machine=frontier", *SMALL, "train.global_batch=32", "parallel.ep=4"]
+    runs = []
+    for world, step in ((8, 0.5), (16, 0.3)):
+        run = make_run(tmp_path, f"n{world}", world, 4, 32, [step] * 4)
+        cfg = load_config([*overrides, f"parallel.nproc={world}"])
+        (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(cfg))))
+        runs.append((run, cfg, world, step))
+    rows = build_report([r[0] for r in runs], tmp_path / "report", warmup_steps=1, predict=True)
+    expected = [predict(cfg, world, log=lambda line: None).step_time_s for _, cfg, world, _ in runs]
+    assert [r["predicted_step_s"] for r in rows] == pytest.approx(expected)
+    assert rows[1]["predicted_error"] == pytest.approx(0.3 / expected[1] - 1)
+    assert rows[1]["predicted_efficiency"] == pytest.approx(expected[0] * 8 / (expected[1] * 16))
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "predicted step ms" in report

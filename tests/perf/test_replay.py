@@ -1,0 +1,122 @@
+"""The performance model's replay against cases computed by hand: a ring all-reduce on a known link, an
+all-to-all across nodes, an overlapped reduce-scatter, and a two-stage pipeline with its known bubble."""
+
+import pytest
+
+from optimus.perf.costs import collective_time, op_time
+from optimus.perf.machine import Link, MachineModel
+from optimus.perf.replay import Stream, play_schedule, single_stage_order
+
+GB = 1e9
+
+
+def machine(**changes) -> MachineModel:
+    """4 devices per node, 2 per package; 1 TFLOP/s at full efficiency, 100 GB/s memory, 2 NICs of 25 GB/s."""
+    values = dict(
+        name="hand", peak_flops=1e12, peak_flops_fp32=0.5e12, gemm_efficiency=1.0, attention_efficiency=0.5,
+        memory_bandwidth=100 * GB, kernel_floor=0.0, ranks_per_node=4, devices_per_package=2,
+        package=Link(100 * GB, 1e-6), node=Link(10 * GB, 5e-6), network=Link(25 * GB, 10e-6), nics_per_node=2,
+    )  # fmt: skip
+    values.update(changes)
+    return MachineModel(**values)
+
+
+def test_operator_roofline():
+    m = machine(kernel_floor=3e-6)
+    assert op_time(m, "mm", 2e9, 1e6, False) == pytest.approx(2e-3)  # compute-bound: 2 GFLOP at 1 TFLOP/s
+    assert op_time(m, "mm", 2e9, 1e6, True) == pytest.approx(4e-3)  # fp32 peak
+    assert op_time(m, "mm", 1e6, 1e9, False) == pytest.approx(1e-2)  # bytes-bound: 1 GB at 100 GB/s
+    assert op_time(m, "attn", 1e9, 0, False) == pytest.approx(2e-3)  # attention at half the peak
+    assert op_time(m, "mem", 0, 100, False) == pytest.approx(3e-6)  # no kernel is shorter than the floor
+    assert op_time(m, "view", 0, 0, False) == 0.0
+
+
+def test_ring_all_reduce_inside_a_node():
+    # 4 ranks of one node (two packages): a ring over the node link moves 2 (n-1)/n of 1 GB; a tree's latency.
+    call = {"op": "all_reduce", "ranks": [0, 1, 2, 3], "bytes": 10**9}
+    assert collective_time(machine(), call, 0) == pytest.approx(2 * 3 / 4 * 1e9 / (10 * GB) + 2 * 2 * 5e-6)
+    # Two ranks of one package use the package link.
+    pair = {"op": "all_reduce", "ranks": [0, 1], "bytes": 10**9}
+    assert collective_time(machine(), pair, 0) == pytest.approx(1e9 / (100 * GB) + 2 * 1e-6)
+
+
+def test_ring_all_reduce_across_nodes_shares_the_nics():
+    # One member per node, 4 ranks per node all reducing at once: each group gets 2 NICs x 25 GB/s / 4.
+    call = {"op": "all_reduce", "ranks": [0, 4], "bytes": 10**9}
+    assert collective_time(machine(), call, 0) == pytest.approx(1e9 / (12.5 * GB) + 2 * 10e-6)
+    # Reduce-scatter (the whole buffer) and all-gather (one shard) over the same ring move (n-1)/n of it.
+    rs = {"op": "reduce_scatter", "ranks": [0, 4], "bytes": 10**9}
+    ag = {"op": "all_gather", "ranks": [0, 4], "bytes": 5 * 10**8}
+    assert collective_time(machine(), rs, 0) == pytest.approx(0.5e9 / (12.5 * GB) + 10e-6)
+    assert collective_time(machine(), ag, 0) == pytest.approx(collective_time(machine(), rs, 0))
+
+
+def test_all_to_all_by_link_class():
+    # Rank 0 sends 100 rows of 1 MB to each of ranks 1 (same package), 2 (same node) and 4 (another node).
+    call = {"op": "all_to_all", "ranks": [0, 1, 2, 4], "bytes": 400 * 10**6,
+            "splits": {"send": [100, 100, 100, 100], "recv": [100, 100, 100, 100]}}  # fmt: skip
+    off_node = 1e8 * 4 / (2 * 25 * GB)  # every rank of the node sends through the node's two NICs at once
+    expected = max(1e8 / (100 * GB), 1e8 / (10 * GB), off_node) + 10e-6
+    assert collective_time(machine(), call, 0) == pytest.approx(expected)
+
+
+def _ops(seconds: float) -> dict:
+    """A run of operators that takes `seconds` on machine(): one matrix product at 1 TFLOP/s."""
+    return {"e": "ops", "where": "layers.0", "bw": True, "ops": [["mm", int(seconds * 1e12), 0, False, 1]]}
+
+
+def _reduce_scatter(cid: int, seconds: float, is_async: bool) -> dict:
+    """A reduce-scatter between two packages of a node taking `seconds` (2 ranks: half the buffer moves)."""
+    size = int(seconds * 10 * GB * 2)
+    call = {"op": "reduce_scatter", "ranks": [0, 2], "bytes": size, "phase": "backward", "dtype": "float32"}
+    return {"e": "comm", "id": cid, "async": is_async, "call": call}
+
+
+def test_overlapped_reduce_scatter():
+    m = machine(node=Link(10 * GB, 0.0))
+    # Issued after the first second of backward, overlapping the second: hidden when it takes 0.5 s.
+    hidden = [_ops(1.0), _reduce_scatter(0, 0.5, True), _ops(1.0), {"e": "wait", "id": 0}]
+    stream = Stream(m, rank=0).run(hidden)
+    assert stream.drain() == pytest.approx(2.0)
+    assert stream.split["data_parallel"] == 0
+    # Taking 1.5 s, it shows for 0.5 s at its wait.
+    exposed = [_ops(1.0), _reduce_scatter(0, 1.5, True), _ops(1.0), {"e": "wait", "id": 0}]
+    stream = Stream(m, rank=0).run(exposed)
+    assert stream.drain() == pytest.approx(2.5)
+    assert stream.split["data_parallel"] == pytest.approx(0.5)
+    # Synchronous, it blocks the stream for all of it; two async ones queue on the one channel.
+    assert Stream(m, 0).run([_ops(1.0), _reduce_scatter(0, 0.5, False), _ops(1.0)]).drain() == pytest.approx(2.5)
+    queued = [_reduce_scatter(0, 1.0, True), _reduce_scatter(1, 1.0, True), _ops(1.5), {"e": "wait", "id": 1}]
+    assert Stream(m, 0).run(queued).drain() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_bubble(schedule):
+    # Forward 1 s, backward 2 s on each stage, 4 micro-batches: the first rank ends after (n + p - 1)(f + b)
+    # and idles (p - 1)(f + b) of it. With a send of 0.25 s between the stages, worked through by hand: GPipe's
+    # critical path crosses twice (the first forward, the last backward), 15.5 s; 1F1B's waits for a backward
+    # from the next stage in every cycle, 16 s.
+    f, b, n, p = 1.0, 2.0, 4, 2
+    order = single_stage_order(schedule, p, n)
+    played = play_schedule(order, p, lambda kind, stage: ({"F": f, "B": b}[kind], 0.0), lambda a, c: 0.0)
+    assert played.end[0] == pytest.approx((n + p - 1) * (f + b))
+    assert played.bubble(0) == pytest.approx((p - 1) * (f + b))
+    assert played.busy[1] == pytest.approx(n * (f + b))
+    sent = play_schedule(order, p, lambda kind, stage: ({"F": f, "B": b}[kind], 0.0), lambda a, c: 0.25)
+    assert sent.end[0] == pytest.approx({"gpipe": 15.5, "1f1b": 16.0}[schedule])
+
+
+def test_one_f_one_b_order():
+    # torch's Schedule1F1B: the first of two ranks runs two forwards before its first backward, the last one.
+    order = single_stage_order("1f1b", 2, 3)
+    assert order[0] == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)]
+    assert order[1] == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2)]
+
+
+def test_gradient_reductions_after_the_last_backward_extend_the_rank():
+    # Each backward issues 1.5 s of async reductions on the rank's channel: the last one's run past the end.
+    order = single_stage_order("gpipe", 1, 2)
+    played = play_schedule(order, 1, lambda kind, stage: (1.0, 1.5 if kind == "B" else 0.0), lambda a, c: 0.0)
+    # F F B B end at 4 s; the channel starts the first at 2 s, the second at 3.5 s: done at 5 s.
+    assert played.end[0] == pytest.approx(5.0)
+    assert played.comm_tail[0] == pytest.approx(1.0)

@@ -1,0 +1,55 @@
+"""The step trace's records for known operators and collectives: FLOPs and bytes, which collectives the code
+waits for where it issues them, and where it waits for the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from optimus.parallel.collectives import reduce_scatter_sum
+from optimus.perf.step_trace import StepTrace, attention_flops
+from tests.distributed import run_distributed
+
+
+def _known_step():
+    """Rank r of 2: a matrix product, a synchronous all-reduce, an async one read two operators later, an
+    attention kernel, and a view."""
+    a, b = torch.randn(8, 16), torch.randn(16, 4)  # [M, K], [K, N]
+    trace = StepTrace()
+    with trace:
+        c = a @ b  # 2 M K N FLOPs
+        dist.all_reduce(c)
+        work = dist.all_reduce(c, async_op=True)
+        d = a * 2  # does not read c: no wait yet
+        e = c + 1  # reads what the async all-reduce wrote: its wait
+        work.wait()
+        c.view(32)  # no kernel
+        q = torch.randn(1, 2, 8, 4)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        reduce_scatter_sum(torch.empty(8), torch.randn(16), dist.group.WORLD)  # gloo's: an all-to-all
+    del d, e
+    return trace.finish()
+
+
+def test_known_operators_and_collectives():
+    events, _ = run_distributed(_known_step, 2)
+    kinds = [e["e"] for e in events]
+    comms = [e for e in events if e["e"] == "comm"]
+    assert [(c["call"]["op"], c["async"]) for c in comms] == [
+        ("all_reduce", False), ("all_reduce", True), ("all_to_all", True)
+    ]  # fmt: skip
+    assert [c.get("as") for c in comms] == [None, None, "reduce_scatter"]  # priced as the GPU's reduce-scatter
+    waits = [i for i, e in enumerate(events) if e["e"] == "wait"]
+    assert [events[i]["id"] for i in waits] == [comms[1]["id"], comms[2]["id"]]  # the sum reads the exchange
+    # The wait comes after `a * 2` (which does not read the result) and before `c + 1`.
+    between = [e for e in events[kinds.index("comm", kinds.index("comm") + 1) + 1 : waits[0]] if e["e"] == "ops"]
+    assert sum(n for e in between for kind, _, _, _, n in e["ops"] if kind == "mem") == 1
+    ops = [op for e in events if e["e"] == "ops" for op in e["ops"]]
+    assert ["mm", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4, True, 1] in ops
+    attention = [op for op in ops if op[0] == "attn"]
+    assert len(attention) == 1 and attention[0][1] == attention_flops(
+        torch.empty(1, 2, 8, 4), torch.empty(1, 2, 8, 4), True, False
+    )
+    assert attention[0][1] == 2 * 2 * 2 * 8 * 8 * 4 // 2  # two products of 8 x 8 x 4 per head, half of them causal
+    assert any(op[0] == "view" for op in ops)
