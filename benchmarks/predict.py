@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from memory import cpu_flags  # noqa: E402  benchmarks/ is first on sys.path
 
 from optimus.config import ConfigError  # noqa: E402
+from optimus.efficiency import strong_efficiency, weak_efficiency  # noqa: E402
 from optimus.perf.machine import MachineModel, machine_model  # noqa: E402
 
 # Layouts of the default tiny model this machine can run, each with its process count.
@@ -103,12 +104,14 @@ def run_local(out: Path) -> None:
 # The studies
 
 
-def traces_for(recipe: str, nodes: int, batch_factor: float, cache: Path, extra: tuple[str, ...] = ()) -> tuple:
-    """(cfg, world, traces) of an experiment recipe at `nodes` with its batch scaled, traced or from the cache."""
+def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = (), weak_from: int = 0) -> tuple:
+    """(cfg, world, traces) of an experiment recipe (with `extra` overrides) at `nodes`, its global batch grown
+    from `weak_from` nodes when given (weak scaling); traced, or from the cache."""
     from optimus.perf.predict import scaled_batch, trace_step
     from optimus.recipes import load_config
 
-    cfg = scaled_batch(load_config([f"experiment={recipe}", *extra]), batch_factor)
+    cfg = load_config([f"experiment={recipe}", *extra])
+    cfg = scaled_batch(cfg, nodes, weak_from) if weak_from else cfg
     world = nodes * cfg.machine.ranks_per_node
     path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}.json.gz"
     if path.exists():
@@ -122,6 +125,8 @@ def traces_for(recipe: str, nodes: int, batch_factor: float, cache: Path, extra:
 
 # Published: (recipe, nodes, MFU) from Dash et al. (Frontier); scaling from both studies.
 PUBLISHED_MFU = [("frontier-22b", 16, 0.3838), ("frontier-175b", 128, 0.3614), ("frontier-1t", 384, 0.3196)]
+# The predictions the sensitivity table perturbs: the Frontier study's three and the Aurora MoE recipe.
+SENSITIVITY_OF = [("frontier-22b", 16), ("frontier-175b", 128), ("frontier-1t", 384), ("aurora-mula-220b-a10b", 256)]
 # (recipe, node counts, published efficiencies, source, recipe overrides): weak scaling keeps the batch per
 # rank of the first node count, strong scaling its global batch. The Frontier series scale up from the
 # recipes' study-sized point (tracing a smaller world replays more micro-batches per rank: hours here).
@@ -169,7 +174,7 @@ def run_recipes(out: Path, cache: Path) -> None:
     order = sorted(LAYOUTS, key=lambda layout: layout[0] in ("frontier-175b", "frontier-1t"))
     for name, overrides, nodes in order:
         recipe = overrides[0].removeprefix("experiment=")
-        cfg, world, traces = traces_for(recipe, nodes, 1.0, cache, tuple(overrides[1:]))
+        cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]))
         pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
         rows.append({"layout": name, "nodes": nodes, **pred.as_dict()})
         (out / "predict_recipes.json").write_text(json.dumps(rows, indent=1))
@@ -181,11 +186,14 @@ def run_studies(out: Path, cache: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     result = {"mfu": [], "scaling": [], "sensitivity": []}
     for recipe, nodes, published in PUBLISHED_MFU:
-        cfg, world, traces = traces_for(recipe, nodes, 1.0, cache)
+        cfg, world, traces = traces_for(recipe, nodes, cache)
         machine = machine_model(cfg.machine)
         pred = prediction_of(cfg, world, machine, traces)
         result["mfu"].append({"recipe": recipe, "nodes": nodes, "published_mfu": published, **pred.as_dict()})
-        base = pred.step_time_s
+    for recipe, nodes in SENSITIVITY_OF:
+        cfg, world, traces = traces_for(recipe, nodes, cache)
+        machine = machine_model(cfg.machine)
+        base = prediction_of(cfg, world, machine, traces).step_time_s
         for key in SENSITIVITY:
             moved = {f: prediction_of(cfg, world, _scaled(machine, key, f), traces).step_time_s / base - 1
                      for f in (0.5, 2.0)}  # fmt: skip
@@ -194,13 +202,12 @@ def run_studies(out: Path, cache: Path) -> None:
     for recipe, node_counts, published, source, extra in PUBLISHED_SCALING:
         rows = []
         for nodes in node_counts:
-            factor = nodes / node_counts[0]
             row = {"nodes": nodes}
-            for mode, batch_factor in (("strong", 1.0), ("weak", factor)):
+            for mode, weak_from in (("strong", 0), ("weak", node_counts[0])):
                 if mode == "strong" and "strong" not in published:
                     continue
                 try:
-                    cfg, world, traces = traces_for(recipe, nodes, batch_factor, cache, extra)
+                    cfg, world, traces = traces_for(recipe, nodes, cache, extra, weak_from)
                 except ConfigError as refused:  # a layout that does not divide the batch
                     row[mode] = {"refused": str(refused)}
                     continue
@@ -210,8 +217,15 @@ def run_studies(out: Path, cache: Path) -> None:
             for mode in ("strong", "weak"):
                 base, here = rows[0].get(mode), row.get(mode)
                 if base and here and "step_time_s" in base and "step_time_s" in here:
-                    ratio = base["step_time_s"] / here["step_time_s"]
-                    row[f"{mode}_efficiency"] = ratio * (node_counts[0] / row["nodes"] if mode == "strong" else 1)
+                    if mode == "strong":
+                        efficiency = strong_efficiency(
+                            base["step_time_s"], base["world"], here["step_time_s"], here["world"]
+                        )
+                    else:
+                        efficiency = weak_efficiency(
+                            base["tokens_per_s"] / base["world"], here["tokens_per_s"] / here["world"]
+                        )
+                    row[f"{mode}_efficiency"] = efficiency
         result["scaling"].append(
             {"recipe": recipe, "overrides": list(extra), "source": source, "published": published, "rows": rows}
         )
@@ -235,7 +249,7 @@ def print_tables(out: Path) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in studies["mfu"]:
         error = r["mfu"] / r["published_mfu"] - 1
-        print(f"| {r['recipe']} | {r['nodes']} ({r['world']}) | {r['global_batch']} | {r['step_time_s']:.2f} | "
+        print(f"| {r['recipe']} | {r['nodes']:g} ({r['world']}) | {r['global_batch']} | {r['step_time_s']:.2f} | "
               f"{r['tflops_per_device']:.1f} | {100 * r['mfu']:.1f}% | {100 * r['published_mfu']:.2f}% | "
               f"{100 * error:+.0f}% | {_split_cell(r['time_split'], r['step_time_s'])} |")  # fmt: skip
     print()

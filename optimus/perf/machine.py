@@ -70,6 +70,13 @@ class MachineModel:
         """A copy with some numbers changed (the sensitivity table scales them one at a time)."""
         return replace(self, **changes)
 
+    @classmethod
+    def from_dict(cls, numbers: dict) -> MachineModel:
+        """The model from its `dataclasses.asdict` (a prediction's `machine_numbers`)."""
+        links = {key: Link(**numbers[key]) for key in ("package", "node", "network")}
+        table = tuple(tuple(row) for row in numbers.get("bandwidth_by_size", ()))
+        return cls(**{**numbers, **links, "bandwidth_by_size": table})
+
 
 # The recipe keys every cluster needs, and what to write when one is missing.
 _REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us",
@@ -81,16 +88,16 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     if machine.name == "local":
         return measure_local(nproc)
     p = machine.perf
-    missing = [key for key in _REQUIRED if getattr(p, key) is None]
-    if not machine.peak_flops:
-        missing.insert(0, "peak_flops")
-    if missing or not machine.ranks_per_node:
+    missing = [f"machine.perf.{key}" for key in _REQUIRED if getattr(p, key) is None]
+    missing += [f"machine.{key}" for key in ("peak_flops", "ranks_per_node") if not getattr(machine, key)]
+    if missing:
         raise ConfigError(
-            f"machine={machine.name} has no performance model ({', '.join(missing) or 'ranks_per_node'} unset): "
-            f"write machine.perf.* in recipes/machine/{machine.name}.yaml with each number's source."
+            f"machine={machine.name} has no performance model ({', '.join(missing)} unset): set them in "
+            f"recipes/machine/{machine.name}.yaml (or as overrides), with each number's source."
         )
     node = Link(p.node_gbs * 1e9, p.node_latency_us * 1e-6)
-    package = Link(p.package_gbs * 1e9, p.package_latency_us * 1e-6) if p.package_gbs else node
+    package_latency = p.package_latency_us if p.package_latency_us is not None else p.node_latency_us
+    package = Link(p.package_gbs * 1e9, package_latency * 1e-6) if p.package_gbs else node
     return MachineModel(
         name=machine.name,
         peak_flops=float(machine.peak_flops),
@@ -171,7 +178,7 @@ def measure_cpu(threads: int, seconds: float = 0.3) -> dict:
             rows = size // torch.empty((), dtype=dtype).element_size() // 256
             x = torch.randn(rows, 256, dtype=dtype)  # [R, 256]
             speeds.append(_moved(x, kernel(x)) / _median_time(partial(kernel, x), 7))
-        by_size.append((float(size), statistics.median(speeds)))
+        by_size.append((2.0 * size, statistics.median(speeds)))  # keyed by bytes moved: read and written
     rates["attention"] = _attention_rate(seconds)
     x, y = torch.randn(8), torch.randn(8)
     add = _median_time(lambda: [torch.add(x, y) for _ in range(200)], 5) / 200
@@ -220,8 +227,8 @@ def _gloo_rank(rank: int, world: int, init_file: str, sizes: list[int], results)
 
 
 def measure_gloo(world: int = 2) -> Link:
-    """gloo between `world` processes here: latency and bandwidth of a ring all-reduce fitted to two sizes
-    (a ring moves 2 (n - 1) / n of the buffer in 2 (n - 1) steps)."""
+    """gloo between `world` processes here: latency and bandwidth fitted to all-reduces of two sizes, as
+    optimus.perf.costs prices them."""
     import torch.multiprocessing as mp
 
     sizes = [256, 2**22]  # 1 KiB, 16 MiB
@@ -235,8 +242,8 @@ def measure_gloo(world: int = 2) -> Link:
         small, large = results.get()
         for proc in procs:
             proc.join()
-    steps = 2 * (world - 1)
-    latency = small / steps
+    # As optimus.perf.costs prices an all-reduce: 2 ceil(log2 n) latencies and 2 (n - 1) / n of the buffer.
+    latency = small / (2 * math.ceil(math.log2(world)))
     volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
     return Link(bandwidth=volume / max(large - small, 1e-9), latency=latency)
 

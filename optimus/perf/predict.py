@@ -19,10 +19,13 @@ to the step time of the rank that ends last. MFU counts the model's FLOPs (optim
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig
+from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
@@ -102,6 +105,13 @@ class _Part:
         return Counter({k: v / n for k, v in total.items()}), sum(self.in_flight) / n
 
 
+def _part_of(place: str, moe_ids: set[int], last_stage: bool) -> str:
+    """The part of a stage's action a place belongs to; what runs outside the layers on the last stage is its
+    head's loss (the head's matmul and cross-entropy run at the model's root, not in a submodule)."""
+    cls = _place_class(place, moe_ids)
+    return "other_last" if cls == "other" and last_stage else cls
+
+
 def _stage_parts(stage: int, n_stages: int, layers_of: list[list[int]], moe_ids: set[int]) -> list[str]:
     """The parts a stage's action is made of: a part per layer (`moe` or `dense`), `embed` on the first stage,
     `head` and `other_last` (its loss) on the last, `other` (what runs outside the model) elsewhere."""
@@ -118,10 +128,11 @@ def _traced_parts(machine, traces, tp, n_stages, layers_of, moe_ids) -> dict[tup
             stream = Stream(machine, result["rank"], tp).run(action.events, skip_p2p=True)
             by_class: dict[str, Counter] = defaultdict(Counter)
             in_flight: Counter = Counter()
+            last = action.stage == n_stages - 1
             for (place, kind), seconds in stream.place_split.items():
-                by_class[_place_class(place, moe_ids)][kind] += seconds
+                by_class[_part_of(place, moe_ids, last)][kind] += seconds
             for place, seconds in stream.in_flight_by_place().items():
-                in_flight[_place_class(place, moe_ids)] += seconds
+                in_flight[_part_of(place, moe_ids, last)] += seconds
             own = Counter(_stage_parts(action.stage, n_stages, layers_of, moe_ids))
             for cls, count in own.items():
                 for _ in range(count):  # a layer of a kind: the traced layers' mean
@@ -129,13 +140,15 @@ def _traced_parts(machine, traces, tp, n_stages, layers_of, moe_ids) -> dict[tup
     return parts
 
 
-def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
+def stage_costs(cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> dict[tuple[str, int], tuple]:
+    """Every stage's action of each type (F, B, I, W) as (seconds, seconds of async collectives still in flight
+    at its end, split by kind): the sum of its parts' costs from the traced actions."""
     p, m = cfg.parallel, cfg.model
     n_stages = p.pp * p.pp_virtual
     moe_ids = set(moe_layer_ids(m))
     layers_of = stage_layer_ids(stage_sizes(m, n_stages, list(p.pp_layers) if p.pp_layers else None))
     parts = _traced_parts(machine, traces, p.tp, n_stages, layers_of, moe_ids)
-    stage_cost: dict[tuple[str, int], tuple[float, float, Counter]] = {}  # (seconds, in flight, split)
+    costs = {}
     for kind in ("F", "B", "I", "W"):
         for stage in range(n_stages):
             split, in_flight = Counter(), 0.0
@@ -143,14 +156,26 @@ def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
                 part_split, part_in_flight = parts[(kind, part)].mean()
                 split.update(part_split)
                 in_flight += part_in_flight
-            stage_cost[(kind, stage)] = (sum(split.values()), in_flight, split)
+            costs[(kind, stage)] = (sum(split.values()), in_flight, split)
+    return costs
 
-    # What runs before the schedule (pipeline rank 0's) and after it (the slowest traced rank's: the optimizer).
-    before = Stream(machine, traces[0]["rank"], p.tp).run(split_actions(traces[0]["events"])[0])
-    afters = [Stream(machine, r["rank"], p.tp).run(split_actions(r["events"])[2]) for r in traces.values()]
-    for after in afters:
-        after.drain()
-    after = max(afters, key=lambda stream: stream.t)
+
+def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual
+    stage_cost = stage_costs(cfg, machine, traces)
+
+    # What runs before the schedule (pipeline rank 0's) and after it (each traced rank's own: the optimizer;
+    # a rank not traced has the middle one's), the sends between stages left to `transfer`.
+    before = Stream(machine, traces[0]["rank"], p.tp).run(split_actions(traces[0]["events"])[0], skip_p2p=True)
+    before.drain()
+    after = {}
+    for pp_rank, result in traces.items():
+        after[pp_rank] = Stream(machine, result["rank"], p.tp).run(split_actions(result["events"])[2], skip_p2p=True)
+        after[pp_rank].drain()
+
+    def after_of(pp_rank: int) -> Stream:
+        return after.get(pp_rank, after[traced_pp_ranks(p.pp)[1]])
 
     sends = [
         e["call"]["bytes"]
@@ -169,14 +194,14 @@ def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
 
     order = schedule_order(cfg, traces)
     played = play_schedule(order, n_stages, lambda kind, stage: stage_cost[(kind, stage)][:2], transfer)
-    critical = max(played.end, key=played.end.get)
+    critical = max(played.end, key=lambda rank: played.end[rank] + after_of(rank).t)  # the rank that ends last
     split = Counter(before.split)
     for kind, stage, _ in order[critical]:
         split.update(stage_cost[(kind, stage)][2])
     split["pipeline_bubble"] += played.bubble(critical)
     split["data_parallel"] += played.comm_tail[critical]
-    split.update(after.split)
-    return before.t + played.end[critical] + after.t, split
+    split.update(after_of(critical).split)
+    return before.t + played.end[critical] + after_of(critical).t, split
 
 
 def schedule_order(cfg: OptimusConfig, traces: dict[int, dict]) -> dict[int, list[tuple[str, int, int]]]:
@@ -205,18 +230,60 @@ def check_predictable(cfg: OptimusConfig) -> None:
         )
 
 
-def trace_step(cfg: OptimusConfig, world: int, imbalance: float = 1.0, log=print) -> dict[int, dict]:
-    """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with events)."""
-    from optimus.dry_run import dry_run_rank
+PROGRESS = ("stdout", "stderr", "none")  # where trace_step's child reports each dry run it starts
+
+
+def trace_step(
+    cfg: OptimusConfig, world: int, imbalance: float = 1.0, progress: str = "stdout", device: str = "cpu"
+) -> dict[int, dict]:
+    """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with a StepTrace),
+    in a fresh process, which reports each dry run it starts on `progress` (one of PROGRESS). Fresh, because
+    torch keeps caches keyed by DeviceMesh (DTensor's sharding decisions) that outlive a process group: a mesh
+    of an earlier world over the same ranks would name groups that no longer exist."""
+    import multiprocessing
+    import tempfile
 
     check_predictable(cfg)
-    stage_world = world // cfg.parallel.pp
-    traces = {}
-    for pp_rank in traced_pp_ranks(cfg.parallel.pp):
-        rank = pp_rank * stage_world
-        log(f"  dry run of rank {rank} of {world} (pipeline rank {pp_rank}) ...")
-        traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, step_trace=StepTrace())
-    return traces
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "traces.json"
+        child = multiprocessing.get_context("spawn").Process(
+            target=_trace_into, args=(cfg, world, imbalance, str(out), progress, device)
+        )
+        child.start()
+        child.join()
+        result = json.loads(out.read_text()) if out.exists() else {"error": f"exit code {child.exitcode}"}
+    if "config_error" in result:
+        raise ConfigError(result["config_error"])
+    if "error" in result:
+        raise RuntimeError(f"the dry runs for the prediction failed: {result['error']}")
+    return {int(pp_rank): trace for pp_rank, trace in result["traces"].items()}
+
+
+def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, progress: str, device: str = "cpu") -> None:
+    """trace_step's child: the dry runs, their traces (or the error) written to `out` as JSON."""
+    import sys
+    import traceback
+    import warnings
+
+    from optimus.dry_run import dry_run_rank
+
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the sharder's checks
+    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+    stream = {"stdout": sys.stdout, "stderr": sys.stderr}.get(progress)
+    try:
+        stage_world = world // cfg.parallel.pp
+        traces = {}
+        for pp_rank in traced_pp_ranks(cfg.parallel.pp):
+            rank = pp_rank * stage_world
+            if stream is not None:
+                print(f"  dry run of rank {rank} of {world} (pipeline rank {pp_rank}) ...", file=stream, flush=True)
+            traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, device, step_trace=StepTrace())
+        result = {"traces": traces}
+    except ConfigError as err:
+        result = {"config_error": str(err)}
+    except Exception:  # reported by the parent, with the child's traceback
+        result = {"error": traceback.format_exc()}
+    Path(out).write_text(json.dumps(result))
 
 
 def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]) -> Prediction:
@@ -236,55 +303,74 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
 
 
 def predict(cfg: OptimusConfig, world: int, machine: MachineModel | None = None, imbalance: float = 1.0,
-            log=print) -> Prediction:  # fmt: skip
-    """Trace the ranks the replay needs (dry runs) and replay them on the machine model."""
-    traces = trace_step(cfg, world, imbalance, log)
+            progress: str = "stdout", device: str = "cpu") -> Prediction:  # fmt: skip
+    """Trace the ranks the replay needs (dry runs on `device`, as optimus plan --dry-run's --device) and replay
+    them on the machine model."""
+    traces = trace_step(cfg, world, imbalance, progress, device)
     return prediction_of(cfg, world, machine or machine_model(cfg.machine, world), traces)
 
 
-def scaled_batch(cfg: OptimusConfig, factor: float) -> OptimusConfig:
-    """The recipe with its global batch scaled by `factor` (weak scaling: the same batch per rank)."""
+def scaled_batch(cfg: OptimusConfig, world: int, base_world: int) -> OptimusConfig:
+    """The recipe with its global batch grown from `base_world` ranks to `world` (weak scaling: the same batch
+    per rank)."""
+    if cfg.train.global_batch * world % base_world:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} x {world} / {base_world} ranks is not a whole batch for "
+            "weak scaling: pick node counts that are multiples of the first."
+        )
     scaled = copy.deepcopy(cfg)
-    batch = cfg.train.global_batch * factor
-    if batch != int(batch):
-        raise ConfigError(f"train.global_batch={cfg.train.global_batch} x {factor} is not a whole batch for weak "
-                          "scaling: pick node counts that are multiples of the first.")  # fmt: skip
-    scaled.train.global_batch = int(batch)
+    scaled.train.global_batch = cfg.train.global_batch * world // base_world
     return scaled
 
 
-def scaling(cfg: OptimusConfig, worlds: list[int], machine_for, log=print, imbalance: float = 1.0) -> list[dict]:
+def scaling(
+    cfg: OptimusConfig,
+    worlds: list[int],
+    machine_for,
+    imbalance: float = 1.0,
+    progress: str = "stdout",
+    device: str = "cpu",
+) -> list[dict]:
     """Per world size: the strong-scaling prediction (the recipe's global batch) and the weak-scaling one (the
-    batch grown with the world from the first), with efficiencies against the first world size:
-    strong = T(W0) W0 / (T(W) W), weak = T(W0) / T(W). A strong-scaling point whose layout does not divide the
-    batch is left out (`strong` None, and `strong_refused` says why)."""
+    batch grown with the world from the first), with their efficiencies against the first world size
+    (optimus.efficiency). A strong-scaling point whose layout does not divide the batch is left out (`strong`
+    None, and `strong_refused` says why); the first world size, every efficiency's base, must run."""
+    import sys
+
     from optimus.config import validate
 
-    validate(copy.deepcopy(cfg), worlds[0])  # the first world size is every efficiency's base: it must run
+    stream = {"stdout": sys.stdout, "stderr": sys.stderr}.get(progress)
+
+    def say(line: str) -> None:
+        if stream is not None:
+            print(line, file=stream, flush=True)
+
+    validate(copy.deepcopy(cfg), worlds[0])
     rows = []
     for world in worlds:
         row = {"world": world, "strong": None}
         try:
             validate(copy.deepcopy(cfg), world)  # a layout that does not divide the batch is refused here
-            log(f"{world} ranks, strong scaling (global batch {cfg.train.global_batch}):")
-            row["strong"] = predict(cfg, world, machine_for(world), imbalance, log=log)
         except ConfigError as refused:
             row["strong_refused"] = str(refused)
-            log(f"{world} ranks: no strong-scaling point: {refused}")
-        weak_cfg = scaled_batch(cfg, world / worlds[0])
+            say(f"{world} ranks: no strong-scaling point: {refused}")
+        else:
+            say(f"{world} ranks, strong scaling (global batch {cfg.train.global_batch}):")
+            row["strong"] = predict(cfg, world, machine_for(world), imbalance, progress, device)
         if world == worlds[0]:
             row["weak"] = row["strong"]
         else:
-            log(f"{world} ranks, weak scaling (global batch {weak_cfg.train.global_batch}):")
-            row["weak"] = predict(weak_cfg, world, machine_for(world), imbalance, log=log)
+            weak_cfg = scaled_batch(cfg, world, worlds[0])
+            say(f"{world} ranks, weak scaling (global batch {weak_cfg.train.global_batch}):")
+            row["weak"] = predict(weak_cfg, world, machine_for(world), imbalance, progress, device)
         rows.append(row)
     base = rows[0]["strong"]
     for row in rows:
-        strong = row["strong"]
+        strong, weak = row["strong"], row["weak"]
         row["strong_efficiency"] = (
-            base.step_time_s * base.world / (strong.step_time_s * row["world"]) if strong else None
+            strong_efficiency(base.step_time_s, base.world, strong.step_time_s, strong.world) if strong else None
         )
-        row["weak_efficiency"] = base.step_time_s / row["weak"].step_time_s
+        row["weak_efficiency"] = weak_efficiency(base.tokens_per_s / base.world, weak.tokens_per_s / weak.world)
     return rows
 
 
@@ -333,21 +419,24 @@ def main(argv: list[str]) -> int:
     """`optimus plan --predict [--nodes A,B,C | --world W] [--imbalance X] [--json] overrides` (the options of
     optimus.plan.parser)."""
     import json
-    import sys
     import warnings
 
+    from optimus.dry_run import dry_run_platform
     from optimus.plan import parser, world_size
     from optimus.recipes import load_config
 
     opts = parser().parse_intermixed_args(argv)
     cfg = load_config(opts.overrides)
-    if opts.dry_run or opts.rank or opts.out or opts.check_groups:
-        raise ConfigError("--predict runs its own dry runs: leave out --dry-run, --rank, --out and --check-groups.")
+    if opts.dry_run or opts.rank or opts.out or opts.check_groups or opts.overwrite:
+        raise ConfigError(
+            "--predict runs its own dry runs: leave out --dry-run, --rank, --out, --overwrite and --check-groups."
+        )
+    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU, before any work
 
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the sharder's checks
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
     worlds = [world_size(cfg, [n], None) for n in opts.nodes] if opts.nodes else [world_size(cfg, None, opts.world)]
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if opts.json else print
+    progress = "stderr" if opts.json else "stdout"
     models: dict[int, MachineModel] = {}
 
     def machine_for(world: int) -> MachineModel:
@@ -356,10 +445,10 @@ def main(argv: list[str]) -> int:
         return models[world]
 
     if len(worlds) == 1:
-        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), opts.imbalance, log=log)
+        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), opts.imbalance, progress, opts.device)
         print(json.dumps(prediction.as_dict(), indent=2) if opts.json else "\n".join(format_prediction(prediction)))
         return 0
-    rows = scaling(cfg, worlds, machine_for, log=log, imbalance=opts.imbalance)
+    rows = scaling(cfg, worlds, machine_for, opts.imbalance, progress, opts.device)
     if opts.json:
         print(json.dumps(scaling_json(rows), indent=2))
     else:

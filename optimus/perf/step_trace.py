@@ -41,6 +41,7 @@ from optimus.parallel.collective_trace import (
     CollectiveTrace,
     _named_arguments,
     _record,
+    _tensors,
 )
 
 # Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
@@ -48,22 +49,12 @@ _NO_KERNEL = {
     "detach", "alias", "lift_fresh", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
     "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
 }  # fmt: skip
-_ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention")
+_ATTENTION = re.compile(r"^_scaled_dot_product_\w*attention")  # q, k, v as [B, H, S, D]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.
 _ASYNC_CALLERS = {"isend", "irecv", "batch_isend_irecv"}
 # Optimus's functions that issue one collective as another on a CPU (gloo), and what a GPU's library runs.
 _STANDS_FOR = {"reduce_scatter_sum": "reduce_scatter"}
-
-
-def _tensors(values) -> list[torch.Tensor]:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(_tensors(value))
-    return out
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -82,12 +73,10 @@ def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bo
     return flops // 2 if causal else flops
 
 
-def _attention_args(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    backward = name.endswith("_backward")
-    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
-    causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args)
-    return q, k, causal
+def _attention_args(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(query, key, causal) of an attention kernel or its backward, by the schema's argument names."""
+    named = _named_arguments(func, args, kwargs)
+    return named["query"], named["key"], bool(named.get("is_causal", False))
 
 
 def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
@@ -99,7 +88,7 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
     moved = _nbytes(inputs) + _nbytes(_tensors([out]))
     fp32 = any(t.dtype == torch.float32 for t in inputs)
     if _ATTENTION.search(name):
-        q, k, causal = _attention_args(name, args, kwargs)
+        q, k, causal = _attention_args(func, args, kwargs)
         return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
     packet = func._overloadpacket
     if packet in flop_registry:
@@ -146,6 +135,15 @@ def _written(func, args: tuple, kwargs: dict, out) -> list[torch.Tensor]:
     return _tensors([named[key] for key in _OUTPUT_NAMES if key in named])
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor spans: [offset, offset + extent) (strides taken as they are)."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
+
+
 def place_of(module: str) -> str:
     """The model part a module belongs to: `layers.N`, `embed`, `head` (final norm, LM head), or its name."""
     layer = _LAYER.search(module)
@@ -164,7 +162,8 @@ class StepTrace(CollectiveTrace):
     def __init__(self):
         super().__init__()
         self.events: list[dict] = []
-        self._pending: dict[StorageWeakRef, int] = {}  # storage an async collective writes -> its id
+        # What each async collective in flight writes: (storage, first byte, end byte) -> its id.
+        self._pending: dict[tuple[StorageWeakRef, int, int], int] = {}
         self._ops: Counter | None = None
         self._ops_key: tuple | None = None
 
@@ -187,10 +186,12 @@ class StepTrace(CollectiveTrace):
         return where, bw
 
     def _wait_for_inputs(self, tensors: list[torch.Tensor]) -> None:
+        """A wait for each async collective in flight that wrote bytes one of `tensors` reads (the slices of
+        one flat buffer that different collectives fill do not wait for each other)."""
         for t in tensors:
-            ref = StorageWeakRef(t.untyped_storage())
-            if ref in self._pending:
-                self._emit({"e": "wait", "id": self._pending.pop(ref)})
+            storage, (start, end) = StorageWeakRef(t.untyped_storage()), _byte_range(t)
+            for key in [k for k in self._pending if k[0] == storage and k[1] < end and start < k[2]]:
+                self._emit({"e": "wait", "id": self._pending.pop(key)})
 
     def _collective(self, func, args: tuple, kwargs: dict):
         name = func._overloadpacket.__name__
@@ -208,7 +209,7 @@ class StepTrace(CollectiveTrace):
         out = func(*args, **kwargs)
         if is_async:
             for t in _written(func, args, kwargs, out):
-                self._pending[StorageWeakRef(t.untyped_storage())] = cid
+                self._pending[(StorageWeakRef(t.untyped_storage()), *_byte_range(t))] = cid
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -225,7 +226,8 @@ class StepTrace(CollectiveTrace):
             if name not in _NOT_COLLECTIVES:
                 return self._collective(func, args, kwargs)
             return func(*args, **kwargs)
-        if self._pending:
+        kernel = not (func.is_view or name in _NO_KERNEL or func.namespace == "prim")  # a view reads nothing yet
+        if self._pending and kernel:
             self._wait_for_inputs(_tensors(list(args) + list(kwargs.values())))
         out = func(*args, **kwargs)
         kind, flops, moved, fp32 = op_cost(func, args, kwargs, out)
@@ -243,28 +245,31 @@ class StepTrace(CollectiveTrace):
 
     @contextmanager
     def mark_actions(self, stages):
-        """Mark each forward and backward torch's pipeline stages run (`stages`: PipelineStage objects)."""
-
-        def wrap(stage, method: str, kind):
-            original = getattr(stage, method)
-
-            def marked(chunk_id, *args, **kwargs):
-                full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-                self._emit({"e": "action", "type": kind(full), "stage": stage.stage_index, "mb": chunk_id})
-                try:
-                    return original(chunk_id, *args, **kwargs)
-                finally:
-                    self._emit({"e": "end"})
-
-            setattr(stage, method, marked)
-
-        for stage in stages:
-            wrap(stage, "forward_one_chunk", lambda full: "F")
-            wrap(stage, "backward_one_chunk", lambda full: "B" if full else "I")
-            wrap(stage, "backward_weight_one_chunk", lambda full: "W")
+        """Mark each forward and backward torch's pipeline stages run (`stages`: PipelineStage objects), by
+        wrapping their methods on the instances for the duration."""
+        kinds = {
+            "forward_one_chunk": lambda full: "F",
+            "backward_one_chunk": lambda full: "B" if full else "I",
+            "backward_weight_one_chunk": lambda full: "W",
+        }
+        wrapped = []
         try:
+            for stage in stages:
+                for method, kind in kinds.items():
+                    setattr(stage, method, self._marked(stage, getattr(stage, method), kind))
+                    wrapped.append((stage, method))
             yield
         finally:
-            for stage in stages:
-                for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                    del stage.__dict__[method]
+            for stage, method in wrapped:
+                del stage.__dict__[method]  # the class's method shows through again
+
+    def _marked(self, stage, original, kind):
+        def marked(chunk_id, *args, **kwargs):
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            self._emit({"e": "action", "type": kind(full), "stage": stage.stage_index, "mb": chunk_id})
+            try:
+                return original(chunk_id, *args, **kwargs)
+            finally:
+                self._emit({"e": "end"})
+
+        return marked

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from optimus.config import OptimusConfig
+from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.report.runs import Run
 
 
@@ -20,19 +21,21 @@ def run_config(run: Run) -> OptimusConfig:
 
 def add_predictions(rows: list[dict], runs: dict[str, Run], mode: str, log=print) -> None:
     """Add `predicted_step_s`, `predicted_error` (measured / predicted - 1 of the mean step time) and
-    `predicted_efficiency` (the model's own scaling efficiency, by the report's formula) to each row."""
+    `predicted_efficiency` (the predictions' own scaling efficiency, as the report computes the measured one)
+    to each row."""
     from optimus.perf.predict import predict
 
     for row in rows:
         run = runs[row["path"]]
         log(f"predicting {run.name} ({run.world} ranks) ...")
-        row["predicted_step_s"] = predict(run_config(run), run.world, log=lambda line: None).step_time_s
+        row["predicted_step_s"] = predict(run_config(run), run.world, progress="none").step_time_s
         row["predicted_error"] = row["step_time_mean_s"] / row["predicted_step_s"] - 1
     base = rows[0]
     for row in rows:
-        ratio = base["predicted_step_s"] / row["predicted_step_s"]
         if mode == "weak":
-            per_device = (row["tokens_per_step"] / row["devices"]) / (base["tokens_per_step"] / base["devices"])
-            row["predicted_efficiency"] = ratio * per_device
+            per_device = [r["tokens_per_step"] / r["predicted_step_s"] / r["devices"] for r in (base, row)]
+            row["predicted_efficiency"] = weak_efficiency(*per_device)
         else:
-            row["predicted_efficiency"] = ratio * base["devices"] / row["devices"]
+            row["predicted_efficiency"] = strong_efficiency(
+                base["predicted_step_s"], base["devices"], row["predicted_step_s"], row["devices"]
+            )

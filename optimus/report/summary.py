@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.report.runs import Run, measured_records, shared_cores, step_time
 from optimus.train.timers import PHASES, phase_key
 
@@ -105,11 +106,11 @@ def add_efficiency(summaries: list[dict], mode: str) -> list[dict]:
         if row["shared_cores"] or base["shared_cores"]:
             row["efficiency"] = row["speedup"] = None
         elif mode == "weak":
-            row["efficiency"] = row["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
+            row["efficiency"] = weak_efficiency(base["tokens_per_s_per_device"], row["tokens_per_s_per_device"])
             row["speedup"] = None
         else:
             row["speedup"] = base["step_time_mean_s"] / row["step_time_mean_s"]
-            row["efficiency"] = (base["step_time_mean_s"] * base["devices"]) / (
-                row["step_time_mean_s"] * row["devices"]
+            row["efficiency"] = strong_efficiency(
+                base["step_time_mean_s"], base["devices"], row["step_time_mean_s"], row["devices"]
             )
     return rows

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from optimus.cli import main
-from optimus.perf.machine import Link, MachineModel
+from optimus.perf.machine import MachineModel
 from optimus.perf.predict import prediction_of, trace_step
 from optimus.recipes import load_config
 from tests.conftest import TINY_MODEL
@@ -36,7 +36,7 @@ def test_pipeline_prediction_on_this_machine(capsys):
 
 
 def test_scaling_across_node_counts(capsys):
-    # frontier's machine model at 1 and 2 nodes (8 and 16 ranks of ep 8): strong scaling keeps the batch,
+    # frontier's machine model at 1 and 2 nodes (8 and 16 ranks, ep 4): strong scaling keeps the batch,
     # weak scaling doubles it; the efficiencies follow from the step times as their definitions say.
     args = ["--nodes", "1,2", "machine=frontier", *SMALL, "train.global_batch=32", "parallel.ep=4"]
     out = predict_json(capsys, *args)
@@ -69,22 +69,19 @@ def test_refusals(capsys, args, words):
     assert err.count("\n") == 1 and words in err
 
 
-def _machine(numbers: dict) -> MachineModel:
-    links = {key: Link(**numbers[key]) for key in ("package", "node", "network")}
-    table = tuple(tuple(row) for row in numbers["bandwidth_by_size"])
-    return MachineModel(**{**numbers, **links, "bandwidth_by_size": table})
-
-
 def test_predictions_order_the_measured_layouts():
     # Replayed on the machine numbers measured with them, the predictions order every two layouts whose
     # measured step times differ by more than a quarter as the measurements do.
     results = json.loads((REPO / "benchmarks" / "results" / "predict_local.json").read_text())
-    rows = [r for r in results["rows"] if r["nproc"] == 1 or "parallel.ep=2" in r["overrides"]]
+    chosen = ("1 process", "1 process, 2 micro-batches", "2 processes, ep 2")  # one, two micro-batches, EP
+    rows = [r for r in results["rows"] if r["layout"] in chosen]
     predicted = {}
     for row in rows:
         cfg = load_config([f"parallel.nproc={row['nproc']}", *row["overrides"]])
-        traces = trace_step(cfg, row["nproc"], log=lambda line: None)
-        predicted[row["layout"]] = prediction_of(cfg, row["nproc"], _machine(row["machine_numbers"]), traces)
+        traces = trace_step(cfg, row["nproc"], progress="none")
+        predicted[row["layout"]] = prediction_of(
+            cfg, row["nproc"], MachineModel.from_dict(row["machine_numbers"]), traces
+        )
     pairs = 0
     for a in rows:
         for b in rows:
@@ -112,9 +109,32 @@ def test_report_puts_the_prediction_beside_each_run(tmp_path):
         (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(cfg))))
         runs.append((run, cfg, world, step))
     rows = build_report([r[0] for r in runs], tmp_path / "report", warmup_steps=1, predict=True)
-    expected = [predict(cfg, world, log=lambda line: None).step_time_s for _, cfg, world, _ in runs]
+    expected = [predict(cfg, world, progress="none").step_time_s for _, cfg, world, _ in runs]
     assert [r["predicted_step_s"] for r in rows] == pytest.approx(expected)
     assert rows[1]["predicted_error"] == pytest.approx(0.3 / expected[1] - 1)
     assert rows[1]["predicted_efficiency"] == pytest.approx(expected[0] * 8 / (expected[1] * 16))
     report = (tmp_path / "report" / "report.md").read_text()
     assert "predicted step ms" in report
+
+
+def test_stage_costs_are_the_traced_actions_own():
+    # Two stages of one MoE layer each (the first with the embedding, the last with the head and loss): every
+    # stage's forward and backward, composed from its parts, costs what its traced actions cost replayed alone
+    # (to rounding: a part of a kind costs the mean of the traced layers of that kind, which differ by an op).
+    from collections import defaultdict
+
+    from optimus.perf.predict import stage_costs
+    from optimus.perf.replay import Stream, split_actions
+    from tests.perf.test_replay import machine
+
+    cfg = load_config([*SMALL, "parallel.nproc=2", "parallel.pp=2"])
+    traces = trace_step(cfg, 2, progress="none")
+    costs = stage_costs(cfg, machine(), traces)
+    traced = defaultdict(list)
+    for result in traces.values():
+        for action in split_actions(result["events"])[1]:
+            traced[(action.type, action.stage)].append(Stream(machine(), result["rank"]).run(action.events, True).t)
+    assert set(traced) == {("F", 0), ("B", 0), ("F", 1), ("B", 1)}
+    for key, times in traced.items():
+        assert costs[key][0] == pytest.approx(sum(times) / len(times), rel=1e-3), key
+    assert costs[("F", 1)][0] > costs[("F", 0)][0]  # the head's matmul and loss

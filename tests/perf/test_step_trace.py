@@ -53,3 +53,29 @@ def test_known_operators_and_collectives():
     )
     assert attention[0][1] == 2 * 2 * 2 * 8 * 8 * 4 // 2  # two products of 8 x 8 x 4 per head, half of them causal
     assert any(op[0] == "view" for op in ops)
+
+
+def _gathers_into_one_buffer():
+    """Rank r of 2: two async all-gathers into the two halves of one flat buffer, as the sharder issues them."""
+    flat = torch.zeros(8)  # [2 gathers x 2 ranks x 2]
+    trace = StepTrace()
+    with trace:
+        first = dist.all_gather_into_tensor(flat[0:4], torch.ones(2), async_op=True)
+        second_half = flat[4:8]  # a view: no read yet
+        second = dist.all_gather_into_tensor(second_half, torch.ones(2), async_op=True)
+        flat[0:4].sum()  # reads the first gather's bytes only
+        flat[4:8].sum()
+        first.wait()
+        second.wait()
+    return trace.finish()
+
+
+def test_a_read_waits_for_the_collective_that_wrote_its_bytes_only():
+    events, _ = run_distributed(_gathers_into_one_buffer, 2)
+    order = [(e["e"], e.get("id")) for e in events if e["e"] in ("comm", "wait")]
+    first, second = (e["id"] for e in events if e["e"] == "comm")
+    # Both gathers are in flight before any wait: issuing the second into the other half waited for nothing.
+    assert order == [("comm", first), ("comm", second), ("wait", first), ("wait", second)]
+    reads = [i for i, e in enumerate(events) if e["e"] == "ops" and any(op[0] == "mem" for op in e["ops"])]
+    w1, w2 = (i for i, e in enumerate(events) if e["e"] == "wait")
+    assert any(w1 < i < w2 for i in reads) and any(i > w2 for i in reads)  # each just before the sum of its half
