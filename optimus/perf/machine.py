@@ -233,15 +233,19 @@ def measure_gloo(world: int = 2) -> Link:
 
     sizes = [256, 2**22]  # 1 KiB, 16 MiB
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, sizes, results)) for r in range(world)]
         for proc in procs:
             proc.start()
-        small, large = results.get()
-        for proc in procs:
-            proc.join()
+        try:
+            small, large = _result(results, procs)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
     # As optimus.perf.costs prices an all-reduce: 2 ceil(log2 n) latencies and 2 (n - 1) / n of the buffer.
     latency = small / (2 * math.ceil(math.log2(world)))
     volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
@@ -253,12 +257,32 @@ def _in_a_process(target, *args):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, results))
     proc.start()
-    value = results.get()
-    proc.join()
-    return value
+    try:
+        return _result(results, [proc])
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _result(results, procs, timeout_s: float = 300.0):
+    """What a measuring process put in `results`; an error naming the measurement if every process ended (or
+    `timeout_s` passed) without one."""
+    import queue
+
+    waited, ended = 0.0, False
+    while True:
+        try:
+            return results.get(timeout=5.0)
+        except queue.Empty:
+            waited += 5.0
+            if ended or waited >= timeout_s:  # a result put just before its process ended had one more wait
+                codes = [proc.exitcode for proc in procs]
+                raise RuntimeError(f"measuring this machine for machine=local failed (exit codes {codes})") from None
+            ended = not any(proc.is_alive() for proc in procs)
 
 
 _local_cache: dict[int, MachineModel] = {}
