@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from optimus.perf.costs import collective_time, ops_time
 from optimus.perf.machine import MachineModel
-from optimus.perf.step_trace import place_of
+from optimus.perf.step_trace import phase_module, place_of_phase
 
 P2P = ("send", "recv")
 OPTIMIZER = "optimizer"
@@ -34,8 +34,8 @@ def comm_kind(call: dict, tp: int) -> str:
     gradient reductions, parameter gathers, the step's loss and norm reductions)."""
     if call["op"] in P2P:
         return "pipeline"
-    direction, _, module = call["phase"].partition(" ")
-    in_model = direction in ("forward", "backward") and module
+    direction, module = phase_module(call["phase"])
+    in_model = direction is not None and module
     ranks = call["ranks"]
     if in_model and call["op"] == "all_to_all" and module.endswith("ffn"):
         return "expert_exchange"
@@ -43,13 +43,6 @@ def comm_kind(call: dict, tp: int) -> str:
     if in_model and len(ranks) == tp > 1 and consecutive:
         return "tensor_parallel"
     return "data_parallel"
-
-
-def comm_place(call: dict) -> str:
-    direction, _, module = call["phase"].partition(" ")
-    if direction in ("forward", "backward"):
-        return place_of(module) if module else "other"
-    return call["phase"]
 
 
 @dataclass
@@ -85,7 +78,7 @@ class Stream:
                 if skip_p2p and call["op"] in P2P:
                     continue
                 cost = collective_time(self.machine, call, self.rank)
-                kind, place = comm_kind(call, self.tp), comm_place(call)
+                kind, place = comm_kind(call, self.tp), place_of_phase(call["phase"])
                 end = max(self.t, self.comm_free) + cost
                 self.comm_free = end
                 if e["async"]:

@@ -144,6 +144,22 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
+def phase_module(phase: str) -> tuple[str | None, str]:
+    """A trace's phase as (direction, module): ("forward", "layers.1.ffn"), ("backward", "") for the autograd
+    engine outside any module, or (None, label) for a label the trainer opened ("step", "optimizer")."""
+    direction, _, module = phase.partition(" ")
+    return (direction, module) if direction in ("forward", "backward") else (None, phase)
+
+
+def place_of_phase(phase: str) -> str:
+    """The model part a trace's phase ran in: place_of its module, `other` outside any module in a forward or
+    backward, or the trainer's label."""
+    direction, module = phase_module(phase)
+    if direction is None:
+        return module
+    return place_of(module) if module else "other"
+
+
 def place_of(module: str) -> str:
     """The model part a module belongs to: `layers.N`, `embed`, `head` (final norm, LM head), or its name."""
     layer = _LAYER.search(module)
@@ -179,11 +195,8 @@ class StepTrace(CollectiveTrace):
 
     def _place(self) -> tuple[str, bool]:
         where = self._where()  # "forward layers.1.ffn", "backward ...", "backward", or a phase label
-        direction, _, module = where.partition(" ")
-        bw = current_graph_task_id() != -1 or direction == "backward"
-        if direction in ("forward", "backward"):
-            return (place_of(module) if module else "other"), bw
-        return where, bw
+        bw = current_graph_task_id() != -1 or phase_module(where)[0] == "backward"
+        return place_of_phase(where), bw
 
     def _wait_for_inputs(self, tensors: list[torch.Tensor]) -> None:
         """A wait for each async collective in flight that wrote bytes one of `tensors` reads (the slices of
