@@ -53,32 +53,52 @@ LOCAL_LAYOUTS = [
 STEPS, SKIP = 10, 3
 
 
-def measured_step(nproc: int, overrides: list[str]) -> float:
+def measured_step(nproc: int, overrides: list[str]) -> tuple[float, float]:
+    """(median step seconds, mean expert_load_imbalance) of the timed steps of a real `optimus train`."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "optimus", "train", f"parallel.nproc={nproc}", f"train.steps={STEPS}",
                "train.log_interval=1", "train.eval_interval=1000", f"run.dir={tmp}/run", *overrides]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         records = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-    times = [r["step_time_s"] for r in records if "step_time_s" in r]
-    return statistics.median(times[SKIP:])
+    steps = [r for r in records if "step_time_s" in r][SKIP:]
+    return statistics.median(r["step_time_s"] for r in steps), statistics.mean(
+        r["expert_load_imbalance"] for r in steps
+    )
 
 
-def predicted_step(nproc: int, overrides: list[str]) -> dict:
+def predicted_step(nproc: int, overrides: list[str], imbalance: float = 1.0) -> dict:
     cmd = [sys.executable, "-m", "optimus", "plan", "--predict", "--json", "--world", str(nproc),
-           f"parallel.nproc={nproc}", *overrides]  # fmt: skip
+           "--imbalance", f"{imbalance:.3f}", f"parallel.nproc={nproc}", *overrides]  # fmt: skip
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def roofline_step(nproc: int, overrides: list[str], imbalance: float, machine_numbers: dict) -> float:
+    """The prediction on the same measured machine with every operator priced by the roofline instead of
+    timed (what machine=local predicted before it timed the traced operators)."""
+    from optimus.perf.predict import prediction_of, trace_step
+    from optimus.recipes import load_config
+
+    cfg = load_config([f"parallel.nproc={nproc}", *overrides])
+    machine = MachineModel.from_dict({**machine_numbers, "op_threads": 0})
+    return prediction_of(cfg, nproc, machine, trace_step(cfg, nproc, imbalance, progress="none")).step_time_s
 
 
 def run_local(out: Path) -> None:
     rows = []
     for label, nproc, overrides in LOCAL_LAYOUTS:
-        measured = measured_step(nproc, overrides)
-        predicted = predicted_step(nproc, overrides)
+        measured, imbalance = measured_step(nproc, overrides)
+        predicted = predicted_step(nproc, overrides, imbalance)
+        uniform = predicted_step(nproc, overrides)["step_time_s"]
+        roofline = roofline_step(nproc, overrides, imbalance, predicted["machine_numbers"])
         rows.append({"layout": label, "nproc": nproc, "overrides": overrides, "measured_s": measured,
-                     "predicted_s": predicted["step_time_s"], "time_split": predicted["time_split"],
-                     "error": predicted["step_time_s"] / measured - 1,
+                     "imbalance": imbalance, "predicted_s": predicted["step_time_s"],
+                     "time_split": predicted["time_split"], "error": predicted["step_time_s"] / measured - 1,
+                     "uniform_s": uniform, "uniform_error": uniform / measured - 1,
+                     "roofline_s": roofline, "roofline_error": roofline / measured - 1,
                      "machine_numbers": predicted["machine_numbers"]})  # fmt: skip
-        print(f"{label}: measured {measured:.3f} s, predicted {predicted['step_time_s']:.3f} s", flush=True)
+        print(f"{label}: measured {measured:.3f} s (imbalance {imbalance:.2f}), predicted "
+              f"{predicted['step_time_s']:.3f} s (uniform routing {uniform:.3f} s, roofline only {roofline:.3f} s)",
+              flush=True)  # fmt: skip
     info = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": __import__("torch").__version__}
     (out / "predict_local.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = [
@@ -86,17 +106,23 @@ def run_local(out: Path) -> None:
         "",
         f"`python benchmarks/predict.py local`. Machine: {info['cpus']} CPUs ({info['cpu_flags']}), torch "
         f"{info['torch']}. Measured: `optimus train` (default tiny model and data, {STEPS} steps, the median step "
-        f"time after the first {SKIP}). Predicted: `optimus plan --predict --json --world N` with the same "
-        "overrides, from the `local` machine model it measures (matrix and attention rates, elementwise bandwidth "
-        "by size, host time per operator, gloo); the runs one after another, nothing else running.",
+        f"time after the first {SKIP}, and the mean of its `expert_load_imbalance` over those steps). Predicted: "
+        "`optimus plan --predict --json --world N --imbalance X` with the same overrides and X the run's "
+        "imbalance, from the `local` machine model it measures (every operator of the traced step timed here; "
+        "gloo's latency and bandwidth). Uniform routing: the same without `--imbalance` (every expert as busy "
+        "as the mean). Roofline only: the traces at X on the same machine numbers, each operator priced by the "
+        "roofline of the measured matrix, attention and elementwise rates plus the host's time per operator "
+        "instead of timed. The runs one after another, nothing else running.",
         "",
-        "| layout | measured s | predicted s | error | predicted split (s) |",
-        "|---|---|---|---|---|",
+        "| layout | measured s | imbalance | predicted s | error | uniform routing s | error | roofline only s "
+        "| error | predicted split (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["time_split"].items(), key=lambda kv: -kv[1]) if v)
-        lines.append(f"| {r['layout']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
-                     f"{100 * r['error']:+.1f}% | {split} |")  # fmt: skip
+        lines.append(f"| {r['layout']} | {r['measured_s']:.3f} | {r['imbalance']:.2f} | {r['predicted_s']:.3f} | "
+                     f"{100 * r['error']:+.1f}% | {r['uniform_s']:.3f} | {100 * r['uniform_error']:+.1f}% | "
+                     f"{r['roofline_s']:.3f} | {100 * r['roofline_error']:+.1f}% | {split} |")  # fmt: skip
     (out / "predict_local.md").write_text("\n".join(lines) + "\n")
 
 
@@ -108,12 +134,13 @@ def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = ()
     """(cfg, world, traces) of an experiment recipe (with `extra` overrides) at `nodes`, its global batch grown
     from `weak_from` nodes when given (weak scaling); traced, or from the cache."""
     from optimus.perf.predict import scaled_batch, trace_step
+    from optimus.perf.step_trace import FORMAT
     from optimus.recipes import load_config
 
     cfg = load_config([f"experiment={recipe}", *extra])
     cfg = scaled_batch(cfg, nodes, weak_from) if weak_from else cfg
     world = nodes * cfg.machine.ranks_per_node
-    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}.json.gz"
+    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}.v{FORMAT}.json.gz"
     if path.exists():
         traces = {int(k): v for k, v in json.loads(gzip.decompress(path.read_bytes())).items()}
     else:

@@ -129,7 +129,7 @@ def dry_run_rank(
         t = cfg.train
         trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
         gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
-        with fake, using(load):
+        with fake, using(load, trainer.ps.ep_rank):
             memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
             trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
             trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)

@@ -7,8 +7,9 @@ and only there, those reads are answered by an `ExpertLoad`: expert e receives a
 assignments, the same on every rank. Uniform by default; with `imbalance` X the first expert (on EP rank 0,
 which makes that rank the busiest) gets X times the mean share and the others split the rest equally.
 
-The step's code calls `exchange_rows` below, and the kernels their own reads (optimus.kernels.host_reads);
-nothing else in it knows whether it runs for real. `using(load)` makes `load` answer them for the duration
+The step's code calls `exchange_rows` below, and the kernels their own reads (optimus.kernels.host_reads: the
+rows of each of a rank's experts, in proportion to their shares); nothing else in it knows whether it runs
+for real. `using(load)` makes `load` answer them for the duration
 of a dry run.
 """
 
@@ -49,12 +50,15 @@ class ExpertLoad:
     def split(self, n: int) -> list[int]:
         """`n` assignments over the experts in proportion to their shares, rounded so that they sum to `n`
         (largest remainders first, ties to the lower expert id)."""
-        exact = [n * share for share in self.shares()]
-        counts = [math.floor(x) for x in exact]
-        by_remainder = sorted(range(self.n_experts), key=lambda e: (counts[e] - exact[e], e))
-        for e in by_remainder[: n - sum(counts)]:
-            counts[e] += 1
-        return counts
+        return _apportion(n, self.shares())
+
+    def local_split(self, n: int, n_local: int, ep_rank: int) -> list[int]:
+        """The `n` rows an EP rank's `n_local` experts received, over those experts in proportion to their
+        shares (every source sends them in the same proportion): how a per-expert loop finds them."""
+        local = self.shares()[ep_rank * n_local : (ep_rank + 1) * n_local]
+        if self.n_experts % n_local or len(set(local)) == 1:  # equally busy (or not this load's experts)
+            return host_reads.even_split(n, n_local)
+        return _apportion(n, [share / sum(local) for share in local])
 
     def exchange_rows(self, assignments_C: list[int], ep_size: int, ep_rank: int) -> tuple[list, list]:
         """Per chunk, rows this rank sends to each EP rank and receives from each. Every rank of the group
@@ -69,6 +73,17 @@ class ExpertLoad:
         return send_CP, recv_CP
 
 
+def _apportion(n: int, shares: list[float]) -> list[int]:
+    """`n` in proportion to `shares` (summing to 1), rounded so that the parts sum to `n`: largest remainders
+    first, ties to the lower index."""
+    exact = [n * share for share in shares]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def _blocks(values: list[int], size: int) -> list[list[int]]:
     return [values[i : i + size] for i in range(0, len(values), size)]
 
@@ -77,12 +92,17 @@ _active: ExpertLoad | None = None
 
 
 @contextmanager
-def using(load: ExpertLoad) -> Iterator[ExpertLoad]:
-    """Answer the step's value reads from `load` (a dry run on fake tensors) until the block ends."""
+def using(load: ExpertLoad, ep_rank: int = 0) -> Iterator[ExpertLoad]:
+    """Answer the step's value reads from `load` (a dry run on fake tensors, of a rank at `ep_rank` in its EP
+    group) until the block ends."""
     global _active
     previous, _active = _active, load
+
+    def split(n_rows: int, n_local: int) -> list[int]:
+        return load.local_split(n_rows, n_local, ep_rank)
+
     try:
-        with host_reads.shape_only(note_read):
+        with host_reads.shape_only(note_read, split):
             yield load
     finally:
         _active = previous

@@ -181,6 +181,23 @@ def test_the_busiest_expert_under_imbalance_loads_ep_rank_0():
 
 
 @pytest.mark.parametrize(
+    "ep_rank, n_local, bounds",
+    [
+        (0, 4, [0, 90, 100, 110, 120]),  # no EP: expert 0 takes 3/4 of the rows, the others 1/12 each
+        (0, 2, [0, 108, 120]),  # EP rank 0 of 2 received 3/4 + 1/12 of them: expert 0 holds 9/10 of its rows
+        (1, 2, [0, 60, 120]),  # EP rank 1's experts are equally busy
+    ],
+)
+def test_a_dry_runs_expert_rows_follow_the_load(ep_rank, n_local, bounds):
+    # The per-expert loops' row bounds (the CPU's expert schedules choose by them) under --imbalance 3.
+    from optimus.kernels.host_reads import group_bounds
+    from optimus.load_model import using
+
+    with using(ExpertLoad(4, 3.0), ep_rank):
+        assert group_bounds(torch.zeros(n_local, dtype=torch.int32), 120) == bounds
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--imbalance", "9"], "--imbalance 9.0 is outside [1, 4]"),

@@ -23,7 +23,7 @@ import torch
 
 from optimus.kernels import cpu_schedules as cpu
 from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
-from optimus.kernels.host_reads import group_bounds
+from optimus.kernels.host_reads import assumed_bounds, group_bounds
 from optimus.kernels.swiglu import swiglu, swiglu_backward
 from optimus.kernels.torch_private import FakeTensor
 from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
@@ -90,11 +90,35 @@ class RowBounds:
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """torch's grouped GEMM (`torch_private.grouped_mm`): [A, K] x [E, K, N] -> [A, N], or [K, A] x [A, N] ->
     [E, K, N]. Fake tensors (a dry run) run its meta kernel, which refuses all but bf16 (the CUDA kernel's rule)
-    where the CPU kernel takes fp32 and fp16 too: for those it gives the empty output of the shape the CPU kernel
-    would, as a fake kernel does."""
+    where the CPU kernel takes fp32 and fp16 too: for those the dry run issues the products the CPU kernel runs,
+    one group at a time, at the load model's rows (and, as the kernel, reads nothing back)."""
     if isinstance(a, FakeTensor) and a.dtype != torch.bfloat16:
-        return a.new_empty((a.shape[0], b.shape[2]) if b.dim() == 3 else (offsets_E.shape[0], a.shape[0], b.shape[1]))
+        n_experts = offsets_E.shape[0]
+        if b.dim() == 3:
+            return _mm_loop(a, b, assumed_bounds(a.shape[0], n_experts))
+        return _wgrad_loop(a.t(), b, assumed_bounds(a.shape[1], n_experts), n_experts)
     return torch_grouped_mm(a, b, offs=offsets_E)
+
+
+def _mm_loop(x_AK: torch.Tensor, w_EKN: torch.Tensor, ints: list[int]) -> torch.Tensor:
+    y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
+    for e in range(w_EKN.shape[0]):
+        lo, hi = ints[e], ints[e + 1]
+        if hi > lo:
+            torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
+    return y_AN
+
+
+def _wgrad_loop(x_AK: torch.Tensor, g_AN: torch.Tensor, ints: list[int], n_experts: int) -> torch.Tensor:
+    x_KA = x_AK.t()
+    dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])
+    for e in range(n_experts):
+        lo, hi = ints[e], ints[e + 1]
+        if hi > lo:
+            torch.mm(x_KA[:, lo:hi], g_AN[lo:hi], out=dw_EKN[e])
+        else:
+            dw_EKN[e].zero_()
+    return dw_EKN
 
 
 def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: RowBounds) -> torch.Tensor:
@@ -103,12 +127,7 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: RowBounds) -> to
         return cpu.grouped_mm_cached_rows(x_AK, w_EKN, bounds.ints)
     if _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
         return _grouped_mm(x_AK, w_EKN, bounds.offsets_E)
-    y_AN = x_AK.new_empty(x_AK.shape[0], w_EKN.shape[2])
-    for e in range(w_EKN.shape[0]):
-        lo, hi = bounds.ints[e], bounds.ints[e + 1]
-        if hi > lo:
-            torch.mm(x_AK[lo:hi], w_EKN[e], out=y_AN[lo:hi])
-    return y_AN
+    return _mm_loop(x_AK, w_EKN, bounds.ints)
 
 
 def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: RowBounds) -> torch.Tensor:
@@ -119,14 +138,7 @@ def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: RowBounds) -> 
     n_experts = bounds.offsets_E.shape[0]
     if _use_grouped(n_experts, x_KA, g_AN):
         return _grouped_mm(x_KA, g_AN, bounds.offsets_E)
-    dw_EKN = x_AK.new_empty(n_experts, x_AK.shape[1], g_AN.shape[1])
-    for e in range(n_experts):
-        lo, hi = bounds.ints[e], bounds.ints[e + 1]
-        if hi > lo:
-            torch.mm(x_KA[:, lo:hi], g_AN[lo:hi], out=dw_EKN[e])
-        else:
-            dw_EKN[e].zero_()
-    return dw_EKN
+    return _wgrad_loop(x_AK, g_AN, bounds.ints, n_experts)
 
 
 def _no_autocast(device_type: str):

@@ -4,7 +4,8 @@ An operator: a roofline. A matrix product or attention kernel takes the longer o
 the large-product efficiency and its bytes at the memory bandwidth, so small or skinny products are priced by
 the bytes they move; any other kernel takes its bytes at the memory bandwidth. No kernel is shorter than the
 machine's kernel floor (launch). Where the host runs in series with the kernels (a CPU), each operator also
-costs the host's time per operator.
+costs the host's time per operator. An operator timed on the machine itself (machine=local times every
+operator of the traced step, optimus.perf.op_timing) takes its measured time instead, host time included.
 
 A collective: the algorithm the vendor libraries use at large sizes, on the slowest link class its group
 spans. Rings for all-reduce, all-gather and reduce-scatter move (n - 1) / n of the buffer per rank (twice for
@@ -23,10 +24,15 @@ from collections import Counter
 from optimus.perf.machine import Link, MachineModel
 
 
-def op_time(machine: MachineModel, kind: str, flops: int, moved: int, fp32: bool) -> float:
-    """Seconds of one operator (kind, FLOPs and bytes as optimus.perf.step_trace records them)."""
+def op_time(
+    machine: MachineModel, kind: str, flops: int, moved: int, fp32: bool, signature: str | None = None
+) -> float:
+    """Seconds of one operator (kind, FLOPs, bytes and signature as optimus.perf.step_trace records them): its
+    time measured on the machine where there is one (machine=local), the roofline otherwise."""
     if kind == "view":
         return machine.host_view
+    if signature in machine.op_seconds:
+        return machine.op_seconds[signature]
     work = moved / machine.bandwidth_at(moved)
     if kind in ("mm", "attn"):
         peak = machine.peak_flops_fp32 if fp32 else machine.peak_flops
@@ -36,8 +42,8 @@ def op_time(machine: MachineModel, kind: str, flops: int, moved: int, fp32: bool
 
 
 def ops_time(machine: MachineModel, ops: list[list]) -> float:
-    """Seconds of a run of operators: [[kind, flops, bytes, fp32, count], ...]."""
-    return sum(count * op_time(machine, kind, flops, moved, fp32) for kind, flops, moved, fp32, count in ops)
+    """Seconds of a run of operators: [[kind, flops, bytes, fp32, signature, count], ...]."""
+    return sum(count * op_time(machine, kind, flops, moved, fp32, sig) for kind, flops, moved, fp32, sig, count in ops)
 
 
 def _link_between(machine: MachineModel, a: int, b: int) -> str:

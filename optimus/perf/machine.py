@@ -3,7 +3,8 @@
 A cluster's numbers come from its machine recipe (`machine.perf`, each with its source written beside it);
 `machine=local` measures this machine on the spot: the CPU's matrix rates with the threads one rank gets,
 its memory bandwidth, the host's time per operator (a CPU runs the host and the kernels in series), and
-gloo's latency and bandwidth between processes.
+gloo's latency and bandwidth between processes; and, once a step is traced, each of its operators
+(`with_timed_ops`, optimus.perf.op_timing), which then take their measured times instead of the roofline's.
 
 Link classes, from the closest: `package` (devices of one GPU package: an MI250X's two GCDs, a PVC's two
 tiles), `node` (devices of one node), `network` (between nodes, through the node's NICs, which all of the
@@ -51,6 +52,10 @@ class MachineModel:
     # Measured (bytes moved, bytes/s) of elementwise kernels by size, where caches make small kernels faster
     # than the memory (a CPU); empty: memory_bandwidth at every size.
     bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    # Threads a rank's operators run with where they can be timed on this machine (local: each operator of the
+    # traced step is, optimus.perf.op_timing); 0 where the roofline prices them. The times, by signature:
+    op_threads: int = 0
+    op_seconds: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def bandwidth_at(self, moved: float) -> float:
@@ -285,6 +290,49 @@ def _result(results, procs, timeout_s: float = 300.0):
             ended = not any(proc.is_alive() for proc in procs)
 
 
+def _op_timing_process(signatures: list[str], threads: int, results) -> None:
+    from optimus.perf.op_timing import time_signatures
+
+    results.put(time_signatures(signatures, threads))
+
+
+def _timed_by_every_rank(signatures: list[str], threads: int, ranks: int) -> dict[str, float]:
+    """Each signature's mean time over `ranks` processes timing them all at once, `threads` threads each: the
+    ranks of a run share this machine's memory bandwidth and caches as they compute."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_op_timing_process, args=(signatures, threads, results)) for _ in range(ranks)]
+    for proc in procs:
+        proc.start()
+    try:
+        timed = [_result(results, procs) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return {sig: statistics.mean(t[sig] for t in timed) for sig in timed[0] if all(sig in t for t in timed)}
+
+
+def with_timed_ops(machine: MachineModel, traces: dict[int, dict]) -> MachineModel:
+    """The machine with every operator of `traces` timed on it, where it times operators (op_threads), by as
+    many processes at once as it has ranks; the count of timed and untimed (roofline) operators in its
+    sources."""
+    from optimus.perf.op_timing import traced_signatures
+
+    if not machine.op_threads:
+        return machine
+    signatures = traced_signatures(traces)
+    seconds = _timed_by_every_rank(signatures, machine.op_threads, machine.ranks_per_node)
+    note = (
+        f"{len(seconds)} distinct operators of the traced step timed here by {machine.ranks_per_node} "
+        f"process(es) at once, {len(signatures) - len(seconds)} not"
+    )
+    return replace(machine, op_seconds=seconds, sources={**machine.sources, "operators": note})
+
+
 _local_cache: dict[int, MachineModel] = {}
 
 
@@ -314,6 +362,7 @@ def measure_local(nproc: int) -> MachineModel:
             nics_per_node=1,
             host_op=cpu["host_op"],
             host_view=cpu["host_view"],
+            op_threads=threads,
             sources={"measured": f"this machine, {threads} thread(s) per rank, gloo between {peers} processes"},
         )
     return _local_cache[nproc]

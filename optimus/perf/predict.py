@@ -29,7 +29,7 @@ from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
-from optimus.perf.machine import MachineModel, machine_model
+from optimus.perf.machine import MachineModel, machine_model, with_timed_ops
 from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
 from optimus.perf.step_trace import StepTrace
 
@@ -46,7 +46,8 @@ class Prediction:
     mfu: float
     time_split: dict[str, float]  # seconds by part: compute, optimizer, exposed_<kind>, pipeline_bubble
     traced_ranks: list[int] = field(default_factory=list)
-    machine_numbers: dict = field(default_factory=dict)  # the machine model it was replayed on
+    # The machine model it was replayed on; without its operator times (their count is in its sources).
+    machine_numbers: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -287,7 +288,8 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
 
 
 def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]) -> Prediction:
-    """The step's figures from its traces replayed on `machine`."""
+    """The step's figures from its traces replayed on `machine` (a local machine times their operators first)."""
+    machine = with_timed_ops(machine, traces)
     t = cfg.train
     step, split = predict_from_traces(cfg, world, machine, traces)
     tokens = t.global_batch * t.seq_len
@@ -298,7 +300,7 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
         machine=machine.name, world=world, nodes=nodes, global_batch=t.global_batch, step_time_s=step,
         tokens_per_s=tokens / step, tflops_per_device=tflops / 1e12, mfu=tflops / machine.peak_flops,
         time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
-        machine_numbers=asdict(machine),
+        machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
     )  # fmt: skip
 
 

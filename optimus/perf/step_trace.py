@@ -5,11 +5,13 @@ there) that also records every other operator the step dispatches, so a dry run 
 step the code will run - its recomputation, its optimizer, its loss - rather than a formula's idea of it.
 `.events` holds, in issue order:
 
-    {"e": "ops", "where": "layers.3", "bw": false, "ops": [[kind, flops, bytes, fp32, count], ...]}
+    {"e": "ops", "where": "layers.3", "bw": false, "ops": [[kind, flops, bytes, fp32, signature, count], ...]}
         a run of operators in one place (`layers.N`, `embed`, `head` or a phase label such as `optimizer`) and
         direction (`bw`: inside the autograd engine, recomputation included); kind `mm` (a matrix product,
         with its FLOPs), `attn` (an attention kernel, FLOPs of the work it does: half the scores when causal),
-        `mem` (any other kernel: bytes read and written) or `view` (no kernel: views, allocations)
+        `mem` (any other kernel: bytes read and written) or `view` (no kernel: views, allocations);
+        `signature` the call's operator, shapes, strides and dtypes (optimus.perf.op_timing, which can run it
+        again on a CPU), null for a view or a call it cannot describe
     {"e": "comm", "id": 7, "async": true, "call": {...}, "as": "reduce_scatter"}
         a collective, `call` as collective_trace records it; `async` when the code does not wait for it where it
         is issued (async_op=True, isend/irecv, functional collectives); `as` (where present) the collective it
@@ -43,6 +45,10 @@ from optimus.parallel.collective_trace import (
     _record,
     _tensors,
 )
+from optimus.perf.op_timing import op_signature
+
+# The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures.
+FORMAT = 2
 
 # Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
 _NO_KERNEL = {
@@ -248,7 +254,8 @@ class StepTrace(CollectiveTrace):
         if key != self._ops_key:
             self._close_ops()
             self._ops, self._ops_key = Counter(), key
-        self._ops[(kind, flops, moved, fp32)] += 1
+        signature = op_signature(func, args, kwargs) if kind != "view" else None
+        self._ops[(kind, flops, moved, fp32, signature)] += 1
         return out
 
     def finish(self) -> list[dict]:

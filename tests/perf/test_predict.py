@@ -70,17 +70,19 @@ def test_refusals(capsys, args, words):
 
 
 def test_predictions_order_the_measured_layouts():
-    # Replayed on the machine numbers measured with them, the predictions order every two layouts whose
-    # measured step times differ by more than a quarter as the measurements do.
+    # Replayed at each run's routing imbalance on the machine numbers measured with them, each operator priced
+    # by their roofline (the operator times taken there are not kept; timing them again here would make the
+    # replay depend on this machine), the predictions order every two layouts whose measured step times
+    # differ by more than a quarter as the measurements do.
     results = json.loads((REPO / "benchmarks" / "results" / "predict_local.json").read_text())
     chosen = ("1 process", "1 process, 2 micro-batches", "2 processes, ep 2")  # one, two micro-batches, EP
     rows = [r for r in results["rows"] if r["layout"] in chosen]
     predicted = {}
     for row in rows:
         cfg = load_config([f"parallel.nproc={row['nproc']}", *row["overrides"]])
-        traces = trace_step(cfg, row["nproc"], progress="none")
+        traces = trace_step(cfg, row["nproc"], row["imbalance"], progress="none")
         predicted[row["layout"]] = prediction_of(
-            cfg, row["nproc"], MachineModel.from_dict(row["machine_numbers"]), traces
+            cfg, row["nproc"], MachineModel.from_dict({**row["machine_numbers"], "op_threads": 0}), traces
         )
     pairs = 0
     for a in rows:

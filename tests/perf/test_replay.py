@@ -62,7 +62,7 @@ def test_all_to_all_by_link_class():
 
 def _ops(seconds: float) -> dict:
     """A run of operators that takes `seconds` on machine(): one matrix product at 1 TFLOP/s."""
-    return {"e": "ops", "where": "layers.0", "bw": True, "ops": [["mm", int(seconds * 1e12), 0, False, 1]]}
+    return {"e": "ops", "where": "layers.0", "bw": True, "ops": [["mm", int(seconds * 1e12), 0, False, None, 1]]}
 
 
 def _reduce_scatter(cid: int, seconds: float, is_async: bool) -> dict:

@@ -3,6 +3,8 @@ waits for where it issues them, and where it waits for the others."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,15 +46,19 @@ def test_known_operators_and_collectives():
     assert [events[i]["id"] for i in waits] == [comms[1]["id"], comms[2]["id"]]  # the sum reads the exchange
     # The wait comes after `a * 2` (which does not read the result) and before `c + 1`.
     between = [e for e in events[kinds.index("comm", kinds.index("comm") + 1) + 1 : waits[0]] if e["e"] == "ops"]
-    assert sum(n for e in between for kind, _, _, _, n in e["ops"] if kind == "mem") == 1
+    assert sum(n for e in between for kind, _, _, _, _, n in e["ops"] if kind == "mem") == 1
     ops = [op for e in events if e["e"] == "ops" for op in e["ops"]]
-    assert ["mm", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4, True, 1] in ops
+    mm = [op for op in ops if op[0] == "mm"]
+    assert [op[:4] + op[5:] for op in mm] == [["mm", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4, True, 1]]
+    assert json.loads(mm[0][4]) == ["aten.mm.default", [{"t": [[8, 16], [16, 1], "float32"]},
+                                                         {"t": [[16, 4], [4, 1], "float32"]}], {}]  # fmt: skip
     attention = [op for op in ops if op[0] == "attn"]
     assert len(attention) == 1 and attention[0][1] == attention_flops(
         torch.empty(1, 2, 8, 4), torch.empty(1, 2, 8, 4), True, False
     )
     assert attention[0][1] == 2 * 2 * 2 * 8 * 8 * 4 // 2  # two products of 8 x 8 x 4 per head, half of them causal
     assert any(op[0] == "view" for op in ops)
+    assert all(op[4] is None for op in ops if op[0] == "view")  # a view has no kernel to time
 
 
 def _gathers_into_one_buffer():
