@@ -9,8 +9,8 @@ which makes that rank the busiest) gets X times the mean share and the others sp
 
 The step's code calls `exchange_rows` below, and the kernels their own reads (optimus.kernels.host_reads: the
 rows of each of a rank's experts, in proportion to their shares); nothing else in it knows whether it runs
-for real. `using(load)` makes `load` answer them for the duration
-of a dry run.
+for real. `using(load, ep_rank)` makes `load` answer them for the duration
+of a dry run of a rank at `ep_rank`.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class ExpertLoad:
     def local_split(self, n: int, n_local: int, ep_rank: int) -> list[int]:
         """The `n` rows an EP rank's `n_local` experts received, over those experts in proportion to their
         shares (every source sends them in the same proportion): how a per-expert loop finds them."""
-        local = self.shares()[ep_rank * n_local : (ep_rank + 1) * n_local]
-        if self.n_experts % n_local or len(set(local)) == 1:  # equally busy (or not this load's experts)
-            return host_reads.even_split(n, n_local)
+        if self.imbalance == 1.0 or ep_rank > 0 or self.n_experts % n_local:
+            return host_reads.even_split(n, n_local)  # equally busy: only the first expert is busier
+        local = self.shares()[:n_local]
         return _apportion(n, [share / sum(local) for share in local])
 
     def exchange_rows(self, assignments_C: list[int], ep_size: int, ep_rank: int) -> tuple[list, list]:

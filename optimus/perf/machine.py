@@ -88,9 +88,15 @@ _REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node
              "nic_gbs", "nics_per_node", "network_latency_us")  # fmt: skip
 
 
+def times_operators(machine: MachineConfig) -> bool:
+    """Whether the machine's model times the traced step's operators (machine=local: measure_local sets its
+    op_threads), so that the trace must record their signatures."""
+    return machine.name == "local"
+
+
 def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     """The model of the recipe's machine; `local` is measured here for `nproc` ranks on this machine."""
-    if machine.name == "local":
+    if times_operators(machine):
         return measure_local(nproc)
     p = machine.perf
     missing = [f"machine.perf.{key}" for key in _REQUIRED if getattr(p, key) is None]
@@ -257,20 +263,27 @@ def measure_gloo(world: int = 2) -> Link:
     return Link(bandwidth=volume / max(large - small, 1e-9), latency=latency)
 
 
-def _in_a_process(target, *args):
-    """target(*args, queue) run in a fresh process; what it puts in the queue."""
+def _in_processes(n: int, target, *args, timeout_s: float = 300.0) -> list:
+    """target(*args, queue) run in `n` fresh processes at once; what each put in the queue."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, results))
-    proc.start()
+    procs = [ctx.Process(target=target, args=(*args, results)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
     try:
-        return _result(results, [proc])
+        return [_result(results, procs, timeout_s) for _ in procs]
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _in_a_process(target, *args):
+    """target(*args, queue) run in a fresh process; what it puts in the queue."""
+    return _in_processes(1, target, *args)[0]
 
 
 def _result(results, procs, timeout_s: float = 300.0):
@@ -299,33 +312,25 @@ def _op_timing_process(signatures: list[str], threads: int, results) -> None:
 def _timed_by_every_rank(signatures: list[str], threads: int, ranks: int) -> dict[str, float]:
     """Each signature's mean time over `ranks` processes timing them all at once, `threads` threads each: the
     ranks of a run share this machine's memory bandwidth and caches as they compute."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_op_timing_process, args=(signatures, threads, results)) for _ in range(ranks)]
-    for proc in procs:
-        proc.start()
-    try:
-        timed = [_result(results, procs) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    timeout_s = 300.0 + 2.0 * len(signatures)  # five rounds of each, most under a millisecond
+    timed = _in_processes(ranks, _op_timing_process, signatures, threads, timeout_s=timeout_s)
     return {sig: statistics.mean(t[sig] for t in timed) for sig in timed[0] if all(sig in t for t in timed)}
 
 
 def with_timed_ops(machine: MachineModel, traces: dict[int, dict]) -> MachineModel:
     """The machine with every operator of `traces` timed on it, where it times operators (op_threads), by as
-    many processes at once as it has ranks; the count of timed and untimed (roofline) operators in its
-    sources."""
+    many processes at once as it has ranks; the count of timed and untimed (roofline) operators, or why none
+    was timed, in its sources."""
     from optimus.perf.op_timing import traced_signatures
 
     if not machine.op_threads:
         return machine
     signatures = traced_signatures(traces)
-    seconds = _timed_by_every_rank(signatures, machine.op_threads, machine.ranks_per_node)
+    try:
+        seconds = _timed_by_every_rank(signatures, machine.op_threads, machine.ranks_per_node)
+    except RuntimeError as err:  # a timing process that died (out of memory): the roofline prices them all
+        note = f"none of the {len(signatures)} distinct operators of the traced step timed ({err}): roofline"
+        return replace(machine, sources={**machine.sources, "operators": note})
     note = (
         f"{len(seconds)} distinct operators of the traced step timed here by {machine.ranks_per_node} "
         f"process(es) at once, {len(signatures) - len(seconds)} not"

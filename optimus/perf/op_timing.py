@@ -10,7 +10,9 @@ A signature names one operator call: `[op, args, kwargs]` as JSON, with each ten
 dtype]}`. Replayed, floating-point tensors hold normal noise and integer or boolean tensors zeros (a valid
 index for every indexing operator; data-dependent sizes then come out as for a token routed to one place).
 An operator that cannot be encoded (a generator, a symbolic size, a tensor off the CPU) or replayed (its
-arguments only valid with the real data) has no signature or no time, and the roofline prices it.
+arguments only valid with the real data) has no signature or no time, and the roofline prices it. A
+signature keeps neither a tensor's storage offset (its alignment) nor which arguments share memory: each
+replayed tensor has a storage of its own, starting aligned.
 """
 
 from __future__ import annotations
@@ -52,14 +54,18 @@ def op_signature(func, args: tuple, kwargs: dict) -> str | None:
     try:
         encoded_kwargs = {key: _encode(value) for key, value in kwargs.items()}
         return json.dumps([str(func), _encode(list(args)), encoded_kwargs], separators=(",", ":"))
-    except _NotReplayable:
+    except (_NotReplayable, TypeError):  # TypeError: a symbolic size inside a tensor's shape
         return None
+
+
+def _span(shape: list[int], stride: list[int]) -> int:
+    """Elements of storage a tensor of that shape and stride reaches."""
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
 
 
 def _tensor(shape: list[int], stride: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of that shape and stride over a storage of just the elements it spans."""
-    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
-    storage = torch.zeros(span, dtype=dtype)
+    storage = torch.zeros(_span(shape, stride), dtype=dtype)
     if dtype.is_floating_point:
         storage.normal_()
     return storage.as_strided(shape, stride)
@@ -81,8 +87,7 @@ def _decode(x):
 def _replay_bytes(x) -> int:
     if isinstance(x, dict) and "t" in x:
         shape, stride, dtype = x["t"]
-        span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
-        return span * getattr(torch, dtype).itemsize
+        return _span(shape, stride) * getattr(torch, dtype).itemsize
     if isinstance(x, list):
         return sum(_replay_bytes(item) for item in x)
     return 0
@@ -128,9 +133,12 @@ def time_signatures(signatures: list[str], threads: int, rounds: int = _ROUNDS) 
     with torch.no_grad():
         samples = {sig: [seconds] for sig in signatures if (seconds := time_signature(sig)) is not None}
         for _ in range(rounds - 1):
-            for sig, times in samples.items():
+            for sig in list(samples):
                 name, encoded_args, encoded_kwargs = json.loads(sig)
-                times.append(_time_call(_operator(name), encoded_args, encoded_kwargs))
+                try:
+                    samples[sig].append(_time_call(_operator(name), encoded_args, encoded_kwargs))
+                except Exception:  # made-up inputs that happen to be invalid this time: no time, the roofline
+                    del samples[sig]
     return {sig: statistics.median(times) for sig, times in samples.items()}
 
 

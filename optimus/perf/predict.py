@@ -29,7 +29,7 @@ from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
-from optimus.perf.machine import MachineModel, machine_model, with_timed_ops
+from optimus.perf.machine import MachineModel, machine_model, times_operators, with_timed_ops
 from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
 from optimus.perf.step_trace import StepTrace
 
@@ -278,7 +278,8 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
             rank = pp_rank * stage_world
             if stream is not None:
                 print(f"  dry run of rank {rank} of {world} (pipeline rank {pp_rank}) ...", file=stream, flush=True)
-            traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, device, step_trace=StepTrace())
+            trace = StepTrace(signatures=times_operators(cfg.machine))
+            traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, device, step_trace=trace)
         result = {"traces": traces}
     except ConfigError as err:
         result = {"config_error": str(err)}

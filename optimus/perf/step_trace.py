@@ -11,7 +11,8 @@ step the code will run - its recomputation, its optimizer, its loss - rather tha
         with its FLOPs), `attn` (an attention kernel, FLOPs of the work it does: half the scores when causal),
         `mem` (any other kernel: bytes read and written) or `view` (no kernel: views, allocations);
         `signature` the call's operator, shapes, strides and dtypes (optimus.perf.op_timing, which can run it
-        again on a CPU), null for a view or a call it cannot describe
+        again on a CPU) when the trace records them (`StepTrace(signatures=True)`, for machine=local), null
+        otherwise and for a view or a call it cannot describe
     {"e": "comm", "id": 7, "async": true, "call": {...}, "as": "reduce_scatter"}
         a collective, `call` as collective_trace records it; `async` when the code does not wait for it where it
         is issued (async_op=True, isend/irecv, functional collectives); `as` (where present) the collective it
@@ -181,8 +182,9 @@ def place_of(module: str) -> str:
 class StepTrace(CollectiveTrace):
     """Records a step's operators and collectives into `.events` (and its collectives into `.calls`)."""
 
-    def __init__(self):
+    def __init__(self, signatures: bool = False):
         super().__init__()
+        self.signatures = signatures  # record each kernel's signature (for machine=local to time it)
         self.events: list[dict] = []
         # What each async collective in flight writes: (storage, first byte, end byte) -> its id.
         self._pending: dict[tuple[StorageWeakRef, int, int], int] = {}
@@ -248,14 +250,15 @@ class StepTrace(CollectiveTrace):
         kernel = not (func.is_view or name in _NO_KERNEL or func.namespace == "prim")  # a view reads nothing yet
         if self._pending and kernel:
             self._wait_for_inputs(_tensors(list(args) + list(kwargs.values())))
+        # Before the call: an in-place operator may change its arguments' shapes (squeeze_, a resized out=).
+        signature = op_signature(func, args, kwargs) if kernel and self.signatures else None
         out = func(*args, **kwargs)
         kind, flops, moved, fp32 = op_cost(func, args, kwargs, out)
         key = self._place()
         if key != self._ops_key:
             self._close_ops()
             self._ops, self._ops_key = Counter(), key
-        signature = op_signature(func, args, kwargs) if kind != "view" else None
-        self._ops[(kind, flops, moved, fp32, signature)] += 1
+        self._ops[(kind, flops, moved, fp32, signature if kind != "view" else None)] += 1
         return out
 
     def finish(self) -> list[dict]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from optimus.perf.costs import op_time
-from optimus.perf.machine import Link, MachineModel
+from optimus.perf.machine import Link, MachineModel, with_timed_ops
 from optimus.perf.op_timing import _decode, _operator, op_signature, time_signature, traced_signatures
 
 aten = torch.ops.aten
@@ -82,3 +82,20 @@ def test_traced_signatures_are_distinct_and_skip_views():
         {"e": "ops", "where": "head", "bw": False, "ops": head},
     ]
     assert traced_signatures({0: {"events": events}, 1: {"events": events[2:]}}) == ["a", "b"]
+
+
+def test_every_rank_times_the_traced_operators():
+    # Two ranks' processes time the trace's two kernels at once; a call no made-up input makes valid keeps
+    # the roofline, and the machine's sources say so.
+    x = torch.randn(64, 32)
+    mm = op_signature(aten.mm.default, (x, x.t()), {})
+    bad = op_signature(aten.narrow_copy.default, (x, 0, 60, 10), {})
+    ops = [["mm", 2 * 64 * 32 * 64, 0, False, mm, 3], ["mem", 0, 8, False, bad, 1], ["view", 0, 0, False, None, 2]]
+    trace = {"events": [{"e": "ops", "where": "layers.0", "bw": False, "ops": ops}]}
+    timed = with_timed_ops(_machine(op_threads=1, ranks_per_node=2), {0: trace})
+    assert set(timed.op_seconds) == {mm} and timed.op_seconds[mm] > 0
+    assert (
+        "1 distinct operators of the traced step timed here by 2 process(es) at once, 1 not"
+        in (timed.sources["operators"])
+    )
+    assert with_timed_ops(_machine(), {0: trace}).op_seconds == {}  # a machine that prices by the roofline

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ def _known_step():
     """Rank r of 2: a matrix product, a synchronous all-reduce, an async one read two operators later, an
     attention kernel, and a view."""
     a, b = torch.randn(8, 16), torch.randn(16, 4)  # [M, K], [K, N]
-    trace = StepTrace()
+    trace = StepTrace(signatures=True)
     with trace:
         c = a @ b  # 2 M K N FLOPs
         dist.all_reduce(c)
@@ -85,3 +86,28 @@ def test_a_read_waits_for_the_collective_that_wrote_its_bytes_only():
     reads = [i for i, e in enumerate(events) if e["e"] == "ops" and any(op[0] == "mem" for op in e["ops"])]
     w1, w2 = (i for i, e in enumerate(events) if e["e"] == "wait")
     assert any(w1 < i < w2 for i in reads) and any(i > w2 for i in reads)  # each just before the sum of its half
+
+
+def test_an_fp32_dry_runs_grouped_gemm_is_traced_as_its_products():
+    # torch's grouped GEMM has no fp32 fake kernel: a dry run stands in for it with the products the CPU kernel
+    # runs, one expert at a time. Its outputs are the real kernel's (shape, strides, dtype), for both forms,
+    # and the trace holds their FLOPs: 2 A K N for each form.
+    from optimus.kernels.torch_backend import _grouped_mm
+    from optimus.kernels.torch_private import FakeTensorMode
+    from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
+
+    if torch_grouped_mm is None:
+        pytest.skip("this torch has no grouped GEMM")
+    n_experts, rows, k, n = 4, 48, 16, 32
+    x_AK, w_EKN, g_AN = torch.randn(rows, k), torch.randn(n_experts, k, n), torch.randn(rows, n)
+    offsets_E = torch.tensor([12, 24, 36, 48], dtype=torch.int32)
+    real = [torch_grouped_mm(x_AK, w_EKN, offs=offsets_E), torch_grouped_mm(x_AK.t(), g_AN, offs=offsets_E)]
+    with FakeTensorMode() as mode:
+        fx, fw, fg, fo = (mode.from_tensor(t) for t in (x_AK, w_EKN, g_AN, offsets_E))
+        trace = StepTrace()
+        with trace:
+            fake = [_grouped_mm(fx, fw, fo), _grouped_mm(fx.t(), fg, fo)]
+    for f, r in zip(fake, real):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+    ops = [op for e in trace.finish() if e["e"] == "ops" for op in e["ops"]]
+    assert sum(op[1] * op[5] for op in ops if op[0] == "mm") == 2 * (2 * rows * k * n)
