@@ -131,6 +131,20 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
 # machine=local: measured
 
 
+def fresh_process_context():
+    """The multiprocessing context for the model's measuring and tracing processes, each of which must start
+    clean (its own threads and malloc settings; no DeviceMesh of an earlier world in torch's caches): forked
+    from a forkserver where there is one (a process that imported torch and optimus.perf and built nothing,
+    so a child starts in a fraction of a second instead of importing torch again), spawned elsewhere."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["optimus.perf.predict"])  # no effect once the server runs
+    return ctx
+
+
 def _best_time(fn, seconds: float) -> float:
     """The fastest of repeated calls for about `seconds` (the undisturbed time on a shared machine)."""
     fn()
@@ -240,10 +254,8 @@ def _gloo_rank(rank: int, world: int, init_file: str, sizes: list[int], results)
 def measure_gloo(world: int = 2) -> Link:
     """gloo between `world` processes here: latency and bandwidth fitted to all-reduces of two sizes, as
     optimus.perf.costs prices them."""
-    import torch.multiprocessing as mp
-
     sizes = [256, 2**22]  # 1 KiB, 16 MiB
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
@@ -265,9 +277,7 @@ def measure_gloo(world: int = 2) -> Link:
 
 def _in_processes(n: int, target, *args, timeout_s: float = 300.0) -> list:
     """target(*args, queue) run in `n` fresh processes at once; what each put in the queue."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, results)) for _ in range(n)]
     for proc in procs:

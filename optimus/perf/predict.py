@@ -29,7 +29,7 @@ from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
-from optimus.perf.machine import MachineModel, machine_model, times_operators, with_timed_ops
+from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
 from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
 from optimus.perf.step_trace import StepTrace
 
@@ -240,16 +240,14 @@ def trace_step(
     """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with a StepTrace),
     in a fresh process, which reports each dry run it starts on `progress` (one of PROGRESS). Fresh, because
     torch keeps caches keyed by DeviceMesh (DTensor's sharding decisions) that outlive a process group: a mesh
-    of an earlier world over the same ranks would name groups that no longer exist."""
-    import multiprocessing
+    of an earlier world over the same ranks would name groups that no longer exist (fresh_process_context)."""
     import tempfile
 
     check_predictable(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "traces.json"
-        child = multiprocessing.get_context("spawn").Process(
-            target=_trace_into, args=(cfg, world, imbalance, str(out), progress, device)
-        )
+        args = (cfg, world, imbalance, str(out), progress, device)
+        child = fresh_process_context().Process(target=_trace_into, args=args)
         child.start()
         child.join()
         result = json.loads(out.read_text()) if out.exists() else {"error": f"exit code {child.exitcode}"}
