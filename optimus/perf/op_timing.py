@@ -28,7 +28,7 @@ _ROUNDS = 5  # samples of each operator, one per round through the list
 
 
 class _NotReplayable(Exception):
-    pass
+    """An argument a signature cannot describe (see the module's docstring)."""
 
 
 def _encode(x):
