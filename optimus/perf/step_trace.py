@@ -86,10 +86,16 @@ def _attention_args(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torc
     return named["query"], named["key"], bool(named.get("is_causal", False))
 
 
+def launches_kernel(func) -> bool:
+    """Whether an operator runs a kernel: not a view, a metadata query (prim: a tensor's device) or an
+    allocation whose contents nobody computes."""
+    return not (func.is_view or func._overloadpacket.__name__ in _NO_KERNEL or func.namespace == "prim")
+
+
 def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
     """(kind, FLOPs, bytes read and written, fp32 matrix product) of one operator call."""
     name = func._overloadpacket.__name__
-    if func.is_view or name in _NO_KERNEL or func.namespace == "prim":  # prim: metadata (a tensor's device)
+    if not launches_kernel(func):
         return "view", 0, 0, False
     inputs = _tensors(list(args) + list(kwargs.values()))
     moved = _nbytes(inputs) + _nbytes(_tensors([out]))
@@ -247,7 +253,7 @@ class StepTrace(CollectiveTrace):
             if name not in _NOT_COLLECTIVES:
                 return self._collective(func, args, kwargs)
             return func(*args, **kwargs)
-        kernel = not (func.is_view or name in _NO_KERNEL or func.namespace == "prim")  # a view reads nothing yet
+        kernel = launches_kernel(func)  # a view reads nothing yet
         if self._pending and kernel:
             self._wait_for_inputs(_tensors(list(args) + list(kwargs.values())))
         # Before the call: an in-place operator may change its arguments' shapes (squeeze_, a resized out=).
@@ -258,7 +264,7 @@ class StepTrace(CollectiveTrace):
         if key != self._ops_key:
             self._close_ops()
             self._ops, self._ops_key = Counter(), key
-        self._ops[(kind, flops, moved, fp32, signature if kind != "view" else None)] += 1
+        self._ops[(kind, flops, moved, fp32, signature)] += 1
         return out
 
     def finish(self) -> list[dict]:
