@@ -22,9 +22,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.path
 
 COMMON = [
-    "model.moe.n_experts=12", "model.moe.top_k=3", "train.dtype=fp32", "kernels=torch", "train.seed=3",
+    *ADAMW, "model.moe.n_experts=12", "model.moe.top_k=3", "train.dtype=fp32", "kernels=torch", "train.seed=3",
     "train.seq_len=64", "train.global_batch=8", "logging.progress=false", "train.eval_interval=100000",
     "train.eval_sequences=4",
 ]  # fmt: skip

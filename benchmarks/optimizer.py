@@ -72,6 +72,7 @@ def _rank(rank: int, ep: int, turns: int, init_file: str, results) -> None:
         for scheme, zero, overlap in SCHEMES:
             cfg = OptimusConfig(model=BENCH_MODEL)
             cfg.optim.sharding, cfg.optim.zero = scheme, zero
+            cfg.optim.update = "adamw"  # the committed results' rule (benchmarks/memory.py, ADAMW)
             model = Transformer(BENCH_MODEL, kernels="torch")
             model.init_weights(torch.Generator().manual_seed(0))
             parallelize_model(model, ps, ParallelConfig(ep=ep))

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.path
 
 from optimus.cli import main as optimus_main
 
@@ -35,7 +36,9 @@ MODEL = [
     "model.n_layers=8", "model.dim=256", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=1024",
     "model.moe.n_experts=0", "model.vocab_size=2048", "data.vocab_size=2048",
 ]  # fmt: skip
-TRAIN = ["train.dtype=fp32", "kernels=torch", "train.seq_len=128", "train.micro_batch=2", "logging.progress=false"]
+TRAIN = [
+    *ADAMW, "train.dtype=fp32", "kernels=torch", "train.seq_len=128", "train.micro_batch=2", "logging.progress=false",
+]  # fmt: skip
 CASES = [(schedule, pp, m) for schedule in ("gpipe", "1f1b") for pp in (2, 4) for m in (pp, 2 * pp, 4 * pp)]
 
 

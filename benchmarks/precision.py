@@ -24,12 +24,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.path
 
 from optimus.kernels.dtypes import cpu_has_fast_bf16
 
 
 def run(dtype: str, steps: int, seed: int, run_dir: Path) -> dict:
-    overrides = [f"train.dtype={dtype}", f"train.steps={steps}", f"train.seed={seed}", f"train.eval_interval={steps}"]
+    overrides = [
+        *ADAMW, f"train.dtype={dtype}", f"train.steps={steps}", f"train.seed={seed}", f"train.eval_interval={steps}",
+    ]  # fmt: skip
     cmd = [sys.executable, "-m", "optimus", "train", *overrides, "logging.progress=false", f"run.dir={run_dir}"]
     subprocess.run(cmd, check=True, capture_output=True, env=os.environ)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # 0: start

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from memory import cpu_flags  # noqa: E402  benchmarks/ is first on sys.path
+from memory import ADAMW, cpu_flags  # noqa: E402  benchmarks/ is first on sys.path
 
 from optimus.config import ConfigError  # noqa: E402
 from optimus.efficiency import strong_efficiency, weak_efficiency  # noqa: E402
@@ -85,12 +85,13 @@ def roofline_step(nproc: int, overrides: list[str], imbalance: float, machine_nu
 
 def run_local(out: Path) -> None:
     rows = []
-    for label, nproc, overrides in LOCAL_LAYOUTS:
+    for label, nproc, layout in LOCAL_LAYOUTS:
+        overrides = [*ADAMW, *layout]
         measured, imbalance = measured_step(nproc, overrides)
         predicted = predicted_step(nproc, overrides, imbalance)
         uniform = predicted_step(nproc, overrides)["step_time_s"]
         roofline = roofline_step(nproc, overrides, imbalance, predicted["machine_numbers"])
-        rows.append({"layout": label, "nproc": nproc, "overrides": overrides, "measured_s": measured,
+        rows.append({"layout": label, "nproc": nproc, "overrides": layout, "measured_s": measured,
                      "imbalance": imbalance, "predicted_s": predicted["step_time_s"],
                      "time_split": predicted["time_split"], "error": predicted["step_time_s"] / measured - 1,
                      "uniform_s": uniform, "uniform_error": uniform / measured - 1,

@@ -31,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from memory import ADAMW  # noqa: E402  benchmarks/ is the script's directory, first on sys.path
+
 from optimus.config import ConfigError  # noqa: E402
 
 # A small MoE that still spends most of a step in matmuls on a CPU; 4 experts so EP can reach 4.
@@ -40,7 +42,7 @@ CPU_MODEL = [
     "data.vocab_size=1024",
 ]  # fmt: skip
 COMMON = [
-    "train.seq_len=128", "train.micro_batch=4", "train.dtype=fp32", "train.eval_interval=100000",
+    *ADAMW, "train.seq_len=128", "train.micro_batch=4", "train.dtype=fp32", "train.eval_interval=100000",
     "train.eval_sequences=4", "train.log_interval=100000", "optim.sharding=ep_aware", "optim.warmup_steps=2",
     "profile.timers=true", "logging.progress=false",
 ]  # fmt: skip

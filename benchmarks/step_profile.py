@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.path
 
 from optimus.kernels import torch_backend
 from optimus.platform import cpu_matmul_probe, keep_cpu_allocations
@@ -65,7 +66,7 @@ def machine_line() -> str:
 
 
 def build_trainer(overrides: list[str], run_dir: str) -> Trainer:
-    cfg = load_config([f"run.dir={run_dir}", "logging.progress=false", "profile.timers=true", *overrides])
+    cfg = load_config([*ADAMW, f"run.dir={run_dir}", "logging.progress=false", "profile.timers=true", *overrides])
     return Trainer(cfg)
 
 

@@ -160,7 +160,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3  # for the tiny default (docs/ARCHITECTURE.md, "The default run"); the Mula experiments set theirs
+    lr: float = 6e-3  # for the tiny default with Muon (docs/ARCHITECTURE.md, "The default run"); experiments set theirs
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
     beta1: float = 0.9
@@ -168,9 +168,11 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
-    # adamw | muon: Muon for the hidden matrices (experts per expert), AdamW with the keys above for the embedding,
-    # LM head, router and vectors (optimus/optim/muon.py); the same lr, schedule and weight decay drive both
-    update: str = "adamw"
+    # muon | adamw: Muon for the hidden matrices (experts per expert), AdamW with the keys above for the embedding,
+    # LM head, router and vectors (optimus/optim/muon.py); the same lr, schedule and weight decay drive both.
+    # Muon is the default run's (docs/ARCHITECTURE.md, "The default run"); the Mula and Frontier experiments and
+    # the command `optimus checkpoint import` prints choose adamw, the optimizer their source models trained with
+    update: str = "muon"
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5  # Newton-Schulz iterations (torch.optim.Muon's quintic, in bf16)

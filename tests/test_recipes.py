@@ -4,6 +4,7 @@ import pytest
 
 from optimus.cli import load_config
 from optimus.config import validate
+from optimus.recipes import recipes_dir
 
 AURORA_TILES = 256 * 12
 
@@ -33,3 +34,14 @@ def test_pipeline_experiments_validate_at_3072_tiles(experiment, pp):
 def test_overrides_apply_on_top_of_an_experiment():
     cfg = load_config(["experiment=aurora-mula-20b-a2b", "parallel.ep=6", "train.steps=10"])
     assert cfg.parallel.ep == 6 and cfg.train.steps == 10 and cfg.model.name == "mula-20b-a2b"
+
+
+def test_the_default_run_uses_muon_and_every_experiment_adamw():
+    """The default run's rule is Muon at 6e-3 (docs/ARCHITECTURE.md, "The default run"); the experiments train
+    as the models they mirror were trained, with AdamW, whatever the schema's default."""
+    default = load_config([]).optim
+    assert (default.update, default.lr) == ("muon", 6e-3)
+    experiments = sorted(p.stem for p in (recipes_dir() / "experiment").glob("*.yaml"))
+    assert len(experiments) >= 11
+    for name in experiments:
+        assert load_config([f"experiment={name}"]).optim.update == "adamw", name

@@ -105,7 +105,9 @@ class Imported:
     checkpoint: Path  # step directory to give checkpoint.load (absolute)
     recipe: Path  # <checkpoint>/model/<name>.yaml
     tokenizer: Path | None  # <checkpoint>/tokenizer.json when the HF directory had one
-    command: str  # continues pretraining from the imported weights, once its DATA_PATH is filled in
+    # continues pretraining from the imported weights, once its DATA_PATH is filled in; with AdamW, the
+    # optimizer Hugging Face's MoE models (OLMoE, Qwen3-MoE) were pretrained with, not the default run's Muon
+    command: str
     objective: str  # what the recipe trains, and the overrides for Optimus's defaults
 
 
@@ -131,7 +133,7 @@ def import_hf(source: str | Path, out: str | Path, name: str | None = None, over
     tokenizer = out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None
     command = shlex.join([
         "optimus", "train", f"hydra.searchpath=[file://{out}]", f"model={cfg.name}", f"checkpoint.load={out}",
-        "checkpoint.load_weights_only=true", "data=text", f"data.path={DATA_PATH}",
+        "checkpoint.load_weights_only=true", "optim.update=adamw", "data=text", f"data.path={DATA_PATH}",
         f"data.tokenizer={tokenizer or 'TOKENIZER'}",
     ])  # fmt: skip
     return Imported(out, out / "model" / f"{cfg.name}.yaml", tokenizer, command, _objective(cfg, hf))

@@ -44,8 +44,8 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
 
 def optim_cfg(zero: int, bucket_mb: float = 32.0, max_numel: int = 256 * 1024 * 1024, grad_dtype="fp32"):
     return OptimConfig(
-        lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb, max_collective_numel=max_numel,
-        grad_dtype=grad_dtype,
+        update="adamw", lr=3e-3, warmup_steps=3, weight_decay=0.1, zero=zero, bucket_mb=bucket_mb,
+        max_collective_numel=max_numel, grad_dtype=grad_dtype,
     )  # fmt: skip
 
 

@@ -186,8 +186,9 @@ def test_tied_embeddings_across_stages_match_single_process(tmp_path, corpus_fil
 
 
 # The Mula recipes' own model files (all-MoE layers, softmax routing, full QK-norm, z-loss) with small
-# dimensions; 12 experts so that EP 2 and the recipes' EP 12 both divide them.
+# dimensions; 12 experts so that EP 2 and the recipes' EP 12 both divide them; AdamW, as their experiments train.
 SCALED_DOWN = [
+    "optim.update=adamw",
     "model.dim=32", "model.n_heads=4", "model.n_kv_heads=4", "model.vocab_size=512", "data.vocab_size=512",
     "model.ffn_dim=64", "model.moe.n_experts=12", "model.moe.top_k=2", "model.moe.expert_dim=16",
     "train.dtype=fp32", "kernels=torch", "logging.progress=false", "train.steps=4", "train.eval_interval=4",

@@ -5,7 +5,7 @@ from optimus.train.checkpoint_checks import changed_setting, run_identity
 
 
 def test_a_record_from_before_optim_update_is_held_to_adamw():
-    adamw, muon = load_config([]), load_config(["optim.update=muon"])
+    adamw, muon = load_config(["optim.update=adamw"]), load_config([])
     record = run_identity(adamw, {})
     del record["optim.update"]  # what checkpoints saved before the setting existed hold
     meta = {"run": record}
