@@ -106,7 +106,7 @@ def run_local(out: Path) -> None:
         "# Predicted against measured step times on this machine",
         "",
         f"`python benchmarks/predict.py local`. Machine: {info['cpus']} CPUs ({info['cpu_flags']}), torch "
-        f"{info['torch']}. Measured: `optimus train` (default tiny model and data, {STEPS} steps, the median step "
+        f"{info['torch']}. Measured: `optimus train` (default model and data, AdamW, {STEPS} steps, the median step "
         f"time after the first {SKIP}, and the mean of its `expert_load_imbalance` over those steps). Predicted: "
         "`optimus plan --predict --json --world N --imbalance X` with the same overrides and X the run's "
         "imbalance, from the `local` machine model it measures (every operator of the traced step timed here; "

@@ -170,8 +170,8 @@ class OptimConfig:
     sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
     # muon | adamw: Muon for the hidden matrices (experts per expert), AdamW with the keys above for the embedding,
     # LM head, router and vectors (optimus/optim/muon.py); the same lr, schedule and weight decay drive both.
-    # Muon is the default run's (docs/ARCHITECTURE.md, "The default run"); the Mula and Frontier experiments and
-    # the command `optimus checkpoint import` prints choose adamw, the optimizer their source models trained with
+    # Muon is the default run's (docs/ARCHITECTURE.md, "The default run"); every experiment recipe and the command
+    # `optimus checkpoint import` prints choose adamw, the optimizer the models they mirror were trained with
     update: str = "muon"
     muon_momentum: float = 0.95
     muon_nesterov: bool = True

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from omegaconf import OmegaConf
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
+from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimConfig, OptimusConfig
 from optimus.hf.config_map import loss_sources
 from optimus.hf.formats import format_of_hf_config
 from optimus.hf.hub import hub_snapshot, is_hub_id
@@ -105,13 +105,15 @@ class Imported:
     checkpoint: Path  # step directory to give checkpoint.load (absolute)
     recipe: Path  # <checkpoint>/model/<name>.yaml
     tokenizer: Path | None  # <checkpoint>/tokenizer.json when the HF directory had one
-    # continues pretraining from the imported weights, once its DATA_PATH is filled in; with AdamW, the
-    # optimizer Hugging Face's MoE models (OLMoE, Qwen3-MoE) were pretrained with, not the default run's Muon
-    command: str
+    command: str  # continues pretraining from the imported weights (CONTINUED), once its DATA_PATH is filled in
     objective: str  # what the recipe trains, and the overrides for Optimus's defaults
 
 
 DATA_PATH = "DATA_PATH"  # the placeholder of the printed command (see data_keys)
+# The optimizer the printed command continues pretraining with: AdamW, which Hugging Face's MoE models (OLMoE,
+# Qwen3-MoE, Mixtral) were pretrained with, at the Mula experiments' peak lr (OLMoE's 4e-4), not the default run's
+# Muon at the tiny model's 6e-3. Also what the checkpoint's config.yaml records.
+CONTINUED = OptimConfig(update="adamw", lr=4e-4)
 
 
 def import_hf(source: str | Path, out: str | Path, name: str | None = None, overwrite: bool = False) -> Imported:
@@ -133,7 +135,8 @@ def import_hf(source: str | Path, out: str | Path, name: str | None = None, over
     tokenizer = out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None
     command = shlex.join([
         "optimus", "train", f"hydra.searchpath=[file://{out}]", f"model={cfg.name}", f"checkpoint.load={out}",
-        "checkpoint.load_weights_only=true", "optim.update=adamw", "data=text", f"data.path={DATA_PATH}",
+        "checkpoint.load_weights_only=true", f"optim.update={CONTINUED.update}", f"optim.lr={CONTINUED.lr}",
+        "data=text", f"data.path={DATA_PATH}",
         f"data.tokenizer={tokenizer or 'TOKENIZER'}",
     ])  # fmt: skip
     return Imported(out, out / "model" / f"{cfg.name}.yaml", tokenizer, command, _objective(cfg, hf))
@@ -201,7 +204,7 @@ def _write_checkpoint(
         "files": hash_files(out),  # the integrity record a trained checkpoint carries, checked on load and export
     }  # fmt: skip
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(OptimusConfig(model=cfg))))
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(OptimusConfig(model=cfg, optim=CONTINUED))))
     (out / "model").mkdir()
     header = f"# {cfg.name}: imported from {origin} by `optimus checkpoint import`.\n"
     (out / "model" / f"{cfg.name}.yaml").write_text(header + annotated_recipe(cfg, sources))

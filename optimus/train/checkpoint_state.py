@@ -2,13 +2,14 @@
 
     model/<name>                     dense parameter or buffer (router biases included), the same on every rank
     model/<name>/expert_<g>          routed expert g's slice of an expert tensor; g is the GLOBAL expert index
-    optim/<name>[<lo>:<hi>]/<kind>   AdamW state of elements [lo, hi) of the full flattened parameter
+    optim/<name>[<lo>:<hi>]/<kind>   optimizer state of elements [lo, hi) of the full flattened parameter
                                      (expert tensors: all E experts); kind = exp_avg | exp_avg_sq | master
+                                     (Muon's momentum in exp_avg, its exp_avg_sq zero: optimus.optim.muon)
     optim/<name>[<lo>:<hi>]@cols[<a>:<b>]/<kind>
                                      the same for elements [lo, hi) of the block of columns [a, b) of a
                                      matrix that tensor parallelism split along its columns
                                      (optimus.optim.state_ranges)
-    optim/step                       AdamW updates applied so far (bias correction)
+    optim/step                       updates applied so far (AdamW's bias correction)
 
 Every rank writes the keys of what it holds; replicas (dense weights, the experts of
 an expert-data-parallel group, the standard scheme's dense optimizer shards) write

@@ -11,7 +11,7 @@ import torch
 
 from optimus.config import ModelConfig, MoEConfig, OptimConfig, OptimusConfig
 from optimus.model import Transformer, count_params
-from optimus.optim import ShardedAdamW, build_optimizer
+from optimus.optim import ShardedAdamW, ShardedMuon, build_optimizer
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
 
@@ -126,9 +126,10 @@ def test_build_optimizer_auto_picks_by_world_size():
     assert build_optimizer(rank_model(single, torch.float32), cfg, single).scheme == "none"
     ps = ParallelState(rank=1, world_size=4, ep=2)
     opt = build_optimizer(rank_model(ps, torch.float32), cfg, ps)
-    assert isinstance(opt, ShardedAdamW) and opt.scheme == "ep_aware"
-    cfg.optim.sharding = "standard"
-    assert build_optimizer(rank_model(ps, torch.float32), cfg, ps).scheme == "standard"
+    assert type(opt) is ShardedMuon and opt.scheme == "ep_aware"  # the default rule
+    cfg.optim.sharding, cfg.optim.update = "standard", "adamw"
+    opt = build_optimizer(rank_model(ps, torch.float32), cfg, ps)
+    assert type(opt) is ShardedAdamW and opt.scheme == "standard"
 
 
 def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
