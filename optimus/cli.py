@@ -9,7 +9,11 @@ launcher (torchrun, srun, mpiexec) it joins the job, outside one with
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 # Before anything imports torch: its OpenMP runtime reads this once, as it loads. Threads that wait for the rest of
 # their team then sleep instead of spinning; on cores that other processes share, a spinning thread holds the core
@@ -17,12 +21,20 @@ import sys
 # "CPU threads"). A value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from optimus.config import ConfigError
-from optimus.data.errors import DataError
-from optimus.ranks import LaunchError, SpawnError
-from optimus.recipes import load_config, recipe_groups, recipes_dir
-from optimus.run_spec import RunSpec
-from optimus.train.faults import TrainingDiverged
+# Nothing here imports torch (or what imports it) at import time: `main` first takes charge of stop signals, so that
+# a Ctrl-C during the seconds of those imports ends in one line too.
+if TYPE_CHECKING:
+    from optimus.run_spec import RunSpec
+
+
+def __getattr__(name: str):
+    """`optimus.cli.load_config`, which scripts and tests import from here, loaded on first use (see above)."""
+    if name == "load_config":
+        from optimus.recipes import load_config
+
+        return load_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 USAGE = """usage: optimus <command> [args]
 
@@ -98,8 +110,10 @@ def _worker(spec: RunSpec) -> dict:
 def _spawned_worker(spec: RunSpec) -> dict:
     """Body of a rank that `parallel.nproc=N` started, with the run its parent resolved: it detects only its own
     device. A user error goes to the parent, which says it once."""
+    from optimus.config import ConfigError
+    from optimus.data.errors import DataError
     from optimus.platform import detect_platform
-    from optimus.ranks import discover, report_user_error
+    from optimus.ranks import LaunchError, discover, report_user_error
 
     try:
         return _worker(spec.for_rank(detect_platform(spec.cfg.machine, discover().local_rank)))
@@ -111,6 +125,7 @@ def _spawned_worker(spec: RunSpec) -> dict:
 def cmd_train(overrides: list[str]) -> int:
     from optimus.platform import detect_platform
     from optimus.ranks import SpawnStopped, discover, spawn_local
+    from optimus.recipes import load_config
     from optimus.run_spec import resolve_run
     from optimus.train.memory_check import check_cpu_memory
 
@@ -123,28 +138,32 @@ def cmd_train(overrides: list[str]) -> int:
             check_cpu_memory(spec, cfg.parallel.nproc)
         try:
             summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (spec,))[0]
-        except SpawnStopped as stopped:  # what PBS/SLURM send before a kill: the ranks saved (or had nothing yet)
-            how = "run the same command again" if cfg.run.dir else "run the command printed above"
-            print(f"optimus: {stopped}; {how} to resume from the last checkpoint.")
+        except SpawnStopped as stopped:  # ended by a stop signal; where they saved first, they said so
+            _ignore_stop_signals()
+            if not stopped.saved:
+                print(f"optimus: {stopped}.", file=sys.stderr)
             return stopped.exit_code
     else:
         summary = _worker(spec)
-    if info.rank == 0 and summary:
+    if summary and "stopped_by" in summary:  # it has said where it saved and how to resume: nothing to add
+        _ignore_stop_signals()
+    elif info.rank == 0 and summary:
         print(f"Finished {summary['steps']} steps; run directory: {summary['run_dir']}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Lines from spawned ranks reach the terminal (or job log) as they are printed, not at exit.
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
-    command, rest = argv[0], argv[1:]
+def _command(command: str, rest: list[str]) -> int:
+    """Run one command; its user errors and failures as one line each."""
+    from optimus.config import ConfigError
+    from optimus.data.errors import DataError
+    from optimus.ranks import LaunchError, SpawnError
+    from optimus.train.faults import TrainingDiverged
+
     try:
         if command == "train":
             if any(a in ("-h", "--help") for a in rest):
+                from optimus.recipes import recipe_groups, recipes_dir
+
                 groups = "".join(f"  {g:<11}{', '.join(n)}\n" for g, n in recipe_groups().items())
                 print(TRAIN_HELP.format(recipes=recipes_dir(), groups=groups))
                 return 0
@@ -185,6 +204,112 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"optimus: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals and a closed output: one line (or none), never a traceback
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGUSR1 (what PBS and SLURM send before a kill), raised where the command is, as Ctrl-C raises
+    KeyboardInterrupt: a BaseException, so that no `except Exception` takes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+RAISED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGINT raises KeyboardInterrupt already
+# The stop signals, as optimus.ranks.FORWARDED_SIGNALS and optimus.train.faults.STOP_SIGNALS (both import torch;
+# tests/test_signals.py holds the three equal).
+ENDING_SIGNALS = (signal.SIGINT, *RAISED_SIGNALS)
+
+
+def _raise_stop(signum, frame) -> None:
+    raise StopRequested(signum)
+
+
+@contextmanager
+def _stop_signals_raise(whole_process: bool):
+    """While a command runs, SIGTERM and SIGUSR1 end it as Ctrl-C does: by an exception, so its `finally` blocks
+    run (its child processes are ended, what it half-wrote is removed) and `main` says it in one line. Where one
+    of them is ignored (nohup-like) it stays so. The trainer and the local launcher put their own handlers over
+    these while they run (a stop at a step boundary), and put these back. At the end they are restored (`main`
+    also runs inside tests), except where the command ended by a stop and is the `whole_process`: ignored
+    (`_ignore_stop_signals`) until the interpreter has ended, as one line has said it all."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in ENDING_SIGNALS}
+    for sig in RAISED_SIGNALS:
+        if previous[sig] == signal.SIG_DFL:
+            signal.signal(sig, _raise_stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if not (whole_process and signal.getsignal(sig) == signal.SIG_IGN):
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+
+
+def _ignore_stop_signals() -> None:
+    """The command is ending by a stop, and has said so: another Ctrl-C must not break its cleanup into a
+    traceback, nor add a line."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in ENDING_SIGNALS:
+            if signal.getsignal(sig) is not None:  # None: set outside Python, left alone
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def _end_child_processes() -> None:
+    """Kill the processes this one started through multiprocessing and that still run (a dry run's tracing
+    process, the machine's measuring ones): nothing will read their results, and a parent that exits while one
+    runs waits for it (multiprocessing joins them at exit)."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join()
+
+
+def _stopped(stop: BaseException) -> int:
+    """The command was stopped by a signal: end what it started, say so in one line, 128 + the signal."""
+    _ignore_stop_signals()
+    _end_child_processes()
+    signum = stop.signum if isinstance(stop, StopRequested) else signal.SIGINT
+    print(f"optimus: stopped by {str(stop) or signal.Signals(signum).name}.", file=sys.stderr)
+    return 128 + signum
+
+
+def _reader_gone() -> int:
+    """Standard output is a pipe whose reader has gone (`optimus train --help | head`): nothing more can be
+    shown, and the interpreter's last flush would fail again; end as `yes | head` does, without a word."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Lines from spawned ranks reach the terminal (or job log) as they are printed, not at exit.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    whole_process = argv is None  # the process's own command line (`optimus ...`), not a call from Python
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with _stop_signals_raise(whole_process):
+        try:
+            if not argv or argv[0] in ("-h", "--help", "help"):
+                print(USAGE)
+                code = 0
+            else:
+                code = _command(argv[0], argv[1:])
+            sys.stdout.flush()  # where the output is buffered, a reader that has gone shows here
+            return code
+        except BrokenPipeError:
+            return _reader_gone()
+        except (KeyboardInterrupt, StopRequested) as stop:
+            return _stopped(stop)
 
 
 if __name__ == "__main__":

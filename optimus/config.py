@@ -377,6 +377,7 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     _non_negative(t.grad_clip, "train.grad_clip", "no clipping")
     validate_optim(cfg.optim)
     validate_machine_and_data(cfg)
+    validate_profile(cfg)
     _positive(p.nproc, "parallel.nproc")
     _positive(p.ep, "parallel.ep")
     _positive(p.timeout_s, "parallel.timeout_s")
@@ -446,6 +447,43 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     _positive(d.vocab_size, "data.vocab_size")
     _positive(d.max_chars, "data.max_chars")
     _non_negative(d.prefetch, "data.prefetch", "no background loading")
+    if d.mix is not None and d.name != "tokens":  # only the token-shard loader reads a mixture
+        raise ConfigError(
+            f"data.mix is read only with data=tokens, not data={d.name}: set data=tokens with shards made by "
+            "`optimus data prepare`, or remove data.mix."
+        )
+
+
+def parse_step_window(text: str) -> tuple[int, int]:
+    """'3-5' -> (3, 5): the first and last optimizer step (1-based, inclusive) to trace."""
+    first, sep, last = str(text).partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        lo = hi = -1
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"profile.torch_steps={text!r} is not a step window: write it as FIRST-LAST, e.g. 3-5.")
+    return lo, hi
+
+
+def validate_profile(cfg: OptimusConfig) -> None:
+    """What profile.* asks for must be measurable: profile.memory on a schedule its tracker follows, and
+    profile.torch's step window inside the run (or the run ends before the trace is written)."""
+    p = cfg.parallel
+    if cfg.profile.memory and p.pp > 1 and p.pp_schedule == "interleaved_zb":  # as the dry run refuses it
+        raise ConfigError(
+            "profile.memory=true cannot measure parallel.pp_schedule=interleaved_zb (torch's module tracker fails on "
+            "its autograd.grad backward): measure interleaved_1f1b, whose forwards and backwards are the same work, "
+            "or set profile.memory=false."
+        )
+    if not cfg.profile.torch:
+        return
+    last = parse_step_window(cfg.profile.torch_steps)[1]
+    if last > cfg.train.steps:
+        raise ConfigError(
+            f"profile.torch_steps={cfg.profile.torch_steps} ends after the run's train.steps={cfg.train.steps}: "
+            f"choose a window inside steps 1-{cfg.train.steps}, or raise train.steps to {last} or more."
+        )
 
 
 def _check_pp_divides(world_size: int, pp: int) -> None:
@@ -536,6 +574,7 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
     _positive(p.pp_virtual, "parallel.pp_virtual")
     check_choice(p.pp_schedule, "parallel.pp_schedule", PP_SCHEDULES)
     if p.pp == 1:
+        _refuse_stage_keys_without_stages(p)
         return
     _check_pp_divides(world_size, p.pp)
     interleaved = p.pp_schedule in INTERLEAVED_SCHEDULES
@@ -560,6 +599,19 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
         )
     if p.pp_layers is not None:
         validate_pp_layers(p.pp_layers, p.pp * p.pp_virtual, cfg.model.n_layers)
+
+
+def _refuse_stage_keys_without_stages(p: ParallelConfig) -> None:
+    """With parallel.pp=1 there is no pipeline: a schedule or stage split would be ignored, and stages per rank
+    would have the trainer wait for pipeline peers that no rank runs (it hung)."""
+    default = ParallelConfig()
+    for key in ("pp_virtual", "pp_schedule", "pp_layers"):
+        value, unset = getattr(p, key), getattr(default, key)
+        if value != unset:
+            raise ConfigError(
+                f"parallel.{key}={value} needs pipeline stages, but parallel.pp=1: set parallel.pp to 2 or more, or "
+                f"parallel.{key}={'null' if unset is None else unset}."
+            )
 
 
 def validate_pp_layers(pp_layers: Any, n_stages: int, n_layers: int) -> None:

@@ -22,11 +22,14 @@ in a real run) and the host synchronisations (optimus.host_syncs). Each rank's r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
 import time
 import traceback
+import warnings
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from optimus.config import ConfigError, OptimusConfig
 from optimus.host_syncs import HostSyncCounter
-from optimus.load_model import ExpertLoad, using
+from optimus.load_model import ExpertLoad, checked_imbalance, using
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
 from optimus.platform import Platform, detect_platform
@@ -89,12 +92,29 @@ def answer_read(tensor: torch.Tensor) -> bool | float | int:
     return 0.0 if tensor.dtype.is_floating_point else 0
 
 
-def check_dry_run_config(cfg: OptimusConfig) -> None:
+def check_dry_run_config(cfg: OptimusConfig, what: str = "A dry run") -> None:
+    """What no dry run can trace (`what`: the command that needs one, as its refusal names it)."""
     if cfg.model.moe.capacity_factor is not None:
         raise ConfigError(
-            "A dry run traces dropless routing only (which tokens a capacity limit drops depends on values): "
+            f"{what} traces dropless routing only (which tokens a capacity limit drops depends on values): "
             "set model.moe.capacity_factor=null."
         )
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "interleaved_zb":
+        raise ConfigError(
+            f"{what} cannot trace parallel.pp_schedule=interleaved_zb (torch's module tracker fails on its "
+            "autograd.grad backward): trace interleaved_1f1b, whose forwards and backwards are the same work."
+        )
+
+
+@contextlib.contextmanager
+def known_warnings_quiet() -> Iterator[None]:
+    """Silence, while a dry run runs, the two warnings that every one of them raises and that say nothing about
+    the layout: the sharder's aliasing check reads the addresses of fake storages (optimus.parallel.flat_buffer,
+    where a fake tensor's is never used), and MemTracker meets a None among a module's outputs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor is deprecated", UserWarning)
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass of tensor", UserWarning)
+        yield
 
 
 def check_rank(rank: int, world: int) -> None:
@@ -108,11 +128,9 @@ def dry_run_rank(
     """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs.
     With `step_trace` (an optimus.perf.step_trace.StepTrace: the collective trace that also records every
     operator and marks the pipeline's actions), the step's events under `events` and the schedule's order
-    under `schedule`, instead of the memory (torch's MemTracker, which the performance model does not need,
-    fails on the interleaved schedules' backwards)."""
-    from optimus.kernels.torch_private import FakeStore, FakeTensorMode
-    from optimus.plan import plan_run
-    from optimus.train.trainer import Trainer
+    under `schedule`, instead of the memory (torch's MemTracker, which the performance model does not need)."""
+    from optimus.kernels.torch_private import FakeStore
+    from optimus.plan import fit_of, plan_run
 
     check_dry_run_config(cfg)
     check_rank(rank, world)
@@ -123,28 +141,14 @@ def dry_run_rank(
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
-        with using(load):
-            trainer = Trainer.for_one_step(spec, tensor_mode=fake)
-        t = cfg.train
-        trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
-        gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
-        with fake, using(load, trainer.ps.ep_rank):
-            memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
-            trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
-            trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
-            with ExitStack() as stack:
-                for recorder in (memory, trainer.collectives, trainer.host_syncs):
-                    if recorder is not None:
-                        stack.enter_context(recorder)
-                if step_trace is not None and trainer.pipeline is not None:
-                    stack.enter_context(step_trace.mark_actions(trainer.pipeline.pipeline_stages))
-                trainer.train_step()
+        with known_warnings_quiet():
+            trainer, memory = _step(spec, imbalance, step_trace)
         ps = trainer.ps
     finally:
         dist.destroy_process_group()
     plan = plan_run(spec)
     planned = plan.stages[ps.pp_rank]["total_bytes"] if plan.stages else plan.memory["total_configured"]
+    measured = None if memory is None else step_memory.record(memory)
     result = {
         "rank": rank,
         "world": world,
@@ -162,11 +166,12 @@ def dry_run_rank(
         "device": device,
         "imbalance": imbalance,
         "memory": None
-        if memory is None
+        if measured is None
         else {
-            **step_memory.record(memory),
+            **measured,
             "planned_bytes": planned,
             "optimizer_state": trainer.optimizer.memory_bytes(),
+            **fit_of(measured["peak_bytes"], cfg),  # the measured peak against the device (fits, device_bytes)
         },
         "collectives": trainer.collectives.calls,
         "host_syncs": trainer.host_syncs.as_list(),
@@ -176,6 +181,33 @@ def dry_run_rank(
         result["events"] = step_trace.finish()
         result["schedule"] = pipeline_order(trainer)
     return result
+
+
+def _step(spec, imbalance: float, step_trace):
+    """(the trainer, its MemTracker or None with `step_trace`) after one step of the run `spec` on fake tensors,
+    in the fake process group dry_run_rank made."""
+    from optimus.kernels.torch_private import FakeTensorMode
+    from optimus.train.trainer import Trainer
+
+    cfg = spec.cfg
+    fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
+    with using(load):
+        trainer = Trainer.for_one_step(spec, tensor_mode=fake)
+    t = cfg.train
+    trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
+    gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
+    with fake, using(load, trainer.ps.ep_rank):
+        memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
+        trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
+        trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
+        with ExitStack() as stack:
+            for recorder in (memory, trainer.collectives, trainer.host_syncs):
+                if recorder is not None:
+                    stack.enter_context(recorder)
+            if step_trace is not None and trainer.pipeline is not None:
+                stack.enter_context(step_trace.mark_actions(trainer.pipeline.pipeline_stages))
+            trainer.train_step()
+    return trainer, memory
 
 
 def pipeline_order(trainer) -> dict[int, list[str]] | None:
@@ -193,14 +225,12 @@ def pipeline_order(trainer) -> dict[int, list[str]] | None:
     }
 
 
-def busiest_rank(cfg: OptimusConfig, world: int) -> int:
-    """The rank `optimus plan` predicts needs the most memory: the first of its busiest pipeline rank's stage,
-    which holds the first experts (the busiest under --imbalance) and the first tensor-parallel slice."""
-    from optimus.plan import make_plan
-
-    plan = make_plan(cfg, world)
+def busiest_rank(plan, world: int, pp: int) -> int:
+    """The rank that `plan` (optimus plan's, of this layout) predicts needs the most memory: the first of its
+    busiest pipeline rank's stage, which holds the first experts (the busiest under --imbalance) and the first
+    tensor-parallel slice."""
     pp_rank = max(plan.stages, key=lambda row: row["total_bytes"])["pp_rank"] if plan.stages else 0
-    return pp_rank * (world // cfg.parallel.pp)
+    return pp_rank * (world // pp)
 
 
 def group_check_ranks(world: int, pp: int, tp: int, ep: int) -> list[int]:
@@ -215,7 +245,10 @@ def group_check_ranks(world: int, pp: int, tp: int, ep: int) -> list[int]:
 
 
 def summary_lines(result: dict) -> list[str]:
-    """A rank's dry run in a few lines: memory, collectives by kind, host syncs, time."""
+    """A rank's dry run in a few lines: whether its peak fits the device (first, where it does not), memory,
+    collectives by kind, host syncs, time."""
+    from optimus.plan import does_not_fit_line
+
     mib = 2**20
     mem = result["memory"]
     ratio = mem["peak_bytes"] / mem["planned_bytes"] if mem["planned_bytes"] else float("nan")
@@ -228,7 +261,8 @@ def summary_lines(result: dict) -> list[str]:
     categories = ", ".join(f"{k} {v / mib:.1f}" for k, v in mem["by_category"].items() if v)
     syncs = sum(s["count"] for s in result["host_syncs"])
     lay = result["layout"]
-    return [
+    verdict = [does_not_fit_line(mem, f"rank {result['rank']} measured a peak of")] if mem["fits"] is False else []
+    return verdict + [
         f"rank {result['rank']} of {result['world']} (pp_rank {lay['pp_rank']}, tp_rank {lay['tp_rank']}, "
         f"ep_rank {lay['ep_rank']}; {lay['accum']} micro-batches) on a fake {result['device']}: "
         f"{result['seconds']:.1f} s",
@@ -251,8 +285,11 @@ def run_dry_runs(cfg: OptimusConfig, world: int, ranks: list[int], imbalance: fl
 SUMMARY = "dry_run.json"  # beside the ranks' files: what was run, and the group check's verdict
 
 
+RANK_FILES = "rank[0-9]*.json"  # DIR/rank<R>.json
+
+
 def check_out(out: Path, overwrite: bool) -> None:
-    check_out_dir(out, overwrite, SUMMARY, "a dry run's output")
+    check_out_dir(out, overwrite, SUMMARY, "a dry run's output", (RANK_FILES, SUMMARY))
 
 
 def write_results(results: dict, summary: dict, out: Path) -> None:
@@ -265,35 +302,41 @@ def write_results(results: dict, summary: dict, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`optimus plan --dry-run ...` (the options of optimus.plan.parser): 0 when every traced group agrees."""
+    """`optimus plan --dry-run ...` (the options of optimus.plan.parser): 0 when every traced group agrees and
+    every traced rank's peak fits the device, 1 otherwise (the figures are printed all the same)."""
     from optimus.parallel.collective_trace import mismatches
-    from optimus.plan import parser, world_size
+    from optimus.plan import make_plan, parse, world_size
     from optimus.recipes import load_config
 
-    opts = parser().parse_intermixed_args(argv)
+    # Everything that can be refused is checked before the first rank's step, which can take minutes.
+    opts = parse(argv, "dry-run")
     cfg = load_config(opts.overrides)
     world = world_size(cfg, opts.nodes, opts.world)
     p = cfg.parallel
     check_dry_run_config(cfg)
-    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU build of torch, before any work
-    ExpertLoad(cfg.model.moe.n_experts, opts.imbalance)  # refuses an --imbalance outside [1, n_experts]
-    ranks = list(opts.rank or [busiest_rank(cfg, world)])
+    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU build of torch
+    imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
+    plan = make_plan(cfg, world)  # refuses a layout that does not divide
+    ranks = list(opts.rank or [busiest_rank(plan, world, p.pp)])
     if opts.check_groups:
         ranks = sorted(set(ranks) | set(group_check_ranks(world, p.pp, p.tp, p.ep)))
     for rank in ranks:
         check_rank(rank, world)
     if opts.out:
-        check_out(Path(opts.out), opts.overwrite)
+        check_out(Path(opts.out), opts.overwrite)  # writable, and nothing of the user's to replace
     print(f"dry run of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {world}: {ranks}", flush=True)
-    results = run_dry_runs(cfg, world, ranks, opts.imbalance, opts.device)
+    results = run_dry_runs(cfg, world, ranks, imbalance, opts.device)
     problems = mismatches({rank: r["collectives"] for rank, r in results.items()}) if opts.check_groups else []
     if opts.check_groups:
         print("group check: " + ("every traced group agrees" if not problems else f"{len(problems)} groups disagree"))
         for line in problems:
             print("  " + line)
+    too_big = [rank for rank, r in results.items() if r["memory"]["fits"] is False]
+    if too_big:
+        print(f"DOES NOT FIT: the measured peak of ranks {too_big} is more than a device holds (machine.memory_gb)")
     if opts.out:
-        summary = {"world": world, "ranks": ranks, "imbalance": opts.imbalance, "device": opts.device,
-                   "group_check": opts.check_groups, "mismatches": problems}  # fmt: skip
+        summary = {"world": world, "ranks": ranks, "imbalance": imbalance, "device": opts.device,
+                   "group_check": opts.check_groups, "mismatches": problems, "does_not_fit": too_big}  # fmt: skip
         write_results(results, summary, Path(opts.out))
         print(f"wrote {opts.out}/rank<R>.json for ranks {ranks}")
-    return 1 if problems else 0
+    return 1 if problems or too_big else 0

@@ -73,6 +73,19 @@ class ExpertLoad:
         return send_CP, recv_CP
 
 
+def checked_imbalance(n_experts: int, imbalance: float | None) -> float:
+    """--imbalance as the command line gave it (None: left out, the uniform load 1), checked before any work: in
+    [1, n_experts] (ExpertLoad), and only for a model with routed experts."""
+    if imbalance is None:
+        return 1.0
+    if not n_experts:
+        raise ConfigError(
+            f"--imbalance {imbalance} sets the load of routed experts, and this model has none "
+            "(model.moe.n_experts=0): leave --imbalance out."
+        )
+    return ExpertLoad(n_experts, imbalance).imbalance
+
+
 def _apportion(n: int, shares: list[float]) -> list[int]:
     """`n` in proportion to `shares` (summing to 1), rounded so that the parts sum to `n`: largest remainders
     first, ties to the lower index."""
@@ -119,3 +132,14 @@ def exchange_rows(
         return _active.exchange_rows(assignments_C, send_PCL.shape[0], ep_rank)
     send_CP, recv_CP = torch.stack([send_PCL.sum(2).T, recv_PCL.sum(2).T]).tolist()
     return send_CP, recv_CP
+
+
+def expert_positions(mine_M: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
+    """Positions of the True entries of `mine_M`, which marks the assignments (of every token of the EP group) to
+    experts [first, first + n_local): torch.nonzero, whose output size is a value read back to the host (one host
+    synchronisation). In a dry run, as many positions as the load model gives those experts."""
+    if _active is not None:
+        note_read()
+        count = sum(_active.split(mine_M.numel())[first : first + n_local])
+        return torch.nonzero_static(mine_M, size=count).reshape(-1)
+    return torch.nonzero(mine_M, as_tuple=True)[0]

@@ -75,10 +75,13 @@ one computed. Three more terms are added at the peak (each found by `optimus pla
 full-size gradient, which accumulates from a step's first backward when it has several micro-batches
 (zero2_accumulated_bytes); the pipeline stages' receive buffers, one per micro-batch of the step for each stage
 input and output gradient a rank receives (pipeline_buffer_bytes); and under tensor parallelism the embedding
-backward's two [V, D] tensors (tp_embedding_grad_bytes). Not included: allocator fragmentation
+backward's two [V, D] tensors (tp_embedding_grad_bytes). The optimizer step comes after the backward: with
+Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32 update directions,
+at most) beside the state and the pipeline's receive buffers is the peak where that is more (the totals, and
+so the dry run's planned figure, take the larger). Not included: allocator fragmentation
 and cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
-all-gathers' and reduce-scatters' buffers, temporaries of the optimizer step (after the backward, below the
-peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
+all-gathers' and reduce-scatters' buffers, AdamW's temporaries of the optimizer step (after the backward, below
+the peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
 as its blocks start, before the peak), and the different buffers of the Triton kernels. docs/MEMORY.md
 measures what these add to a CPU run's resident peak.
 """
@@ -448,7 +451,27 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
         "zero2_staging": staging,  # (during the backward, at its end)
     }
     chosen = sum(state[scheme][k] for k in STATE_KEYS)
-    return {"state": state, "activations": act, "total": chosen + act["configured"], "share": share}
+    update = _update_bytes(cfg, share, scheme, stage_world)
+    # The optimizer step comes after the backward: its working memory (Muon's update directions) beside the
+    # state and the pipeline's receive buffers, which live for the whole run, when that is more than the peak
+    # of the activations.
+    step = update["step_work_bytes"] + pipeline_buffer_bytes(cfg, share, accum)
+    return {"state": state, "activations": act, "step": step, "update": update, "state_total": chosen,
+            "total": chosen + max(act["configured"], step), "share": share}  # fmt: skip
+
+
+def _update_bytes(cfg: OptimusConfig, share: RankShare, scheme: str, stage_world: int) -> dict:
+    """What optim.update adds to a step of one pipeline rank (optimus.optim.memory.rank_update_bytes)."""
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    param_size = DTYPE_BYTES[planned_dtype(cfg)]
+    bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, param_size)
+    return {
+        "rule": o.update,
+        **rank_update_bytes(
+            o.update, scheme, share.local_dense(p.tp), share.expert // p.ep, stage_world, stage_world // p.ep,
+            param_size, p.tp, largest_units(m), bucket,
+        ),
+    }  # fmt: skip
 
 
 def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
@@ -458,9 +481,33 @@ def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
         "pp_rank": share.pp_rank, "stages": share.stages, "layers": share.layers, "embed": share.embed,
         "head": share.head, "params": share.dense + share.expert + share.head_copy, "in_flight": share.in_flight,
         "params_per_device": share.per_device(tp, ep),
-        "state_bytes": rank["total"] - activations, "activation_bytes": activations, "total_bytes": rank["total"],
-        "fits": None if device is None else rank["total"] <= device,
+        "state_bytes": rank["state_total"], "activation_bytes": activations, "step_bytes": rank["step"],
+        "total_bytes": rank["total"], "fits": fits(rank["total"], device),
     }  # fmt: skip
+
+
+def device_bytes(cfg: OptimusConfig) -> int | None:
+    """The memory of one device of the recipe's machine (machine.memory_gb GiB), or None where it is not set."""
+    return round(cfg.machine.memory_gb * GIB) if cfg.machine.memory_gb else None
+
+
+def fits(peak: float, device: float | None) -> bool | None:
+    """The fit rule of every figure: a peak fits a device that holds at least as many bytes (None: unknown)."""
+    return None if device is None else peak <= device
+
+
+def fit_of(peak: int, cfg: OptimusConfig) -> dict:
+    """{fits, peak_bytes, device_bytes}: the verdict on one rank's peak (planned or measured), as JSON gives it."""
+    device = device_bytes(cfg)
+    return {"fits": fits(peak, device), "peak_bytes": peak, "device_bytes": device}
+
+
+def does_not_fit_line(fit: dict, whose: str) -> str:
+    """The line that comes first in what a dry run or a prediction prints for a layout that does not fit."""
+    return (
+        f"DOES NOT FIT: {whose} {_gib(fit['peak_bytes'])} on a device of {_gib(fit['device_bytes'])} "
+        "(machine.memory_gb); `optimus plan` with the same arguments shows where the memory goes."
+    )
 
 
 def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
@@ -495,35 +542,15 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
         "step_time_at_peak_s": per_step / world / peak if peak else None,
     }
     sharding = resolve_sharding(cfg.optim.sharding, world // pp)
-    chosen = sum(state[sharding][k] for k in STATE_KEYS)
-    device = cfg.machine.memory_gb * GIB if cfg.machine.memory_gb else None
-    memory = {"device_bytes": device}
+    device = device_bytes(cfg)
+    memory = {"device_bytes": device, "step_bytes": busiest["step"]}
     for key in ("no_checkpointing", "checkpointing", "configured"):
-        total = chosen + act[key]
+        total = busiest["state_total"] + max(act[key], busiest["step"])  # the larger of the backward's, the step's
         memory[f"total_{key}"] = total
-        memory[f"fits_{key}"] = None if device is None else total <= device
+        memory[f"fits_{key}"] = fits(total, device)
     stages = [_stage_row(r, device, tp, ep) for r in ranks] if pp > 1 else []
     params = {**counts.as_dict(), "per_device": busiest["share"].per_device(tp, ep)}
-    share, stage_world = busiest["share"], world // pp
-    update = {
-        "rule": cfg.optim.update,
-        **rank_update_bytes(
-            cfg.optim.update,
-            sharding,
-            share.local_dense(tp),
-            share.expert // ep,
-            stage_world,
-            stage_world // ep,
-            DTYPE_BYTES[compute],
-            tp,
-            largest_units(m),
-            bucket_numel(
-                zero_bucket_bytes(cfg.optim.bucket_mb, cfg.optim.zero),
-                cfg.optim.max_collective_numel,
-                DTYPE_BYTES[compute],
-            ),
-        ),
-    }
+    update = busiest["update"]
     return Plan(
         m.name, world, pp, data_parallel_size(world, pp, tp), tp, p.sp and tp > 1, ep, world // pp // ep, sharding,
         cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages, update,
@@ -542,8 +569,8 @@ def _fits(value: bool | None) -> str:
 
 def _verdict(total: float, device: float | None) -> str:
     """'X GiB -> fits (Y GiB free)' for one total against the device's memory."""
-    free = f" ({_gib(device - total)} free)" if device is not None and total <= device else ""
-    return f"{_gib(total)} -> {_fits(None if device is None else total <= device)}{free}"
+    free = f" ({_gib(device - total)} free)" if fits(total, device) else ""
+    return f"{_gib(total)} -> {_fits(fits(total, device))}{free}"
 
 
 def _verdict_line(mode: str, mem: dict) -> str:
@@ -564,7 +591,8 @@ def _update_line(update: dict) -> str:
         return f"optimizer update: {update['rule']}; {gather}"
     return (
         f"optimizer update: muon (AdamW state layout, no extra persistent bytes); during the step "
-        f"at most +{_gib(update['step_work_bytes'])} of fp32 update directions, and its exchange of whole matrices "
+        f"at most +{_gib(update['step_work_bytes'])} of fp32 update directions (in the totals above where the step "
+        "needs more than the backward), and its exchange of whole matrices "
         f"receives at most +{_gib(update['gather_received_bytes'])} per step (run_info.json: the layout's own "
         f"figures), beside {gather}"
     )
@@ -671,9 +699,9 @@ def parser() -> argparse.ArgumentParser:
     dry.add_argument("--dry-run", action="store_true", help="run one step of the real code for some ranks")
     dry.add_argument("--rank", type=int, action="append", help="a rank to run (repeatable; default: the busiest)")
     dry.add_argument(
-        "--imbalance", type=float, default=1.0, help="the busiest expert's share of the routed tokens over the mean"
+        "--imbalance", type=float, help="the busiest expert's share of the routed tokens over the mean (default 1)"
     )
-    dry.add_argument("--device", default="cpu", help="cpu, or cuda: a fake GPU (needs a CUDA build of torch)")
+    dry.add_argument("--device", help="cpu (the default), or cuda: a fake GPU (needs a CUDA build of torch)")
     dry.add_argument("--out", help="write DIR/rank<R>.json (memory, collectives, host syncs) per rank")
     dry.add_argument("--overwrite", action="store_true", help="replace an earlier dry run's --out")
     dry.add_argument(
@@ -685,6 +713,52 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
     return p
+
+
+# The options of each `optimus plan` command beyond --nodes, --world and the overrides (optimus.cli routes
+# `plan --dry-run` to optimus.dry_run.main, `plan --predict` to optimus.perf.predict.main, the rest to main).
+OPTIONS = {
+    "plan": ("json",),
+    "dry-run": ("dry_run", "rank", "imbalance", "device", "out", "overwrite", "check_groups"),
+    "predict": ("predict", "json", "imbalance", "device"),
+}
+
+
+def parse(argv: list[str], command: str) -> argparse.Namespace:
+    """The options of `command` (a key of OPTIONS), each refused in one sentence where the command does not take
+    it or names something twice, before any work. --device left out is cpu; --imbalance left out stays None
+    (optimus.load_model.checked_imbalance checks it against the model)."""
+    opts = parser().parse_intermixed_args(argv)
+    given = [name for names in OPTIONS.values() for name in names if _given(getattr(opts, name))]
+    for name in dict.fromkeys(given):
+        if name not in OPTIONS[command]:
+            raise ConfigError(_not_taken(command, "--" + name.replace("_", "-")))
+    for flag, values in (("--rank", opts.rank or []), ("--nodes", opts.nodes or [])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(f"{flag} names {', '.join(map(str, twice))} more than once: name each once.")
+    opts.device = opts.device or "cpu"
+    return opts
+
+
+def _given(value) -> bool:
+    """Whether an option was given: left out it is None, or False for a flag (by identity: 0.0 == False)."""
+    return value is not None and value is not False
+
+
+def _not_taken(command: str, flag: str) -> str:
+    """Why `command` refuses `flag`, and what to run instead."""
+    if command == "predict":
+        return f"--predict runs its own dry runs and writes no files: leave out {flag}."
+    if command == "dry-run" and flag == "--predict":
+        return "--dry-run and --predict are two commands (a prediction runs its own dry runs): run one of them."
+    if command == "dry-run":
+        return f"a dry run prints its summary and writes JSON only with --out DIR: leave out {flag}."
+    if flag in ("--imbalance", "--device"):
+        return f"{flag} belongs to a dry run or a prediction: add --dry-run or --predict, or leave it out."
+    if flag == "--predict":
+        return "--predict is run by `optimus plan --predict` (optimus.perf.predict.main)."
+    return f"{flag} belongs to a dry run: run `optimus plan --dry-run`."
 
 
 def node_counts(text: str) -> list[int]:
@@ -721,14 +795,9 @@ def world_size(cfg: OptimusConfig, nodes: list[int] | int | None, world: int | N
 def main(argv: list[str]) -> int:
     from optimus.recipes import load_config
 
-    opts = parser().parse_intermixed_args(argv)
+    opts = parse(argv, "plan")
     cfg = load_config(opts.overrides)
     world = world_size(cfg, opts.nodes, opts.world)
-    dry_only = [flag for flag in ("dry_run", "rank", "out", "check_groups") if getattr(opts, flag)]
-    if dry_only:  # optimus.cli hands `plan --dry-run` to optimus.dry_run.main
-        raise ConfigError(f"--{dry_only[0].replace('_', '-')} belongs to a dry run: run `optimus plan --dry-run`.")
-    if opts.predict:  # ... and `plan --predict` to optimus.perf.predict.main
-        raise ConfigError("--predict is run by `optimus plan --predict` (optimus.perf.predict.main).")
     plan = make_plan(cfg, world)
     sys.stdout.write((json.dumps(plan.as_dict(), indent=2) if opts.json else format_plan(plan)) + "\n")
     return 0

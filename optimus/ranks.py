@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -328,12 +329,13 @@ class SpawnError(RuntimeError):
 
 
 class SpawnStopped(RuntimeError):
-    """A stop signal reached the ranks (passed on by `spawn_local`). `exit_code` is 0 when they saved at a step
-    boundary and ended, 128 + the signal's number when they were ended before they could save."""
+    """A stop signal ended the ranks (ranks that end by themselves after saving return as usual, their result
+    saying so): before they could save, with `exit_code` 128 + the signal's number; or, a second Ctrl-C,
+    after they had saved at a step boundary and said so (`saved`; exit code 0 as for a stop that saved)."""
 
-    def __init__(self, message: str, exit_code: int = 0):
+    def __init__(self, message: str, exit_code: int, saved: bool = False):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.saved = exit_code, saved
 
 
 class RankRefused(ConfigError):
@@ -342,6 +344,18 @@ class RankRefused(ConfigError):
 
 _SPAWN_DIR = "OPTIMUS_SPAWN_DIR"  # where a rank of spawn_local leaves the sentence of a user error
 _LAUNCHER_PID = "OPTIMUS_LAUNCHER_PID"  # the process that started the ranks (their parent)
+
+
+_SAVED_AT_STOP = "saved-at-stop"  # in the spawn dir: the ranks saved at a stop signal, and said so
+
+
+def report_saved_at_stop() -> None:
+    """In a rank that spawn_local started (else nothing): the run saved at a stop signal and said so. A second
+    Ctrl-C that ends the ranks from now on (in their teardown) ends a run that saved: the launcher adds no
+    line to the one that said it."""
+    directory = os.environ.get(_SPAWN_DIR)
+    if directory:
+        Path(directory, _SAVED_AT_STOP).touch(exist_ok=True)
 
 
 def report_user_error(message: str) -> bool:
@@ -412,8 +426,19 @@ def _remove_spawn_dir() -> None:
     shutil.rmtree(os.environ.get(_SPAWN_DIR, ""), ignore_errors=True)
 
 
+def _end_at_start_up(signum, frame) -> None:
+    """Ctrl-C before the rank can stop at a step boundary (the trainer's handler replaces this one): end now,
+    without a traceback, as SIGTERM would; the launcher says it in one line."""
+    raise SystemExit(128 + signum)
+
+
 def _rank_main(entrypoint: Callable, *args) -> Any:
     """What spawn_local runs in each rank: `entrypoint(*args)`, ending with the launcher."""
+    signal.signal(signal.SIGINT, _end_at_start_up)
+    # The launcher started this process with SIGINT blocked, so that a Ctrl-C (which reaches every process of
+    # the terminal's group) while it imported torch waited for here instead of raising a KeyboardInterrupt
+    # somewhere in those imports: a pending one takes effect now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     watch = _LauncherWatch(int(os.environ[_LAUNCHER_PID]))
     watch.start()
     result = entrypoint(*args)
@@ -432,18 +457,28 @@ FAILURE_GRACE_S = 2.0  # after one rank failed, how long the others get to end b
 
 
 class _Forwarder:
-    """While installed, each forwarded signal is passed on to the ranks; a second Ctrl-C ends them at once."""
+    """While installed, each forwarded signal is passed on to the ranks; a second Ctrl-C ends them at once.
+    Installed before the ranks are started: what comes meanwhile is passed on once they are (`started`)."""
 
-    def __init__(self, pids: list[int]):
-        self.pids, self.received, self.sent, self._previous = pids, [], set(), {}
+    def __init__(self):
+        self.pids: list[int] | None = None
+        self.received, self.sent, self._previous, self._pending = [], set(), {}, []
 
     def install(self) -> None:
+        """Pass the stop signals on from now; called again after torch's process starter, where it put its own
+        handlers over these (the first ones are what `restore` puts back)."""
         for sig in FORWARDED_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, signal.signal(sig, self._handle))
 
     def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        while self._previous:
+            sig, handler = self._previous.popitem()
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+
+    def started(self, pids: list[int]) -> None:
+        self.pids = pids
+        for sig in self._pending:
+            self.send(sig)
 
     def _handle(self, signum, frame) -> None:
         sig = signal.Signals(signum)
@@ -453,6 +488,9 @@ class _Forwarder:
 
     def send(self, sig: signal.Signals) -> None:
         self.sent.add(int(sig))
+        if self.pids is None:
+            self._pending.append(sig)
+            return
         for pid in self.pids:
             try:
                 os.kill(pid, sig)
@@ -513,31 +551,61 @@ def _failure_message(first_failed: dict[int, int], pids: dict[int, int], log_dir
     return "; ".join(exits) + " without an error message; the other ranks were stopped."
 
 
-def _stopped(forwarder: _Forwarder, first_failed: dict[int, int]) -> SpawnStopped | None:
-    """The ranks ended because of a stop signal passed on (or a second Ctrl-C's SIGKILL) before they could save."""
-    by_launcher = [-code for code in first_failed.values() if code < 0 and -code in forwarder.sent]
+def _ended_by(code: int, sent: set[int]) -> int | None:
+    """The signal among `sent` that ended a rank with exit code `code`: killed by it (-signal), or ended by
+    itself at start-up on it (128 + signal: `_end_at_start_up`)."""
+    for number in (-code, code - 128):
+        if number in sent:
+            return number
+    return None
+
+
+def _stopped(forwarder: _Forwarder, first_failed: dict[int, int], log_dir: Path) -> SpawnStopped | None:
+    """The ranks ended because of a stop signal passed on (or a second Ctrl-C's SIGKILL), before they could
+    save or after they had (report_saved_at_stop)."""
+    by_launcher = [number for code in first_failed.values() if (number := _ended_by(code, forwarder.sent))]
     if not forwarder.received or not by_launcher:
         return None
+    if (log_dir / _SAVED_AT_STOP).exists():
+        return SpawnStopped(f"stopped by a second {forwarder.received[-1]} after the ranks had saved", 0, saved=True)
     if by_launcher[0] == signal.SIGKILL:  # sent only on a second Ctrl-C
         return SpawnStopped("stopped by a second SIGINT before the ranks had saved", 128 + signal.SIGINT)
     first = forwarder.received[0]
     return SpawnStopped(f"stopped by {first} before the ranks had started training", 128 + by_launcher[0])
 
 
-def _quiet_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker (shared by the ranks) unable to warn about the semaphores of a
-    rank that was killed: it removes them, and its warning after the one line that says what happened is noise."""
+def quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (shared by the processes this one starts) unable to warn about
+    the semaphores of a process that was killed: it removes them, and its warning after the one line that says
+    what happened is noise."""
     from multiprocessing import resource_tracker
 
     saved = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
     try:
-        resource_tracker.ensure_running()  # a no-op when it runs already
+        with ctrl_c_ignored():  # it ignores Ctrl-C once running; now from its start too
+            resource_tracker.ensure_running()  # a no-op when it runs already
     finally:
         if saved is None:
             del os.environ["PYTHONWARNINGS"]
         else:
             os.environ["PYTHONWARNINGS"] = saved
+
+
+@contextmanager
+def ctrl_c_ignored():
+    """SIGINT ignored in this block, and so from their start in the helper processes it starts (an ignored
+    signal stays ignored across exec, and Python keeps it so): a Ctrl-C, which reaches the terminal's whole
+    group, then cannot end one with a traceback as it imports its modules. (A Ctrl-C in the block itself, a few
+    milliseconds, is lost.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:
@@ -547,12 +615,12 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
     not forked. Each child sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
     `discover()` works inside it. Unlike torchrun's agent, which kills the ranks 30 s after a
     SIGTERM, this parent passes SIGTERM, SIGINT and SIGUSR1 on and waits for the ranks to save
-    and return; a stop signal then ends in SpawnStopped. A rank's user error (report_user_error)
-    ends in RankRefused, any other failure in SpawnError naming the rank that failed first and why.
+    and return (their values say that they stopped); a stop signal that ends them before they could
+    save ends in SpawnStopped. A rank's user error (report_user_error) ends in RankRefused, any other
+    failure in SpawnError naming the rank that failed first and why.
     The ranks end within ORPHAN_EXIT_S (saving if they can) if this process dies. Nothing is left
     behind in /tmp.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if nproc < 1:
@@ -576,29 +644,19 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
-    saved_tempdir = tempfile.tempdir
+    forwarder = _Forwarder()
     try:
-        _quiet_resource_tracker()
-        tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
-        try:
-            ranks = start_processes(
-                name="optimus",
-                entrypoint=_rank_main,
-                args={rank: (entrypoint, *args) for rank in range(nproc)},
-                envs=envs,
-                logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
-                start_method="spawn",
-            )
-        finally:
-            tempfile.tempdir = saved_tempdir
+        quiet_resource_tracker()
+        forwarder.install()  # replaces the handlers of whoever called (they would raise, leaving the ranks)
+        ranks = _start_ranks(nproc, entrypoint, args, envs, log_dir)
         pids = ranks.pids()
-        forwarder = _Forwarder(list(pids.values()))
-        forwarder.install()  # replaces the handlers start_processes installed (they would kill the ranks)
+        forwarder.install()  # where torch's starter put its own handlers in place (they would kill the ranks)
+        forwarder.started(list(pids.values()))
         try:
             result, first_failed = _wait(ranks, log_dir, forwarder)
         except SignalException as err:  # SIGHUP or SIGQUIT: the session is going away
             ranks.close(err.sigval, timeout=10)
-            raise SpawnStopped(f"stopped by {err.sigval.name}") from None
+            raise SpawnStopped(f"stopped by {err.sigval.name}", 128 + err.sigval) from None
         finally:
             forwarder.restore()
             ranks.close(signal.SIGKILL)
@@ -606,13 +664,45 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
         if refusals:
             raise RankRefused(refusals[0].read_text())
         if result.is_failed():
-            raise _stopped(forwarder, first_failed) or SpawnError(
+            raise _stopped(forwarder, first_failed, log_dir) or SpawnError(
                 _failure_message(first_failed, pids, log_dir, forwarder.sent)
             )
-        if forwarder.received:
-            raise SpawnStopped(f"stopped by {forwarder.received[0]}")
         return result.return_values
     finally:
+        forwarder.restore()  # if the ranks could not be started
         for log, level in zip(quiet, levels):
             log.setLevel(level)
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+_TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals torch's starter turns into SignalException
+
+
+def _start_ranks(nproc: int, entrypoint: Callable, args: tuple, envs: dict, log_dir: Path) -> Any:
+    """torch's elastic process starter, with SIGINT blocked while it starts the ranks: they inherit the mask and
+    unblock it in _rank_main, so a Ctrl-C (which reaches every process of the terminal's group) waits there
+    instead of raising a KeyboardInterrupt inside their imports of torch (SIGTERM and SIGUSR1 end them
+    silently then). The starter is told to leave the stop signals to the forwarder (SIGHUP and SIGQUIT it still
+    raises as SignalException)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    saved_tempdir, saved_signals = tempfile.tempdir, os.environ.get(_TORCH_SIGNALS)
+    tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
+    os.environ[_TORCH_SIGNALS] = "SIGHUP,SIGQUIT"
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        return start_processes(
+            name="optimus",
+            entrypoint=_rank_main,
+            args={rank: (entrypoint, *args) for rank in range(nproc)},
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+            start_method="spawn",
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        tempfile.tempdir = saved_tempdir
+        if saved_signals is None:
+            del os.environ[_TORCH_SIGNALS]
+        else:
+            os.environ[_TORCH_SIGNALS] = saved_signals

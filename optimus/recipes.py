@@ -27,12 +27,13 @@ def recipe_groups() -> dict[str, list[str]]:
     }
 
 
-def _explain_compose_error(err: Exception, overrides: list[str]) -> str:
+def _explain_compose_error(err: Exception) -> str:
     """Turn Hydra's multi-line errors into one sentence that says what to change."""
     text = str(err)
     for group, names in recipe_groups().items():
-        if f"Could not find '{group}/" in text:
-            bad = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "?")
+        missing = f"Could not find '{group}/"
+        if missing in text:  # Hydra names the recipe it looked for: the last of several overrides of the group
+            bad = text.split(missing, 1)[1].split("'", 1)[0]
             return f"Unknown {group} recipe {bad!r}: choose one of {', '.join(names)}."
     if text.startswith("Could not override '"):
         key = text.split("'")[1]
@@ -80,5 +81,5 @@ def load_config(overrides: list[str]) -> OptimusConfig:
     except ConfigError:
         raise
     except Exception as err:  # Hydra and OmegaConf raise many types; all mean "bad override"
-        raise ConfigError(_explain_compose_error(err, list(overrides))) from None
+        raise ConfigError(_explain_compose_error(err)) from None
     return cfg

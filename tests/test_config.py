@@ -1,5 +1,10 @@
 """Bad configuration stops before training with one sentence that names the key and the fix."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from optimus.cli import load_config, main
@@ -11,6 +16,11 @@ from optimus.config import (
     validate,
     validate_layout,
 )
+from tests.unchanged import unchanged
+
+# The issue's small run: four steps of the tiny model.
+SMALL_RUN = ["model=tiny", "train.global_batch=8", "train.micro_batch=2", "logging.progress=false",
+             "train.seq_len=64", "train.eval_sequences=4", "train.steps=4"]  # fmt: skip
 
 
 def error_of(overrides, world_size=1) -> str:
@@ -30,6 +40,12 @@ def test_default_config_is_valid():
 def test_unknown_recipe_lists_the_choices():
     message = error_of(["model=mula-9000"])
     assert "'mula-9000'" in message and "mula-7b-a1b" in message and "tiny" in message
+
+
+def test_the_unknown_recipe_named_is_the_one_hydra_could_not_find():
+    # The last of two overrides of a group is the one Hydra looks for: the error names it, not the first.
+    message = error_of(["model=tiny", "model=nonexistent"])
+    assert message.startswith("Unknown model recipe 'nonexistent'")
 
 
 def test_unknown_key_is_named():
@@ -188,3 +204,66 @@ def test_cli_help(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "mula-7b-a1b" in out and "parallel.ep" in out
+
+
+ZERO_BUBBLE_ON_TWO_RANKS = [
+    "parallel.nproc=2",
+    "parallel.pp=2",
+    "parallel.pp_schedule=interleaved_zb",
+    "parallel.pp_virtual=2",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        # pp = 1: the stage keys would be ignored, and pp_virtual made one process raise from torch and two hang.
+        (["parallel.pp_virtual=2"], "parallel.pp_virtual=2 needs pipeline stages, but parallel.pp=1"),
+        (["parallel.pp_schedule=interleaved_1f1b"], "parallel.pp_schedule=interleaved_1f1b needs pipeline stages"),
+        (["parallel.pp_schedule=gpipe"], "set parallel.pp to 2 or more, or parallel.pp_schedule=1f1b"),
+        (["parallel.pp_layers=[1,3]"], "or parallel.pp_layers=null"),
+        # A trace window after the last step wrote no trace; a mixture was read only by data=tokens.
+        (
+            ["profile.torch=true", "profile.torch_steps=10-20"],
+            "profile.torch_steps=10-20 ends after the run's train.steps=4",
+        ),
+        (["data.mix=[{path: shards, weight: 1}]"], "data.mix is read only with data=tokens, not data=builtin"),
+        # torch's module tracker fails on the zero-bubble schedule's backward, after the run's files were written.
+        (
+            [*ZERO_BUBBLE_ON_TWO_RANKS, "profile.memory=true"],
+            "profile.memory=true cannot measure parallel.pp_schedule=interleaved_zb",
+        ),
+    ],
+)
+def test_keys_a_run_would_ignore_or_hang_on_are_refused_before_anything_is_written(tmp_path, capsys, overrides, words):
+    with unchanged(tmp_path):
+        assert main(["train", *SMALL_RUN, *overrides, f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_stages_per_rank_without_pipeline_stages_is_refused_before_ranks_start(tmp_path):
+    # Two processes used to start and wait for pipeline peers forever: in a session of its own, so that a
+    # regression ends as a failure (the whole group killed) rather than a hung test.
+    args = [
+        "train",
+        *SMALL_RUN,
+        "parallel.nproc=2",
+        "parallel.ep=2",
+        "parallel.pp_virtual=2",
+        f"run.dir={tmp_path / 'run'}",
+    ]
+    with unchanged(tmp_path):
+        child = subprocess.Popen(
+            [sys.executable, "-m", "optimus", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            _, err = child.communicate(timeout=120)
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    assert child.returncode == 2 and err.strip() == (
+        "optimus: error: parallel.pp_virtual=2 needs pipeline stages, but parallel.pp=1: set parallel.pp to 2 or "
+        "more, or parallel.pp_virtual=1."
+    )

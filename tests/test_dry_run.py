@@ -4,9 +4,12 @@ group check; the host syncs of a step are the design's."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,7 +17,9 @@ import torch
 from optimus.cli import main
 from optimus.dry_run import dry_run_rank, group_check_ranks
 from optimus.load_model import ExpertLoad
+from optimus.output_dir import not_written
 from optimus.parallel.collective_trace import mismatches
+from optimus.plan import make_plan
 from optimus.recipes import load_config
 from tests.conftest import TINY_MODEL
 from tests.unchanged import unchanged
@@ -28,6 +33,15 @@ LAYOUTS = {
     "pp2xep2": ["parallel.pp=2", "parallel.ep=2", "optim.zero=2"],
     "tp2xep2": ["parallel.tp=2", "parallel.ep=2"],
     "pp2xtp2": ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"],
+    # two stages per pipeline rank, their forwards and backwards interleaved (MemTracker follows them), and the
+    # all-gather dispatcher (its selection of the local experts' rows sized by the load model)
+    "pp2xep2 interleaved allgather": [
+        "parallel.pp=2",
+        "parallel.ep=2",
+        "parallel.dispatcher=allgather",
+        "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.pp_virtual=2",
+    ],
     # Muon: its exchanges of whole matrices over the dense and expert owners and the tp peers' halves
     "tp2xep2 muon": ["parallel.tp=2", "parallel.ep=2", "optim.update=muon", "optim.zero=2", "optim.bucket_mb=0.01"],
 }
@@ -204,6 +218,7 @@ def test_a_dry_runs_expert_rows_follow_the_load(ep_rank, n_local, bounds):
         (["--device", "cuda"], "--device cuda needs a GPU"),
         (["--rank", "7"], "--rank 7 is not a rank of a world of 4"),
         (["model.moe.capacity_factor=1.25"], "set model.moe.capacity_factor=null"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual=2"], "interleaved_1f1b"),
     ],
 )
 def test_what_a_dry_run_cannot_do_is_refused_in_one_sentence(args, message, capsys, monkeypatch, tmp_path):
@@ -223,4 +238,146 @@ def test_an_earlier_dry_run_is_replaced_only_with_overwrite(tmp_path, capsys):
     with unchanged(tmp_path):
         assert main(args) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # a file the user put beside the ranks' files is not the dry run's to delete: named, and nothing is written
+    (out / "notes.txt").write_text("mine")
+    with unchanged(tmp_path):
+        assert main([*args, "--overwrite"]) == 2
+    assert "(notes.txt), which --overwrite would delete" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    (out / "rank3.json").write_text("{}")  # an earlier dry run's rank: replaced with the rest
     assert main([*args, "--overwrite"]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["dry_run.json", "rank1.json"]
+
+
+def test_what_an_output_is_made_of_is_told_from_what_a_user_put_there(tmp_path):
+    """Every path under an earlier output that matches none of the command's patterns, a directory as a whole
+    unless patterns live under it, a link as itself."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tiny.yaml").write_text("")
+    (tmp_path / "model" / "notes.md").write_text("")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "rank0.json").write_text("")
+    (tmp_path / "rank0.json").write_text("")
+    (tmp_path / "rank0.json.bak").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    written = ("rank[0-9]*.json", "model/*.yaml")
+    assert not_written(tmp_path, written) == ["link", "mine/", "model/notes.md", "rank0.json.bak"]
+
+
+def test_a_dry_run_that_does_not_fit_says_so_first(tmp_path, capsys):
+    """A peak above machine.memory_gb: the rank's first line says so, its JSON holds the verdict, the peak and
+    the limit, and the command exits 1 with every figure printed and written."""
+    out = tmp_path / "out"
+    assert main(["plan", "--dry-run", "--world", "1", *STEP, "machine.memory_gb=0.001", "--out", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("DOES NOT FIT: rank 0 measured a peak of") and lines[2].startswith("rank 0 of 1")
+    memory = json.loads((out / "rank0.json").read_text())["memory"]
+    assert memory["fits"] is False and memory["device_bytes"] == round(0.001 * 2**30) < memory["peak_bytes"]
+    assert json.loads((out / "dry_run.json").read_text())["does_not_fit"] == [0]
+
+
+def test_a_muon_dry_run_is_measured_against_the_plans_one_figure():
+    """With few activations Muon's step, after the backward, is the peak (its update directions beside the
+    state): `optimus plan`'s total counts it (an upper bound, `at most`), and the dry run prints that total.
+    Nor does it print the warnings every dry run raised (fake storages' addresses, MemTracker's None outputs)."""
+    cfg = load_config([*TINY_MODEL, "optim.update=muon", "train.dtype=fp32", "train.seq_len=32",
+                       "train.micro_batch=1", "train.global_batch=2"])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memory = dry_run_rank(cfg, 1, 0)["memory"]
+    assert not [
+        str(w.message) for w in caught if "FakeTensor" in str(w.message) or "wrapper-subclass" in str(w.message)
+    ]
+    plan = make_plan(cfg, 1)
+    assert plan.memory["step_bytes"] > plan.activations["configured"]
+    assert memory["planned_bytes"] == plan.memory["total_configured"]
+    assert 0.9 < memory["peak_bytes"] / memory["planned_bytes"] <= 1.05
+
+
+def _no_work(monkeypatch):
+    """Make the work of a dry run or a prediction (the step, the machine's measurement) fail the test."""
+
+    def work(*args, **kwargs):
+        raise AssertionError("the work started before the refusal")
+
+    monkeypatch.setattr("optimus.dry_run.run_dry_runs", work)
+    monkeypatch.setattr("optimus.perf.predict.trace_step", work)
+    monkeypatch.setattr("optimus.perf.machine.measure_local", work)
+
+
+DENSE = ["model.moe.n_experts=0"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dry-run", "--predict"], "--dry-run and --predict are two commands"),
+        (["--dry-run", "--json"], "leave out --json"),
+        (["--dry-run", "--rank", "1", "--rank", "1"], "--rank names 1 more than once"),
+        (["--dry-run", "--imbalance", "2", *DENSE], "this model has none (model.moe.n_experts=0)"),
+        (["--dry-run", "--out", "{tmp}/afile/child"], "is a file"),
+        (["--predict", "--nodes", "1,1", "machine=frontier", "train.global_batch=16"], "--nodes names 1 more"),
+        (["--predict", "--imbalance", "2", *DENSE], "this model has none (model.moe.n_experts=0)"),
+        (["--predict", "--imbalance", "9"], "--imbalance 9.0 is outside [1, 4]"),
+        (["--predict", "machine.perf.gemm_efficiency=0"], "machine.perf.gemm_efficiency=0.0 must be"),
+        (["--predict", "--out", "{tmp}/out"], "leave out --out"),
+        (["--imbalance", "2"], "--imbalance belongs to a dry run or a prediction"),
+    ],
+)  # fmt: skip
+def test_plan_options_are_refused_before_any_work(args, message, tmp_path, capsys, monkeypatch):
+    """Options a command does not take, or names twice, and what can be checked before the work (--out's way,
+    --imbalance, the machine's numbers) are refused in one sentence before the step is traced or the machine
+    measured."""
+    _no_work(monkeypatch)
+    (tmp_path / "afile").write_text("mine")
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    world = [] if "--nodes" in args else ["--world", "4"]
+    with unchanged(tmp_path):
+        code = main(["plan", *world, *STEP, *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(params=["ro", "rw"], ids=["read-only file system", "mount point"])
+def mounted(request, tmp_path):
+    """(a tmpfs mounted in tmp_path, read-only or not, and its options); skipped where mounting is not allowed."""
+    where = tmp_path / "mnt"
+    where.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{request.param},size=1m", "tmpfs", str(where)],
+                              capture_output=True)  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
+    if done.returncode:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {done.stderr.decode().strip()}")
+    yield where, request.param
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_dry_run(mounted, tmp_path, capsys, monkeypatch):
+    """A read-only file system on the way to --out (as root too), or an --out that is a mount point (replacing
+    it renames it): refused before the dry run, not after it."""
+    where, options = mounted
+    _no_work(monkeypatch)
+    out = where / "out" if options == "ro" else where
+    with unchanged(tmp_path):
+        assert main(["plan", "--dry-run", "--world", "4", *STEP, "parallel.ep=2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("read-only file system" if options == "ro" else "is a mount point") in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("code, advice", [(errno.ENOSPC, "free space and rerun"), (errno.EBUSY, "choose another")])
+def test_a_failed_replacement_gives_the_advice_of_its_cause(code, advice, tmp_path, monkeypatch):
+    """A full disk is told to free space; anything else (a mount point that appeared since the check: EBUSY)
+    to choose another --out. Either way nothing is left behind."""
+    from optimus.config import ConfigError
+    from optimus.output_dir import replacing_directory
+
+    def rename(src, dst):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("optimus.output_dir.os.rename", rename)
+    with unchanged(tmp_path), pytest.raises(ConfigError, match=f"\\({os.strerror(code)}\\).*{advice}"):
+        with replacing_directory(tmp_path / "out") as tmp:
+            (tmp / "rank0.json").write_text("{}")

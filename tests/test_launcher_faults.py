@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.ranks import SpawnError, SpawnStopped, discover, init_process_group, spawn_local
+from optimus.ranks import (
+    SpawnError,
+    SpawnStopped,
+    discover,
+    init_process_group,
+    report_saved_at_stop,
+    spawn_local,
+)
 from tests.train.test_faults import COMMON, _alive, _descendants
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
@@ -84,6 +91,35 @@ def test_a_second_ctrl_c_ends_in_one_line(tmp_path, monkeypatch):
     assert ready.read_text().splitlines() == ["started", "SIGINT"]  # the first reached the rank; the second ended it
     assert str(stopped.value) == "stopped by a second SIGINT before the ranks had saved"
     assert stopped.value.exit_code == 128 + signal.SIGINT
+
+
+def _saved_then_slow_to_end() -> None:
+    """A rank that saves at a Ctrl-C and says so (as the trainer does), then takes its time to end."""
+    ready = Path(os.environ["OPTIMUS_TEST_READY"])
+
+    def save(signum, frame):
+        report_saved_at_stop()
+        with open(ready, "a") as f:
+            f.write(f"{signal.Signals(signum).name}\n")
+
+    signal.signal(signal.SIGINT, save)
+    ready.write_text("started\n")
+    time.sleep(60)
+
+
+def test_a_second_ctrl_c_after_the_ranks_saved_ends_a_run_that_saved(tmp_path, monkeypatch):
+    """The second Ctrl-C still ends the ranks at once; they had saved and said so: no second line, exit 0."""
+    ready = tmp_path / "ready"
+    monkeypatch.setenv("OPTIMUS_TEST_READY", str(ready))
+    sender = _signal_self_once(ready, signal.SIGINT, times=2)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SpawnStopped) as stopped:
+            spawn_local(1, _saved_then_slow_to_end)
+    finally:
+        sender.join()
+    assert time.monotonic() - started < 50  # ended, not waited for
+    assert stopped.value.saved and stopped.value.exit_code == 0
 
 
 def _die_on_rank_one() -> int:

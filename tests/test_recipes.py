@@ -1,10 +1,13 @@
 """Experiment recipes compose to the published Aurora layouts (the 100B and 220B ones with pipeline stages)."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from optimus.cli import load_config
 from optimus.config import validate
-from optimus.recipes import recipes_dir
+from optimus.recipes import recipe_groups, recipes_dir
 
 AURORA_TILES = 256 * 12
 
@@ -45,3 +48,18 @@ def test_the_default_run_uses_muon_and_every_experiment_adamw():
     assert len(experiments) >= 11
     for name in experiments:
         assert load_config([f"experiment={name}"]).optim.update == "adamw", name
+
+
+def test_the_readme_table_names_every_recipe_and_each_experiments_layout():
+    """The README's recipe table lists each group's recipes, and beside each experiment the TP, PP and EP its
+    recipe sets (it once said TP 2 of two recipes with tp = 1, and left a recipe out)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)=` \| (.*) \|$", readme, re.MULTILINE))
+    for group, names in recipe_groups().items():
+        assert sorted(set(re.findall(r"`([\w.-]+)`", rows[group]))) == names, group
+    layouts = dict(re.findall(r"`([\w.-]+)` \(([^)]*)\)", rows["experiment"]))
+    assert sorted(layouts) == recipe_groups()["experiment"]
+    for name, layout in layouts.items():
+        parallel = load_config([f"experiment={name}"]).parallel
+        named = {dim.lower(): int(size) for dim, size in re.findall(r"\b(TP|PP|EP) (\d+)", layout)}
+        assert named and all(getattr(parallel, dim) == size for dim, size in named.items()), (name, layout)

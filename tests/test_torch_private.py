@@ -183,14 +183,18 @@ def test_mod_tracker_names_the_module_and_the_pass():
 
 
 def test_mem_tracker_calls_the_methods_optimus_overrides():
-    """optimus/train/step_memory.py overrides MemTracker's `_track`, `_update_peak_stats` and `_pre_fw_hook` and
-    reads `_curr_mem_snap`, `_peak_mem`, `_peak_mem_snap` and `_mod_tracker`: a rename would leave its overrides
-    silently unused."""
+    """optimus/train/step_memory.py overrides MemTracker's `_track`, `_update_peak_stats` and its module hooks
+    (`_pre_fw_hook`, `_post_fw_hook`, `_pre_bw_hook`, `_post_bw_hook`) and reads `_curr_mem_snap`, `_peak_mem`,
+    `_peak_mem_snap`, `_mod_tracker`, `memory_tracking`, `_ac_mod` and `_in_ac`: a rename would leave its
+    overrides silently unused."""
     from optimus.kernels.torch_private import _TOTAL_KEY, MemTracker
 
-    for method, params in {"_track": ["reftype", "t"], "_update_peak_stats": ["peak_state"],
-                           "_pre_fw_hook": ["module", "inputs"]}.items():  # fmt: skip
+    overridden = {"_track": ["reftype", "t"], "_update_peak_stats": ["peak_state"],
+                  "_pre_fw_hook": ["module", "inputs"], "_post_fw_hook": ["module", "inputs", "outputs"],
+                  "_pre_bw_hook": ["module", "args"], "_post_bw_hook": ["module", "args"]}  # fmt: skip
+    for method, params in overridden.items():
         assert list(inspect.signature(getattr(MemTracker, method)).parameters)[1:] == params, moved("MemTracker")
+    assert {"memory_tracking", "_ac_mod", "_in_ac"} <= set(vars(MemTracker())), moved("MemTracker")
     calls = []
 
     class Recording(MemTracker):

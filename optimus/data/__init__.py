@@ -3,7 +3,7 @@
 Public entry points:
     build_data(cfg, seq_len, seed) -> DataBundle(train, val, vocab_size, tokenizer_id, eos_id, tokenizer)
     BatchLoader(dataset, global_batch, micro_batch, rank, world_size, seed, samples_consumed=0, prefetch=4)
-    eval_batches(dataset, n, micro_batch, rank, world_size, seed=0)
+    eval_batches(dataset, n, micro_batch, rank, world_size, seed=0), eval_set_size(dataset, n)
     prepare(inputs, output, tokenizer, num_proc=1, text_field="text")   (`optimus data prepare`)
 
 The entry points are imported on first use: `optimus.cli` needs only DataError, and commands
@@ -23,6 +23,7 @@ _SUBMODULE = {
     "DataBundle": "build",
     "build_data": "build",
     "eval_batches": "loader",
+    "eval_set_size": "loader",
     "load_tokenizer": "tokenizer",
     "open_tokens": "shards",
     "prepare": "prepare",
@@ -31,7 +32,7 @@ _SUBMODULE = {
 
 if TYPE_CHECKING:
     from optimus.data.build import DataBundle, build_data
-    from optimus.data.loader import BatchLoader, eval_batches
+    from optimus.data.loader import BatchLoader, eval_batches, eval_set_size
     from optimus.data.prepare import prepare
     from optimus.data.shards import open_tokens
     from optimus.data.tokenizer import load_tokenizer, train_bpe
@@ -49,6 +50,7 @@ __all__ = [
     "DataError",
     "build_data",
     "eval_batches",
+    "eval_set_size",
     "load_tokenizer",
     "open_tokens",
     "prepare",

@@ -120,21 +120,27 @@ class BatchLoader:
             self._thread = None
 
 
+def eval_set_size(dataset: Any, n_sequences: int) -> int:
+    """How many windows the held-out set has: the first `n_sequences` of `dataset`, or all of them when it has
+    fewer (train.eval_sequences is an upper bound: the run says how many it used)."""
+    if len(dataset) == 0:
+        raise DataError("the validation set has no complete window: raise data.val_fraction or lower train.seq_len.")
+    return min(n_sequences, len(dataset))
+
+
 def eval_batches(
     dataset: Any, n_sequences: int, micro_batch: int, rank: int, world_size: int, seed: int = 0
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the held-out set: (tokens [mb, S + 1], weight [mb]) micro-batches.
 
-    The held-out set is the first min(n_sequences, len(dataset)) windows of `dataset`
-    in its seed-`seed` order, whatever the layout. Rank r takes the contiguous block
+    The held-out set is the first n = eval_set_size(dataset, n_sequences) windows of
+    `dataset` in its seed-`seed` order, whatever the layout. Rank r takes the contiguous block
     [r * P, (r + 1) * P) of them, P = ceil(n / W). Every rank runs the same number of
     full micro-batches (expert-parallel collectives need both), so the last ones are
     padded with rows of weight 0; a loss weighted by `weight` and divided by n x S
     is then the same mean for every world size and micro-batch.
     """
-    if len(dataset) == 0:
-        raise DataError("the validation set has no complete window: raise data.val_fraction or lower train.seq_len.")
-    n = min(n_sequences, len(dataset))
+    n = eval_set_size(dataset, n_sequences)
     per_rank = -(-n // world_size)
     n_batches = -(-per_rank // micro_batch)
     lo, hi = min(n, rank * per_rank), min(n, (rank + 1) * per_rank)

@@ -109,6 +109,9 @@ class Imported:
     objective: str  # what the recipe trains, and the overrides for Optimus's defaults
 
 
+# What _write_checkpoint writes (dcp.save: .metadata and a .distcp file per process): --overwrite replaces a
+# checkpoint that holds nothing else.
+CHECKPOINT_FILES = (META, "config.yaml", "model/*.yaml", "tokenizer.json", ".metadata", "*.distcp")
 DATA_PATH = "DATA_PATH"  # the placeholder of the printed command (see data_keys)
 # The optimizer the printed command continues pretraining with: AdamW, which Hugging Face's MoE models (OLMoE,
 # Qwen3-MoE, Mixtral) were pretrained with, at the Mula experiments' peak lr (OLMoE's 4e-4), not the default run's
@@ -121,7 +124,7 @@ def import_hf(source: str | Path, out: str | Path, name: str | None = None, over
     cache), as an Optimus checkpoint `out` (a step directory that any layout loads) with the model recipe that
     builds it in `out/model/`; an existing checkpoint there is replaced only with `overwrite`. The output is
     checked before anything is downloaded; the whole directory is written beside `out` and renamed at the end."""
-    check_out_dir(Path(out), overwrite, META, "an Optimus checkpoint")
+    check_out_dir(Path(out), overwrite, META, "an Optimus checkpoint", CHECKPOINT_FILES)
     out = Path(os.path.abspath(out))  # the printed command works from any directory
     hub_id = str(source) if is_hub_id(source) else None
     hf_dir = hub_snapshot(hub_id) if hub_id else Path(source)

@@ -33,6 +33,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json",
 )  # fmt: skip
+# What save_state writes (write_tokenizer: a transformers tokenizer's save_pretrained adds its chat template):
+# --overwrite replaces a directory that holds nothing else.
+EXPORTED_FILES = (CONFIG, "*.safetensors", INDEX_FILE, *TOKENIZER_FILES, "chat_template.jinja")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -190,7 +193,7 @@ def check_save(cfg: ModelConfig, path: Path, tokenizer: Any, overwrite: bool) ->
     """What save_state checks before it writes anything: that a format holds the model, that `path` may be
     written, and that the tokenizer exists; returns the format and the tokenizer as write_tokenizer takes it."""
     fmt = format_for_model(cfg)
-    check_out_dir(path, overwrite, CONFIG, "a Hugging Face model directory")
+    check_out_dir(path, overwrite, CONFIG, "a Hugging Face model directory", EXPORTED_FILES)
     return fmt, checked_tokenizer(tokenizer)
 
 

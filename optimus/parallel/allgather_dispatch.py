@@ -22,6 +22,7 @@ import torch
 from optimus.config import ConfigError
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
+from optimus.load_model import expert_positions
 from optimus.model.moe.dispatch import SharedExperts, add_shared, run_experts
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Routing
@@ -36,7 +37,7 @@ def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
     """
     local_NK = expert_idx_NK - first
     mine_NK = (local_NK >= 0) & (local_NK < n_local)
-    flat_pos_A = torch.nonzero(mine_NK.reshape(-1), as_tuple=True)[0]
+    flat_pos_A = expert_positions(mine_NK.reshape(-1), first, n_local)
     local_A = local_NK.reshape(-1)[flat_pos_A]
     order_A = torch.sort(local_A, stable=True).indices
     counts_L = count_ids(local_A, n_local)

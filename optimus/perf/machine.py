@@ -14,10 +14,16 @@ node's devices share).
 from __future__ import annotations
 
 import math
+import multiprocessing
+import multiprocessing.context
 import os
+import select
+import signal
 import statistics
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -135,14 +141,112 @@ def fresh_process_context():
     """The multiprocessing context for the model's measuring and tracing processes, each of which must start
     clean (its own threads and malloc settings; no DeviceMesh of an earlier world in torch's caches): forked
     from a forkserver where there is one (a process that imported torch and optimus.perf and built nothing,
-    so a child starts in a fraction of a second instead of importing torch again), spawned elsewhere."""
-    import multiprocessing
+    so a child starts in a fraction of a second instead of importing torch again), spawned elsewhere. Its
+    processes end with the command that started them (`_CommandBound`)."""
+    from optimus.ranks import quiet_resource_tracker
 
+    quiet_resource_tracker()  # shared with the processes: no warning about the semaphores of one that was killed
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
+        return _SpawnContext()
+    ctx = _ForkServerContext()
     ctx.set_forkserver_preload(["optimus.perf.predict"])  # no effect once the server runs
+    _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (a no-op once it runs) with Ctrl-C ignored from its start: it first imports torch,
+    and a Ctrl-C (the terminal's reaches its whole group) would end it there with a traceback. Running, it
+    ignores SIGINT itself."""
+    from multiprocessing import forkserver
+
+    from optimus.ranks import ctrl_c_ignored
+
+    with ctrl_c_ignored():
+        forkserver.ensure_running()
+
+
+class _CommandBound:
+    """A measuring or tracing process that ends with the command that started it, however that ended (a stop
+    signal, kill -9): nobody reads its result then, and while it runs, the forkserver and the resource tracker,
+    which outlive their clients, run too. A Ctrl-C reaches it with the terminal's whole group: the command
+    decides (it ends its processes as it ends), so the process ignores it instead of printing a traceback."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command_pid = os.getpid()
+
+    def start(self):
+        with _stop_signals_held():
+            super().start()
+
+    def run(self):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        watch = threading.Thread(target=_exit_after, args=(self.command_pid,), name="optimus-command", daemon=True)
+        watch.start()
+        super().run()
+
+
+@contextmanager
+def _stop_signals_held():
+    """A stop signal waits for the end of the block, then takes effect as it would have: a process interrupted
+    while it starts (forked, but its task not yet written to it, or its queue's semaphores about to be removed
+    by its parent's exit) would be left behind, or print a traceback as it fails to read them."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets Python's signals
+        yield
+        return
+    from optimus.ranks import FORWARDED_SIGNALS  # the stop signals
+
+    held = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for signum in held:
+            os.kill(os.getpid(), signum)
+
+
+def _exit_after(pid: int) -> None:
+    """End this process once process `pid` has ended."""
+    try:
+        handle = os.pidfd_open(pid)  # readable once it has ended (Linux 5.3)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: poll
+        while _exists(pid):
+            time.sleep(1.0)
+        os._exit(1)
+    select.select([handle], [], [])
+    os._exit(1)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if "forkserver" in multiprocessing.get_all_start_methods():
+
+    class _ForkServerProcess(_CommandBound, multiprocessing.context.ForkServerProcess):
+        pass
+
+    class _ForkServerContext(multiprocessing.context.ForkServerContext):
+        Process = _ForkServerProcess
+
+
+class _SpawnProcess(_CommandBound, multiprocessing.context.SpawnProcess):
+    pass
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    Process = _SpawnProcess
 
 
 def _best_time(fn, seconds: float) -> float:
@@ -260,15 +364,7 @@ def measure_gloo(world: int = 2) -> Link:
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, sizes, results)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        try:
-            small, large = _result(results, procs)
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
+        ((small, large),) = _results_of(procs, results, count=1)  # rank 0's
     # As optimus.perf.costs prices an all-reduce: 2 ceil(log2 n) latencies and 2 (n - 1) / n of the buffer.
     latency = small / (2 * math.ceil(math.log2(world)))
     volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
@@ -280,12 +376,24 @@ def _in_processes(n: int, target, *args, timeout_s: float = 300.0) -> list:
     ctx = fresh_process_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, results)) for _ in range(n)]
-    for proc in procs:
-        proc.start()
+    return _results_of(procs, results, count=n, timeout_s=timeout_s)
+
+
+def _results_of(procs: list, results, count: int, timeout_s: float = 300.0) -> list:
+    """Start `procs` and return the first `count` things they put in `results`. Stopped meanwhile (Ctrl-C, a
+    stop signal) or failing, this kills them at once rather than wait for them: they end with the command."""
+    started = []
     try:
-        return [_result(results, procs, timeout_s) for _ in procs]
-    finally:
         for proc in procs:
+            proc.start()
+            started.append(proc)
+        return [_result(results, procs, timeout_s) for _ in range(count)]
+    except BaseException:
+        for proc in started:
+            proc.kill()
+        raise
+    finally:
+        for proc in started:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()

@@ -48,6 +48,11 @@ class Prediction:
     traced_ranks: list[int] = field(default_factory=list)
     # The machine model it was replayed on; without its operator times (their count is in its sources).
     machine_numbers: dict = field(default_factory=dict)
+    # Whether the layout fits the device: `optimus plan`'s peak of the busiest rank against machine.memory_gb
+    # (optimus.plan.fit_of; None where the machine does not say). A step that does not fit is printed all the same.
+    fits: bool | None = None
+    peak_bytes: int = 0
+    device_bytes: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -222,13 +227,10 @@ def schedule_order(cfg: OptimusConfig, traces: dict[int, dict]) -> dict[int, lis
 
 
 def check_predictable(cfg: OptimusConfig) -> None:
-    if cfg.model.moe.capacity_factor is not None:
-        raise ConfigError("--predict traces dropless routing only: set model.moe.capacity_factor=null.")
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "interleaved_zb":
-        raise ConfigError(
-            "--predict cannot trace parallel.pp_schedule=interleaved_zb (torch's module tracker fails on its "
-            "autograd.grad backward): predict interleaved_1f1b, whose forwards and backwards are the same work."
-        )
+    """What no dry run can trace, refused as a prediction's (optimus.dry_run.check_dry_run_config)."""
+    from optimus.dry_run import check_dry_run_config
+
+    check_dry_run_config(cfg, "--predict")
 
 
 PROGRESS = ("stdout", "stderr", "none")  # where trace_step's child reports each dry run it starts
@@ -262,12 +264,9 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
     """trace_step's child: the dry runs, their traces (or the error) written to `out` as JSON."""
     import sys
     import traceback
-    import warnings
 
     from optimus.dry_run import dry_run_rank
 
-    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the sharder's checks
-    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
     stream = {"stdout": sys.stdout, "stderr": sys.stderr}.get(progress)
     try:
         stage_world = world // cfg.parallel.pp
@@ -300,7 +299,16 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
         tokens_per_s=tokens / step, tflops_per_device=tflops / 1e12, mfu=tflops / machine.peak_flops,
         time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
         machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
+        **planned_fit(cfg, world),
     )  # fmt: skip
+
+
+def planned_fit(cfg: OptimusConfig, world: int) -> dict:
+    """{fits, peak_bytes, device_bytes} of the layout: `optimus plan`'s peak of its busiest rank against the
+    device (the dry runs of a prediction trace the step, not its memory)."""
+    from optimus.plan import fit_of, plan_layout
+
+    return fit_of(plan_layout(cfg, world).memory["total_configured"], cfg)
 
 
 def predict(cfg: OptimusConfig, world: int, machine: MachineModel | None = None, imbalance: float = 1.0,
@@ -324,6 +332,27 @@ def scaled_batch(cfg: OptimusConfig, world: int, base_world: int) -> OptimusConf
     return scaled
 
 
+def scaling_points(cfg: OptimusConfig, worlds: list[int]) -> list[dict]:
+    """Per world size, the configs `scaling` predicts, each validated: `strong` (the recipe, or None with
+    `strong_refused` where its layout does not divide the batch) and `weak` (the batch grown from the first world
+    size). A first world size that does not run, or a weak point that does not, is refused here."""
+    from optimus.config import validate
+
+    validate(copy.deepcopy(cfg), worlds[0])
+    points = []
+    for world in worlds:
+        point = {"world": world, "strong": cfg, "weak": cfg}
+        try:
+            validate(copy.deepcopy(cfg), world)  # a layout that does not divide the batch is refused here
+        except ConfigError as refused:
+            point["strong"], point["strong_refused"] = None, str(refused)
+        if world != worlds[0]:
+            point["weak"] = scaled_batch(cfg, world, worlds[0])
+            validate(copy.deepcopy(point["weak"]), world)
+        points.append(point)
+    return points
+
+
 def scaling(
     cfg: OptimusConfig,
     worlds: list[int],
@@ -338,30 +367,25 @@ def scaling(
     None, and `strong_refused` says why); the first world size, every efficiency's base, must run."""
     import sys
 
-    from optimus.config import validate
-
     stream = {"stdout": sys.stdout, "stderr": sys.stderr}.get(progress)
 
     def say(line: str) -> None:
         if stream is not None:
             print(line, file=stream, flush=True)
 
-    validate(copy.deepcopy(cfg), worlds[0])
     rows = []
-    for world in worlds:
-        row = {"world": world, "strong": None}
-        try:
-            validate(copy.deepcopy(cfg), world)  # a layout that does not divide the batch is refused here
-        except ConfigError as refused:
-            row["strong_refused"] = str(refused)
-            say(f"{world} ranks: no strong-scaling point: {refused}")
+    for point in scaling_points(cfg, worlds):  # every layout checked before the first prediction
+        world, row = point["world"], {"world": point["world"], "strong": None}
+        if point["strong"] is None:
+            row["strong_refused"] = point["strong_refused"]
+            say(f"{world} ranks: no strong-scaling point: {point['strong_refused']}")
         else:
             say(f"{world} ranks, strong scaling (global batch {cfg.train.global_batch}):")
             row["strong"] = predict(cfg, world, machine_for(world), imbalance, progress, device)
         if world == worlds[0]:
             row["weak"] = row["strong"]
         else:
-            weak_cfg = scaled_batch(cfg, world, worlds[0])
+            weak_cfg = point["weak"]
             say(f"{world} ranks, weak scaling (global batch {weak_cfg.train.global_batch}):")
             row["weak"] = predict(weak_cfg, world, machine_for(world), imbalance, progress, device)
         rows.append(row)
@@ -373,6 +397,20 @@ def scaling(
         )
         row["weak_efficiency"] = weak_efficiency(base.tokens_per_s / base.world, weak.tokens_per_s / weak.world)
     return rows
+
+
+def fit_lines(layouts: list[tuple[OptimusConfig, int]]) -> list[str]:
+    """The lines that come first, before any work, for each (config, world) to predict whose layout does not fit
+    its device (optimus.plan's rule, on its peak of the busiest rank)."""
+    from optimus.plan import does_not_fit_line
+
+    lines = []
+    for cfg, world in layouts:
+        fit = planned_fit(cfg, world)
+        if fit["fits"] is False:
+            whose = f"world {world}, global batch {cfg.train.global_batch}: optimus plan puts the busiest rank at"
+            lines.append(does_not_fit_line(fit, whose))
+    return lines
 
 
 def format_prediction(pred: Prediction) -> list[str]:
@@ -418,26 +456,24 @@ def scaling_json(rows: list[dict]) -> dict:
 
 def main(argv: list[str]) -> int:
     """`optimus plan --predict [--nodes A,B,C | --world W] [--imbalance X] [--json] overrides` (the options of
-    optimus.plan.parser)."""
+    optimus.plan.parser): 0, or 1 where a predicted layout does not fit its device (said first; the figures are
+    printed all the same; in --json each prediction's `fits`, `peak_bytes` and `device_bytes`)."""
     import json
-    import warnings
+    import sys
 
     from optimus.dry_run import dry_run_platform
-    from optimus.plan import parser, world_size
+    from optimus.load_model import checked_imbalance
+    from optimus.perf.machine import times_operators
+    from optimus.plan import parse, world_size
     from optimus.recipes import load_config
 
-    opts = parser().parse_intermixed_args(argv)
+    # Everything that can be refused is checked before the machine is measured and the step traced.
+    opts = parse(argv, "predict")
     cfg = load_config(opts.overrides)
-    if opts.dry_run or opts.rank or opts.out or opts.check_groups or opts.overwrite:
-        raise ConfigError(
-            "--predict runs its own dry runs: leave out --dry-run, --rank, --out, --overwrite and --check-groups."
-        )
-    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU, before any work
-
-    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # the sharder's checks
-    warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU
+    imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
+    check_predictable(cfg)
     worlds = [world_size(cfg, [n], None) for n in opts.nodes] if opts.nodes else [world_size(cfg, None, opts.world)]
-    progress = "stderr" if opts.json else "stdout"
     models: dict[int, MachineModel] = {}
 
     def machine_for(world: int) -> MachineModel:
@@ -445,13 +481,21 @@ def main(argv: list[str]) -> int:
             models[world] = machine_model(cfg.machine, world)
         return models[world]
 
+    if not times_operators(cfg.machine):  # a recipe's model: its machine.perf.* checked (machine=local is measured)
+        for world in worlds:
+            machine_for(world)
+    points = scaling_points(cfg, worlds)  # every layout, strong and weak
+    progress = "stderr" if opts.json else "stdout"
+    layouts = [(p["strong"], p["world"]) for p in points if p["strong"] is not None]
+    layouts += [(p["weak"], p["world"]) for p in points[1:]]  # the first world size's weak point is its strong one
+    too_big = fit_lines(layouts)
+    for line in too_big:  # first, before the minutes of work
+        print(line, file=sys.stderr if opts.json else sys.stdout, flush=True)
     if len(worlds) == 1:
-        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), opts.imbalance, progress, opts.device)
-        print(json.dumps(prediction.as_dict(), indent=2) if opts.json else "\n".join(format_prediction(prediction)))
-        return 0
-    rows = scaling(cfg, worlds, machine_for, opts.imbalance, progress, opts.device)
-    if opts.json:
-        print(json.dumps(scaling_json(rows), indent=2))
+        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), imbalance, progress, opts.device)
+        text, out = format_prediction(prediction), prediction.as_dict()
     else:
-        print("\n".join(format_prediction(rows[0]["strong"]) + format_scaling(rows)))
-    return 0
+        rows = scaling(cfg, worlds, machine_for, imbalance, progress, opts.device)
+        text, out = format_prediction(rows[0]["strong"]) + format_scaling(rows), scaling_json(rows)
+    print(json.dumps(out, indent=2) if opts.json else "\n".join(text))
+    return 1 if too_big else 0

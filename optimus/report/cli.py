@@ -27,7 +27,7 @@ def build_report(
         raise ReportError("no run directories given: pass one or more run.dir paths written by `optimus train`.")
     if warmup_steps < 0:
         raise ReportError(f"--warmup-steps {warmup_steps} must be 0 or more.")
-    runs = [load_run(p) for p in run_dirs]
+    runs = [load_run(p) for p in distinct(run_dirs)]
     mode = infer_mode(runs) if mode == "auto" else mode
     check_comparable(runs, mode)
     summaries = []
@@ -45,6 +45,18 @@ def build_report(
     for note in shared_core_notes(rows):
         print(f"Ranks shared cores: {note}")
     return rows
+
+
+def distinct(run_dirs: list[str | Path], log=print) -> list[Path]:
+    """The run directories, each once: one named twice (or by two paths) would be a second row and a second point
+    of every plot, a scaling series of one run with itself. Each repeat is named and dropped."""
+    first: dict[Path, Path] = {}
+    for path in map(Path, run_dirs):
+        if path.resolve() in first:
+            log(f"{path} is the run {first[path.resolve()]} given again: it is reported once.")
+        else:
+            first[path.resolve()] = path
+    return list(first.values())
 
 
 def _parser() -> argparse.ArgumentParser:

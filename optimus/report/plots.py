@@ -25,13 +25,18 @@ def plot_efficiency(rows: list[dict], mode: str, path: Path) -> None:
         ax.plot([r["devices"] for r in measured], [r["efficiency"] for r in measured], "o-", label="measured")
     else:  # the base run's ranks shared cores: nothing to plot but the axes
         ax.set_xlim(min(devices) / 1.5, max(devices) * 1.5)
-    if rows and "predicted_efficiency" in rows[0]:
-        ax.plot(devices, [r["predicted_efficiency"] for r in rows], "s--", label="predicted")
+    # With --predict: the runs it could predict.
+    predicted = [r for r in rows if r.get("predicted_efficiency") is not None]
+    if predicted:
+        ax.plot(
+            [r["devices"] for r in predicted], [r["predicted_efficiency"] for r in predicted], "s--", label="predicted"
+        )
     ax.axhline(1.0, color="gray", linestyle="--", label="ideal")
     ax.set_xscale("log", base=2)
     ax.set_xticks(devices, [str(d) for d in devices])
-    predicted = [r["predicted_efficiency"] * 1.1 for r in rows if "predicted_efficiency" in r]
-    ax.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in measured] + predicted))
+    ax.set_ylim(
+        0, 1.1 * max([1.0] + [r["efficiency"] for r in measured] + [r["predicted_efficiency"] for r in predicted])
+    )
     ax.set_xlabel("devices")
     ax.set_ylabel(f"{mode} scaling efficiency")
     ax.legend()

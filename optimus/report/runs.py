@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,11 +50,11 @@ class Run:
 
     @property
     def pp(self) -> int:  # runs from before pipeline parallelism have no pp (nor tp) in their layout: 1
-        return int(self.info["layout"].get("pp", 1))
+        return int(self.info["layout"].get("pp") or 1)
 
     @property
     def tp(self) -> int:
-        return int(self.info["layout"].get("tp", 1))
+        return int(self.info["layout"].get("tp") or 1)
 
     @property
     def tokens_per_step(self) -> int:
@@ -78,9 +79,27 @@ class Run:
         return f"{device.get('name', '?')} ({device.get('type', '?')})"
 
 
-# What the report reads from each file; a run directory that lacks one is named with the key.
-INFO_NEEDS = ("layout.world", "layout.ep", "tokens_per_step", "flops_per_token")
-CONFIG_NEEDS = ("train.global_batch",)
+# What a value the report computes with must be (bools, strings, nan and inf are none of them).
+COUNT, POSITIVE, NON_NEGATIVE = (
+    "a whole number, 1 or more",
+    "a positive, finite number",
+    "0 or a positive, finite number",
+)
+# What the report reads from each file, and what each value must be; a run directory that lacks a required one
+# is named with the key. Optional keys may be absent or null: runs from before pipeline and tensor parallelism
+# have no pp or tp (1), and a peak of 0 or null is unknown (no MFU).
+INFO_NEEDS = {"layout.world": COUNT, "layout.ep": COUNT, "tokens_per_step": COUNT, "flops_per_token": POSITIVE}
+INFO_OPTIONAL = {"layout.pp": COUNT, "layout.tp": COUNT, "device.peak_flops": NON_NEGATIVE}
+CONFIG_NEEDS = {"train.global_batch": COUNT}
+
+
+def is_a(value: object, kind: str) -> bool:
+    """Whether a value read from JSON or YAML is `kind` (COUNT, POSITIVE or NON_NEGATIVE)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == COUNT:
+        return isinstance(value, int) and value >= 1
+    return 0 < value < math.inf if kind == POSITIVE else 0 <= value < math.inf
 
 
 def _read_json(path: Path) -> dict:
@@ -106,13 +125,76 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _require(data: dict, keys: tuple[str, ...], path: Path) -> None:
-    for key in keys:
-        node = data
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, (int, float)) or isinstance(node, bool):
+def _lookup(data: dict, key: str) -> object:
+    """The value at a dotted key, None where a part is missing or not a mapping."""
+    node = data
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _require(data: dict, needs: dict[str, str], path: Path, optional: dict[str, str] | None = None) -> None:
+    """Each key of `needs` (and each key of `optional` that is there) holds a value of its kind."""
+    for key in needs:
+        if _lookup(data, key) is None:
             raise ReportError(f"{path} has no number at {key}: pass run directories written by `optimus train`.")
+    for key, kind in {**needs, **(optional or {})}.items():
+        value = _lookup(data, key)
+        if value is not None and not is_a(value, kind):
+            raise ReportError(f"{path} has {key}={value!r}, which is not {kind}: repair it or rerun that run.")
+
+
+def _check_info(info: dict, path: Path) -> None:
+    """run_info.json's numbers, the layout they make up, and its per-rank records."""
+    _require(info, INFO_NEEDS, path, INFO_OPTIONAL)
+    if "device" in info and not isinstance(info["device"], dict):
+        raise ReportError(f"{path} has device={info['device']!r}, which is not a mapping: repair it or rerun that run.")
+    layout = info["layout"]
+    world, pp, tp, ep = (layout.get(k) or 1 for k in ("world", "pp", "tp", "ep"))
+    for names, ranks in (("pp x tp", pp * tp), ("pp x ep", pp * ep)):
+        if world % ranks:
+            raise ReportError(
+                f"{path} has layout.world={world}, which {names} = {ranks} does not divide: repair it or rerun "
+                "that run."
+            )
+    _check_per_rank(info.get("per_rank") or [], path)
+
+
+def _check_per_rank(per_rank: object, path: Path) -> None:
+    """Each rank's record that shared_cores reads (those with a host, cpus and threads)."""
+    if not isinstance(per_rank, list):
+        raise ReportError(f"{path} has per_rank={per_rank!r}, which is not a list: repair it or rerun that run.")
+    for i, rank in enumerate(per_rank):
+        if isinstance(rank, dict) and {"host", "cpus", "threads"} <= rank.keys() and not _is_cpu_share(rank):
+            raise ReportError(
+                f"{path} has per_rank[{i}]={rank!r}, which needs a host name, cpus as a cpulist like 0-3,8 and threads "
+                "1 or more: repair it or rerun that run."
+            )
+
+
+def _is_cpu_share(rank: dict) -> bool:
+    """A per-rank record as optimus.platform.cpu_share writes it."""
+    try:
+        cores = parse_cpu_list(rank["cpus"]) if isinstance(rank["cpus"], str) else set()
+    except ValueError:
+        cores = set()
+    return isinstance(rank["host"], str) and bool(cores) and is_a(rank["threads"], COUNT)
+
+
+def _check_record(record: dict, path: Path, lineno: int) -> None:
+    """The numbers the report computes with: the step, its time (or, before that was logged, tokens_per_s) and
+    the timed phases."""
+    time_key = "step_time_s" if record.get("step_time_s") is not None else "tokens_per_s"
+    kinds = {"step": COUNT, time_key: POSITIVE}
+    kinds |= {
+        k: NON_NEGATIVE for k, v in record.items() if k.startswith("time_") and k.endswith("_s") and v is not None
+    }
+    for key, kind in kinds.items():
+        if not is_a(record.get(key), kind):
+            raise ReportError(
+                f"{path} line {lineno} has {key}={record.get(key)!r}, which is not {kind}: remove or repair that "
+                "line, or rerun the run."
+            )
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -132,6 +214,7 @@ def _read_metrics(path: Path) -> list[dict]:
                 f"{path} line {lineno} is not a step record (a JSON object with step and step_time_s): "
                 "remove that line or rerun the run."
             )
+        _check_record(record, path, lineno)
         records.append(record)
     return records
 
@@ -146,7 +229,7 @@ def load_run(path: str | Path) -> Run:
             raise ReportError(f"{path} has no {name}: pass run directories written by `optimus train`.")
     config, info = _read_yaml(path / "config.yaml"), _read_json(path / "run_info.json")
     _require(config, CONFIG_NEEDS, path / "config.yaml")
-    _require(info, INFO_NEEDS, path / "run_info.json")
+    _check_info(info, path / "run_info.json")
     return Run(path, config, info, _read_metrics(path / "metrics.jsonl"))
 
 

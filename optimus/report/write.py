@@ -62,9 +62,14 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     if rows and "predicted_step_s" in rows[0]:
         header += ["predicted step ms", "measured vs predicted", "predicted efficiency"]
         for r, row_cells in zip(rows, cells):
-            row_cells += [f"{1e3 * r['predicted_step_s']:.1f}", f"{100 * r['predicted_error']:+.1f}%",
-                          f"{100 * r['predicted_efficiency']:.1f}%"]  # fmt: skip
+            row_cells += [_scaled(r["predicted_step_s"], 1e3, ".1f"), _scaled(r["predicted_error"], 100, "+.1f", "%"),
+                          _scaled(r["predicted_efficiency"], 100, ".1f", "%")]  # fmt: skip
     return header, cells
+
+
+def _scaled(value: float | None, factor: float, spec: str, unit: str = "") -> str:
+    """`value` x `factor` formatted, or `-` for a run without it (no prediction)."""
+    return "-" if value is None else f"{factor * value:{spec}}{unit}"
 
 
 def breakdown_table(rows: list[dict]) -> tuple[list[str], list[list[str]]] | None:
@@ -101,7 +106,9 @@ def write_markdown(rows: list[dict], mode: str, warmup: int, notes: list[str], p
     devices = sorted({r["device"] for r in rows})
     parts = [f"# {mode.capitalize()} scaling report", ""]
     parts += [f"- {n}" for n in notes] + [f"- Device: {', '.join(devices)}", f"- Warm-up steps dropped: {warmup}"]
-    parts += [f"- Ranks shared cores: {n}" for n in shared_core_notes(rows)] + [""]
+    parts += [f"- Ranks shared cores: {n}" for n in shared_core_notes(rows)]
+    parts += [f"- No prediction for {r['run']}: {r['predicted_refused']}" for r in rows if "predicted_refused" in r]
+    parts += [""]
     parts += [_markdown_table(*table_rows(rows)), ""]
     bd = breakdown_table(rows)
     if bd is not None:

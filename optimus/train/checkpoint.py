@@ -32,7 +32,6 @@ state, whether or not checkpoint.load_weights_only says so.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -74,6 +73,7 @@ from optimus.train.checkpoint_state import (
 )
 from optimus.train.dcp_warning import no_single_process_warning
 from optimus.train.intervals import due_every
+from optimus.train.metrics import write_problem, write_text_atomic
 
 log = logging.getLogger("optimus.checkpoint")
 
@@ -175,31 +175,13 @@ class CheckpointWriteError(ConfigError):
     error: what to fix is the file system, after which the same command resumes from the last good one."""
 
 
-# Errors of a full file system, in words.
-NO_SPACE = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on"}
-
-
 def write_failure(err: BaseException, root: Path) -> tuple[str, str]:
-    """(the cause of a failed save in words, what to do): a full disk is named as such; otherwise the first
-    file system error (or any error) that DCP collected from the ranks."""
+    """(the cause of a failed save in words, what to do), from the errors that DCP collected from the ranks and
+    what each was raised from (see write_problem)."""
     found = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
     for e in list(found):  # and what each was raised from (the error itself comes first)
         found += [c for c in (e.__cause__, e.__context__) if c is not None and c not in found]
-    for e in found:
-        if isinstance(e, OSError) and e.errno in NO_SPACE:
-            return f"{NO_SPACE[e.errno]} {root}", "free space there"
-    first = next((e for e in found if isinstance(e, OSError)), found[0])
-    text = (str(first).strip() or "no message").splitlines()[0][:300]
-    return f"{type(first).__name__}: {text}", f"fix that in {root}"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return write_problem(found, root)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -262,7 +244,7 @@ class Checkpointer:
                 "checkpoint.allow_architecture_change=true needs checkpoint.load=PATH: name the checkpoint whose "
                 "weights start the run."
             )
-        self.cfg, self.ps, self.device_type = cfg, ps, device_type
+        self.cfg, self.ps, self.device_type, self.run_dir = cfg, ps, device_type, Path(run_dir)
         self.data_identity = data_identity  # recorded at save, compared on resume (with the data settings)
         self.root = checkpoint_root(cfg, run_dir)
         if self.root.exists() and not self.root.is_dir():
@@ -451,14 +433,19 @@ class Checkpointer:
         raise CheckpointWriteError(message)
 
     def _failure_message(self, step: int, cause: str, remedy: str) -> str:
-        """One sentence: what failed, why, and the checkpoint the same command would resume from."""
+        """One sentence: what failed, why, the checkpoint the same command would resume from, and that command
+        (without a checkpoint, the run's records are refused unless run.overwrite=true starts it over)."""
+        from optimus.train.run_dir import next_command  # which imports this module
+
         good = candidates(self.root)  # what the same command would resume from
-        if good:
-            last = f"the last good checkpoint is step {_step_of(good[0])} ({good[0]}): {remedy} and run the same "
-            return f"checkpoint of step {step} could not be written: {cause}; {last}command to resume from it."
+        kept = (
+            f"the last good checkpoint is step {_step_of(good[0])} ({good[0]})"
+            if good
+            else "no checkpoint of this run was saved before it"
+        )
         return (
-            f"checkpoint of step {step} could not be written: {cause}; no checkpoint of this run was saved "
-            f"before it: {remedy} and run the command again."
+            f"checkpoint of step {step} could not be written: {cause}; {kept}: {remedy} and "
+            f"{next_command(self.cfg, self.run_dir)}."
         )
 
     def _publish(self, step: int, tmp: Path, total_s: float, blocking_s: float, digests=None) -> None:
@@ -474,8 +461,8 @@ class Checkpointer:
             "run": run_identity(self.cfg, self.data_identity),
             "files": digests if digests is not None else hash_files(tmp),
         }  # fmt: skip
-        _write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
-        _write_atomic(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        write_text_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
+        write_text_atomic(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
         final = self.root / step_dir_name(step)
         if final.exists():  # saved again after resuming from an older checkpoint
             old = final.with_name(final.name + ".old")
@@ -483,7 +470,7 @@ class Checkpointer:
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomic(self.root / LATEST, final.name + "\n")
+        write_text_atomic(self.root / LATEST, final.name + "\n")
         _fsync_dir(self.root)
         self.last_save = {"step": step, "seconds": total_s, "blocking_seconds": blocking_s, "bytes": dir_bytes(final)}
         self._retain(final)

@@ -32,8 +32,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class StopSignal:
     """Turns SIGTERM / SIGUSR1 / SIGINT into a flag the trainer reads at step boundaries (instead of dying
-    mid-step). A second Ctrl-C interrupts a process that runs alone; a rank of several gets every Ctrl-C
-    twice (from the terminal and from its launcher), so there the launcher decides (see launch.spawn_local)."""
+    mid-step). A second Ctrl-C interrupts a process that runs alone (optimus.cli says so in one line); a rank
+    of several gets every Ctrl-C twice (from the terminal and from its launcher), so there the launcher
+    decides (see optimus.ranks.spawn_local)."""
 
     def __init__(self):
         self.received: str | None = None  # name of the first stop signal
@@ -50,7 +51,7 @@ class StopSignal:
         if self.received is None:
             self.received = name
         elif name == "SIGINT" == self.received and os.environ.get("WORLD_SIZE", "1") == "1":
-            raise KeyboardInterrupt  # pressed again: stop now, without the checkpoint
+            raise KeyboardInterrupt("a second SIGINT before the run had saved")  # stop now, without the checkpoint
 
     @property
     def requested(self) -> bool:
@@ -59,6 +60,10 @@ class StopSignal:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous and os.environ.get("WORLD_SIZE", "1") != "1":
+            # A rank of several, done training: its launcher answers a Ctrl-C (the terminal's reaches this rank
+            # too), and in the rank it would only interrupt its ending with a traceback.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._previous.clear()
 
 

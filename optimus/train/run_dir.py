@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 from fcntl import LOCK_EX, LOCK_NB, flock
@@ -21,24 +22,47 @@ from optimus.config import ConfigError, OptimusConfig
 from optimus.data.cache import process_exists
 from optimus.parallel import ParallelState
 from optimus.train.checkpoint import LATEST, TMP_SUFFIX, checkpoint_root, has_checkpoint, published
+from optimus.train.metrics import NO_SPACE, wandb_refusal, write_text_atomic
 
 
 def default_run_dir(cfg: OptimusConfig) -> Path:
     return Path("runs") / f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _same_command(cfg: OptimusConfig, run_dir: Path, *settings: str) -> str:
+    """The same command (with `settings` added), pinned to this run directory when the run chose one itself."""
+    settings = ([] if cfg.run.dir else [f"run.dir={run_dir}"]) + list(settings)
+    return f"the same command with {' '.join(settings)}" if settings else "the same command again"
+
+
 def resume_hint(cfg: OptimusConfig, run_dir: Path) -> str:
-    """How to resume this run: the same command, pinned to this run directory when it chose one itself."""
-    if cfg.run.dir:
-        return "run the same command again to resume"
-    return f"run the same command with run.dir={run_dir} to resume"
+    """How to resume this run (run.overwrite=true would start it over instead)."""
+    how = _same_command(cfg, run_dir) + (" but without run.overwrite=true" if cfg.run.overwrite else "")
+    return f"run {how} to resume"
+
+
+def next_command(cfg: OptimusConfig, run_dir: Path) -> str:
+    """What to run once a failure is fixed, as the directories now stand (the rules of _refuse_reuse): resume
+    from a checkpoint; start the run over where its records, without a checkpoint, are refused otherwise; or
+    run the same command again."""
+    if has_checkpoint(checkpoint_root(cfg, run_dir)):
+        return resume_hint(cfg, run_dir)
+    if _refuse_reuse(cfg, run_dir):
+        return f"run {_same_command(cfg, run_dir, 'run.overwrite=true')} to start it over"
+    return f"run {_same_command(cfg, run_dir)}"
 
 
 def holds_run(run_dir: Path) -> bool:
     """True when run_dir has step records; a metrics.jsonl that is empty, or holds only the starting evaluation
     (step 0), is a run that died before its first step."""
+    return (last_record_step(run_dir) or 0) > 0
+
+
+def last_record_step(run_dir: Path) -> float | None:
+    """The highest step of metrics.jsonl's records (inf for a line cut short), or None without records."""
     path = Path(run_dir) / "metrics.jsonl"
-    return path.exists() and any(_record_step(line) > 0 for line in path.read_text().splitlines())
+    steps = [_record_step(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return max(steps, default=None)
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
@@ -48,10 +72,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True) if step > 0 else []
-    kept = [line for line in lines if _record_step(line) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line for line in lines if _record_step(line) <= step))
 
 
 def _record_step(line: str) -> float:
@@ -61,18 +82,41 @@ def _record_step(line: str) -> float:
         return math.inf  # a line cut short by a kill
 
 
-RUN_FILES = ("metrics.jsonl", "run_info.json", "config.yaml")  # what a run writes at the top of its directory
+# What a run writes at the top of its directory, metrics.jsonl first (a directory that holds the others without
+# it was not left by a run), and the files profile.* has it write beside them.
+RUN_FILES = ("metrics.jsonl", "run_info.json", "config.yaml")
+RUN_OUTPUTS = ("trace_rank*.json", "collectives/rank*.json", "host_syncs/rank*.json", "memory/rank*.json")
 _created: list[Path] = []  # run directories this process made (removed again if a failed start left them empty)
 
 
+def _run_traces(cfg: OptimusConfig, run_dir: Path) -> list[str]:
+    """The files in run_dir (and the checkpoint directory) that a run would write over, by name."""
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    found += sorted(str(p.relative_to(run_dir)) for pattern in RUN_OUTPUTS for p in run_dir.glob(pattern))
+    root = checkpoint_root(cfg, run_dir)
+    if root.is_dir():  # a save's staging directory, or `latest` (published checkpoints are resumed)
+        found += sorted(str(p) for p in root.iterdir() if p.name.startswith("step_") or p.name == LATEST)
+    return found
+
+
 def _refuse_reuse(cfg: OptimusConfig, run_dir: Path) -> str | None:
-    """Why `run_dir` cannot take this run: it holds another run's records but no checkpoint to resume."""
+    """Why `run_dir` cannot take this run: it holds another run's records but no checkpoint to resume, or files
+    that a run writes without the metrics.jsonl that every run writes first (not a run's, or not Optimus's). A
+    run that died before its first step (its metrics.jsonl empty, or the starting evaluation only) is no run to
+    keep: its files are replaced."""
     if cfg.run.overwrite or has_checkpoint(checkpoint_root(cfg, run_dir)):
         return None  # resumed (the checkpoint's settings are compared on load), or started afresh on request
     if holds_run(run_dir):
         return (
             f"run.dir={run_dir} already holds a run (metrics.jsonl) without a checkpoint to resume from: "
             "choose another run.dir, or pass run.overwrite=true to replace that run."
+        )
+    found = [] if (run_dir / "metrics.jsonl").exists() else _run_traces(cfg, run_dir)
+    if found:
+        return (
+            f"run.dir={run_dir} holds {', '.join(found)}, which a run would overwrite, but no metrics.jsonl (the "
+            "first file a run writes), so they are not a run to resume: move them away, choose another run.dir, "
+            "or pass run.overwrite=true to replace them."
         )
     return None
 
@@ -105,6 +149,9 @@ CLAIM_FILE = ".optimus-claim"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 4 * HEARTBEAT_S  # several beats missed: the holder is gone (or stopped)
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # flock is not offered on this file system
+# A claim file is opened where it is, never through a link (which would have its target rewritten and removed),
+# and without waiting on a named pipe.
+_NO_LINK = os.O_NOFOLLOW | os.O_NONBLOCK
 _HOST = socket.gethostname()
 
 
@@ -147,7 +194,7 @@ class RunClaim:
 
     def _lost_message(self) -> str:
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | _NO_LINK)
         except OSError:
             holder = None
         else:
@@ -176,7 +223,7 @@ _previous_sigterm: list = []  # the SIGTERM handler the claim replaced (see _rel
 def _is_current(fd: int, path: Path) -> bool:
     """The open file `fd` is still the one at `path` (not removed, nor replaced by a successor's)."""
     try:
-        on_disk, held = path.stat(), os.fstat(fd)
+        on_disk, held = os.lstat(path), os.fstat(fd)
     except FileNotFoundError:
         return False
     return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
@@ -190,24 +237,36 @@ def _create(path: Path) -> int | None:
     """Create the claim file, holder record included, in one atomic step (a hard link, which network file
     systems also make atomically): its descriptor, or None when the file exists."""
     staged = path.with_name(f"{path.name}.{_HOST}.{os.getpid()}.tmp")
-    staged.write_bytes(_holder_record())
+    staged.unlink(missing_ok=True)  # left by an earlier process of this pid that was killed here
     try:
-        os.link(staged, path)
-    except FileExistsError:
-        return None
-    except OSError:  # a file system without hard links: create it exclusively, then write the record
-        return _create_exclusively(path)
+        fd = _create_exclusively(staged)
+        if fd is None:  # removed above: only another process of this pid could have made it
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(staged))
+        os.close(fd)
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            return None
+        except OSError:  # a file system without hard links: create it exclusively, then write the record
+            return _create_exclusively(path)
     finally:
-        staged.unlink()
-    return os.open(path, os.O_RDWR)
+        staged.unlink(missing_ok=True)
+    return os.open(path, os.O_RDWR | _NO_LINK)
 
 
 def _create_exclusively(path: Path) -> int | None:
+    """Create `path` holding this process's record (O_EXCL: never through a link): its descriptor, or None when
+    it exists. A record that cannot be written (a full disk) leaves no file."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return None
-    os.write(fd, _holder_record())
+    try:
+        os.write(fd, _holder_record())
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
     return fd
 
 
@@ -228,8 +287,10 @@ def _pid_alive(pid: int) -> bool:
 def _held_by_another(fd: int, flocked: bool) -> bool:
     """Whether another run holds this existing claim file (False: it may be taken over)."""
     holder = _read_holder(fd)
-    if holder and holder["host"] == _HOST and (flocked or not _pid_alive(holder["pid"])):
-        return False  # our flock, or the holder's ended pid, proves it gone
+    if flocked and (holder is None or holder["host"] == _HOST):
+        return False  # our flock proves its holder on this host gone; a file naming no holder has none
+    if holder and holder["host"] == _HOST and not _pid_alive(holder["pid"]):
+        return False  # the holder's ended pid proves it gone
     return time.time() - os.fstat(fd).st_mtime < STALE_AFTER_S  # its heartbeat
 
 
@@ -269,6 +330,17 @@ def _busy(directory: Path, setting: str, fd: int, flocked: bool | None) -> Confi
     )
 
 
+def _not_a_claim(directory: Path, setting: str, path: Path) -> ConfigError:
+    """The refusal of a CLAIM_FILE that is not a regular file (a link to another file, a directory, a pipe)."""
+    mode = os.lstat(path).st_mode
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a named pipe"}
+    kind = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    return ConfigError(
+        f"{setting}={directory} holds {CLAIM_FILE}, which is {kind}, not the claim file a run writes there (which "
+        f"would replace it): move it away, or choose another {setting}."
+    )
+
+
 def _try_claim(directory: Path, setting: str) -> RunClaim | ConfigError | None:
     """One attempt; None when the file changed under it (released, or broken by another) and it is worth
     another look."""
@@ -277,9 +349,16 @@ def _try_claim(directory: Path, setting: str) -> RunClaim | ConfigError | None:
     created = fd is not None
     if fd is None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | _NO_LINK)
         except FileNotFoundError:
             return None
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            return _not_a_claim(directory, setting, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return _not_a_claim(directory, setting, path)
     try:
         flocked = _flock(fd)
         if flocked is not None and not _is_current(fd, path):
@@ -321,10 +400,7 @@ def claim_dir(directory: Path, setting: str = "run.dir") -> ConfigError | None:
                 _claims[key] = outcome
                 return None
     except OSError as err:
-        return ConfigError(
-            f"{setting}={directory} cannot be claimed for this run ({err.strerror}): choose a {setting} where you "
-            "may create files."
-        )
+        return ConfigError(f"{setting}={directory} cannot be claimed for this run {_why_not(err, directory, setting)}")
     return ConfigError(
         f"{setting}={directory} is in use by another run: wait until it ends, or choose another {setting}."
     )
@@ -374,10 +450,16 @@ def _make_dir(directory: Path, setting: str) -> ConfigError | None:
         probe.touch()
         probe.unlink()
     except OSError as err:
-        return ConfigError(
-            f"{setting}={directory} cannot be written ({err.strerror}): choose a {setting} where you may write files."
-        )
+        return ConfigError(f"{setting}={directory} cannot be written {_why_not(err, directory, setting)}")
     return None
+
+
+def _why_not(err: OSError, directory: Path, setting: str) -> str:
+    """The end of a sentence saying why a file cannot be created in `directory`: its disk is full, or this user
+    may not create files there."""
+    if err.errno in NO_SPACE:
+        return f"({NO_SPACE[err.errno]} {directory}): free space there, or choose another {setting}."
+    return f"({err.strerror}): choose a {setting} where you may create files."
 
 
 def _claim_checkpoint_root(cfg: OptimusConfig, run_dir: Path) -> ConfigError | None:
@@ -398,7 +480,7 @@ def _make_run_dir(cfg: OptimusConfig, run_dir: Path) -> Path | ConfigError:
     if refusal:
         release_claims()
         return refusal
-    if cfg.run.overwrite and (holds_run(run_dir) or has_checkpoint(checkpoint_root(cfg, run_dir))):
+    if cfg.run.overwrite:
         clear_run(cfg, run_dir)
     return run_dir.resolve()
 
@@ -416,10 +498,11 @@ def remove_if_empty() -> None:
 
 
 def resolve_run_dir(cfg: OptimusConfig, ps: ParallelState) -> Path:
-    """Rank 0 decides (a timestamp could differ between ranks) and tells the others."""
+    """Rank 0 decides (a timestamp could differ between ranks) and tells the others; so does a refusal."""
     chosen: list[Path | ConfigError | None] = [None]
-    if ps.is_main:
-        chosen[0] = _make_run_dir(cfg, Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg))
+    if ps.is_main:  # wandb would refuse only after the run wrote its first files: asked here, before any
+        refusal = wandb_refusal() if cfg.logging.wandb else None
+        chosen[0] = refusal or _make_run_dir(cfg, Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg))
     if ps.is_distributed:
         dist.broadcast_object_list(chosen, src=0)
     if isinstance(chosen[0], Exception):

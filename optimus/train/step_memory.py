@@ -9,6 +9,8 @@ creates: in a forward as activations, in a backward as temporaries, as they are 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # MemTracker's categories, by the names a record gives them.
@@ -21,8 +23,8 @@ def step_memory_tracker(model: torch.nn.Module, optimizer):
 
     Reduced to what is read here, the peak by category over the step: its per-module statistics are not
     kept, since updating them after every op walks every module seen so far (60% of a 7B rank's dry run),
-    and it refuses a root module's second forward (the step's next micro-batch). It also cannot read a sparse
-    tensor's storage."""
+    and its per-module bookkeeping refuses a root module's second forward (the step's next micro-batch) and
+    fails on the interleaved schedules. It also cannot read a sparse tensor's storage."""
     from optimus.kernels.torch_private import _TOTAL_KEY, MemTracker
 
     class StepMemTracker(MemTracker):
@@ -36,12 +38,27 @@ def step_memory_tracker(model: torch.nn.Module, optimizer):
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
 
+        # The module hooks keep only what the peak's categories need: a module's parameters and buffers, tracked
+        # at its first forward, and whether a backward is recomputing a checkpointed region (what it creates
+        # there is an activation, not a temporary). No per-module snapshots: a module runs again for every
+        # micro-batch, and an interleaved pipeline rank's stages (several root modules) take turns, forwards and
+        # backwards interleaved, which MemTracker's per-module bookkeeping refuses (a root's second forward) or
+        # loses (a KeyError in the backward of a module whose statistics were reset).
         def _pre_fw_hook(self, module, inputs):
-            name = self._mod_tracker.get_known_fqn(module)
-            roots_only = set(self._mod_tracker.parents) - {name} == {"Global"}
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and roots_only:
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
+            if module not in self.memory_tracking:
+                super()._pre_fw_hook(module, inputs)
+            elif self._mod_tracker.is_bw and self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
 
     tracker = StepMemTracker()
     tracker.track_external(model, *optimizer.state_tensors())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from optimus.config import ConfigError
+from optimus.config import parse_step_window
 
 # Phases in the order a step runs them (the report stacks them in this order).
 PHASES = (
@@ -77,18 +77,6 @@ class Timers:
         out = {phase_key(name): seconds for name, seconds in self._totals.items()}
         self._totals.clear()
         return out
-
-
-def parse_step_window(text: str) -> tuple[int, int]:
-    """'3-5' -> (3, 5): the first and last optimizer step (1-based, inclusive) to trace."""
-    first, sep, last = str(text).partition("-")
-    try:
-        lo, hi = int(first), int(last if sep else first)
-    except ValueError:
-        lo = hi = -1
-    if lo < 1 or hi < lo:
-        raise ConfigError(f"profile.torch_steps={text!r} is not a step window: write it as FIRST-LAST, e.g. 3-5.")
-    return lo, hi
 
 
 class TorchTrace:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps
-from optimus.data import BatchLoader, build_data, eval_batches
+from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
 from optimus.model import Transformer, build_model, count_params, count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.model.moe import RouterStats, router_loss
@@ -43,9 +43,10 @@ from optimus.platform import (
     release_free_cpu_memory,
     synchronize,
 )
+from optimus.ranks import report_saved_at_stop
 from optimus.run_spec import RunSpec, resolve_run
 from optimus.train import step_memory
-from optimus.train.checkpoint import Checkpointer
+from optimus.train.checkpoint import Checkpointer, candidates
 from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,
@@ -59,13 +60,25 @@ from optimus.train.faults import (
 from optimus.train.intervals import due_every
 from optimus.train.metrics import (
     MetricsLog,
+    RunWriteError,
     console_line,
     expert_load_imbalance,
     expert_tokens,
     throughput,
     write_json_atomic,
+    write_problem,
+    write_text_atomic,
 )
-from optimus.train.run_dir import ClaimLost, lost_claim, remove_if_empty, resolve_run_dir, resume_hint, truncate_metrics
+from optimus.train.run_dir import (
+    ClaimLost,
+    last_record_step,
+    lost_claim,
+    next_command,
+    remove_if_empty,
+    resolve_run_dir,
+    resume_hint,
+    truncate_metrics,
+)
 from optimus.train.step_memory import step_memory_tracker
 from optimus.train.timers import Timers, TorchTrace
 
@@ -177,7 +190,8 @@ class Trainer:
             (batch.to(self.device), weight.to(self.device, torch.float64))
             for batch, weight in eval_batches(self.data.val, t.eval_sequences, t.micro_batch, data_rank, data_world)
         ]
-        self.eval_tokens = min(t.eval_sequences, len(self.data.val)) * t.seq_len
+        self.eval_sequences = eval_set_size(self.data.val, t.eval_sequences)  # all it has, when it has fewer
+        self.eval_tokens = self.eval_sequences * t.seq_len
         if start_mode in ("resume", "load"):
             restored = self.checkpointer.resume(
                 start_paths, start_mode == "load", self.model, self.optimizer, self.loader
@@ -185,8 +199,6 @@ class Trainer:
             if restored is not None:
                 self.step, self.skipped_in_row = restored.step, restored.skipped_in_row
         self.tokens_seen = self.step * t.global_batch * t.seq_len
-        if self.ps.is_main:
-            truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
 
     @classmethod
     def for_one_step(cls, spec: RunSpec, tensor_mode=None) -> Trainer:
@@ -349,6 +361,25 @@ class Trainer:
         self.profile_memory = False
         return record
 
+    def _first_evaluation(self, bar: tqdm) -> float:
+        """The held-out loss where the run starts, printed; first, when train.eval_sequences (an upper bound) asks
+        for more sequences than the held-out set has, how many every evaluation uses."""
+        asked = self.cfg.train.eval_sequences
+        if self.eval_sequences < asked:
+            self._print(
+                f"train.eval_sequences={asked}, but the held-out set has {self.eval_sequences} windows of "
+                f"train.seq_len + 1 tokens: every evaluation uses those {self.eval_sequences} (val_sequences in "
+                "metrics.jsonl; raise data.val_fraction for more)",
+                bar,
+            )
+        val_loss = self.evaluate()
+        self._print(f"step {self.step:>5}/{self.cfg.train.steps} | val_loss {val_loss:.4f}", bar)
+        return val_loss
+
+    def _val_record(self, val_loss: float) -> dict:
+        """An evaluation's keys of a metrics.jsonl record: the held-out loss and how many sequences it averages."""
+        return {"val_loss": val_loss, "val_sequences": self.eval_sequences}
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean next-token loss over the held-out set's tokens (layout-independent)."""
@@ -415,11 +446,10 @@ class Trainer:
 
     def _planned_memory(self) -> tuple[int, int]:
         """optimus plan's (per-rank total, activations) for this run (with pp > 1, its busiest pipeline rank's)."""
-        from optimus.plan import STATE_KEYS, plan_run
+        from optimus.plan import plan_run
 
-        plan = plan_run(self.spec)
-        activations = plan.activations["configured"]
-        return sum(plan.state[plan.sharding][k] for k in STATE_KEYS) + activations, activations
+        plan = plan_run(self.spec)  # its total, the figure `optimus plan` and a dry run print (with Muon's step)
+        return plan.memory["total_configured"], plan.activations["configured"]
 
     def _record_peak_memory(self, bar: tqdm) -> None:
         """Add each rank's measured peak to run_info.json and print it beside optimus plan's prediction."""
@@ -454,21 +484,47 @@ class Trainer:
         self._print(line, bar)
 
     def fit(self) -> dict:
+        """Train to train.steps. A file of the run directory that cannot be written (a full disk) ends the run
+        in one sentence naming the disk and what the run kept; the file is left as it was (optimus.train.metrics)."""
+        try:
+            return self._fit()
+        except RunWriteError as err:
+            raise ConfigError(self._write_failure(err)) from None
+
+    def _write_failure(self, err: RunWriteError) -> str:
+        """The sentence: the file, the disk, the records and checkpoint kept, and the command that goes on."""
+        cause, remedy = write_problem([err], err.path.parent)
+        last = last_record_step(self.run_dir)
+        kept = f"metrics.jsonl keeps the records up to step {last}" if last is not None else "no record was kept"
+        good = candidates(self.checkpointer.root)
+        if good:
+            kept += f", and the latest checkpoint is {good[0].name} ({good[0]})"
+        then = next_command(self.cfg, self.run_dir)
+        return f"{err.path} could not be written ({cause}); {kept}: {remedy} and {then}."
+
+    def _fit(self) -> dict:
         cfg, ps = self.cfg, self.ps
         if ps.is_main:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        self.write_run_info()
-        wandb_run = self._start_wandb() if ps.is_main and cfg.logging.wandb else None
-        metrics = MetricsLog(self.run_dir, ps.is_main, wandb_run, moe_layer_ids=self.router_stats.layer_ids)
-        tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+            truncate_metrics(self.run_dir, self.step)  # records past the resumed step are re-done
+        # metrics.jsonl first: a directory holding a run's other files without it was not left by a run (run_dir)
+        metrics = MetricsLog(self.run_dir, ps.is_main, moe_layer_ids=self.router_stats.layer_ids)
         # A batch job's log (stdout redirected to a file) gets the periodic step lines only, not the bar's
         # carriage-return updates.
         show_bar = ps.is_main and cfg.logging.progress and sys.stdout.isatty() and sys.stderr.isatty()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True)
-        summary = {"first_val_loss": self.evaluate()}
-        self._print(f"step {self.step:>5}/{cfg.train.steps} | val_loss {summary['first_val_loss']:.4f}", bar)
-        if self.step == 0:  # where the curve starts; a resumed run's start is its checkpoint step's record
-            metrics.log({"step": 0, "tokens": 0, "val_loss": summary["first_val_loss"]})
+        try:
+            if ps.is_main:
+                write_text_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            self.write_run_info()
+            metrics.wandb_run = self._start_wandb() if ps.is_main and cfg.logging.wandb else None
+            summary = {"first_val_loss": self._first_evaluation(bar)}
+            if self.step == 0:  # where the curve starts; a resumed run's start is its checkpoint step's record
+                metrics.log({"step": 0, "tokens": 0, **self._val_record(summary["first_val_loss"])})
+        except BaseException:
+            bar.close()
+            metrics.close()
+            raise
+        tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         trace = self.trace
         record_memory = True
         self.stop_signal.install()
@@ -503,7 +559,8 @@ class Trainer:
                         )
                     )
                 if due_every(self.step, cfg.train.eval_interval, cfg.train.steps):
-                    record["val_loss"] = summary["last_val_loss"] = self.evaluate()
+                    record.update(self._val_record(self.evaluate()))
+                    summary["last_val_loss"] = record["val_loss"]
                     record["peak_memory_bytes"] = self._max_peak_memory()
                 metrics.log(record)
                 bar.update(1)
@@ -566,10 +623,13 @@ class Trainer:
                 raise TrainingDiverged(nonfinite_parameters_message(self.step))
         if saving:
             self.save_checkpoint(block=self.stop_agreed)  # a stopping job must not exit mid-write
+        if self.stop_agreed:  # a stop signal is answered in one line, the one below, which says what was saved
+            self.checkpointer.pop_last_save()
         self._report_checkpoint(bar)
         if self.stop_agreed:
             root = self.checkpointer.root
             self._print(f"Stop signal: saved step {self.step} in {root}; {resume_hint(self.cfg, self.run_dir)}.", bar)
+            report_saved_at_stop()  # for a local launcher: a second Ctrl-C from now on ends a run that saved
         return self.stop_agreed
 
     def _report_checkpoint(self, bar: tqdm) -> None:

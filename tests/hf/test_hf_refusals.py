@@ -122,8 +122,14 @@ def test_import_refuses_an_existing_out_and_overwrite_replaces_an_import(sources
     argv = ["checkpoint", "import", str(hf_dir), "--out", str(other), "--overwrite"]
     assert "holds no meta.json" in refused(argv, capsys, tmp_path, hf_dir)
 
+    # the user's note is not the import's to delete: --overwrite names it and writes nothing
+    argv = ["checkpoint", "import", str(hf_dir), "--out", str(ckpt), "--overwrite"]
+    assert "(note.txt), which --overwrite would delete" in refused(argv, capsys, tmp_path, hf_dir)
+    (ckpt / "note.txt").unlink()
+    (ckpt / "model" / "stale.yaml").write_text("an earlier import's recipe\n")
+
     assert main(["checkpoint", "import", str(hf_dir), "--out", str(ckpt), "--overwrite"]) == 0
-    assert not (ckpt / "note.txt").exists()  # replaced whole, not merged
+    assert not (ckpt / "model" / "stale.yaml").exists()  # replaced whole, not merged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpt", "other"]  # no temporary left
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["files"] == {n: hashlib.sha256((ckpt / n).read_bytes()).hexdigest() for n in DCP_FILES}
@@ -171,9 +177,14 @@ def test_hf_export_overwrite_replaces_the_model_whole_with_the_umask_modes(sourc
     (existing / "stale-extra.safetensors").write_bytes(b"")
     tokenizer = tmp_path / "tok.json"
     tokenizer.write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}}))
+    argv = ["checkpoint", "export", str(sources / "ckpt"), "--format", "hf", "--out", str(existing)]
+    # transformers' save_pretrained wrote a file the export does not: named, not deleted
+    assert (existing / "generation_config.json").is_file()
+    err = refused([*argv, "--overwrite", "--tokenizer", str(tokenizer)], capsys, tmp_path)
+    assert "(generation_config.json), which --overwrite would delete" in err
+    (existing / "generation_config.json").unlink()
     old = os.umask(0o022)
     try:
-        argv = ["checkpoint", "export", str(sources / "ckpt"), "--format", "hf", "--out", str(existing)]
         assert main([*argv, "--overwrite", "--tokenizer", str(tokenizer)]) == 0
     finally:
         os.umask(old)
@@ -251,7 +262,6 @@ def test_hf_export_overwrite_through_a_symlink_replaces_the_directory_it_points_
     real, link = tmp_path / "exports" / "hf", tmp_path / "links" / "hf"
     export = ["checkpoint", "export", str(sources / "ckpt"), "--format", "hf"]
     assert main([*export, "--out", str(real)]) == 0
-    (real / "earlier.txt").write_text("of the earlier export")
     link.parent.mkdir()
     link.symlink_to(real)
     assert main([*export, "--out", str(link), "--overwrite", "--dtype", "bf16"]) == 0

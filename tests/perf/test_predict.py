@@ -11,6 +11,7 @@ import pytest
 from optimus.cli import main
 from optimus.perf.machine import MachineModel
 from optimus.perf.predict import prediction_of, trace_step
+from optimus.plan import make_plan
 from optimus.recipes import load_config
 from tests.conftest import TINY_MODEL
 
@@ -67,6 +68,24 @@ def test_refusals(capsys, args, words):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err
+
+
+def test_a_layout_that_does_not_fit_is_said_first_and_predicted_all_the_same(capsys):
+    # The all-gather dispatcher (traced: the rows its experts select come from the load model) on a device
+    # smaller than optimus plan's peak: that comes first (before the dry runs' progress on stderr with --json),
+    # the JSON holds the verdict, the peak and the limit, the step is predicted, and the command exits 1.
+    layout = ["machine=frontier", *SMALL, "parallel.ep=2", "parallel.dispatcher=allgather", "machine.memory_gb=0.001"]
+    assert main(["plan", "--predict", "--json", "--world", "2", *layout]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert captured.err.startswith("DOES NOT FIT: world 2, global batch 8: optimus plan puts the busiest rank at")
+    peak = make_plan(load_config([*layout, "parallel.nproc=2"]), 2).memory["total_configured"]
+    assert (out["fits"], out["peak_bytes"], out["device_bytes"]) == (False, peak, round(0.001 * 2**30))
+    assert sum(out["time_split"].values()) == pytest.approx(out["step_time_s"], rel=1e-9)
+    # in the text, the first line
+    assert main(["plan", "--predict", "--world", "1", *layout[:-3], "machine.memory_gb=0.001"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-2].startswith("predicted step on frontier")
 
 
 def test_predictions_order_the_measured_layouts():

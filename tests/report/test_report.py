@@ -187,6 +187,64 @@ def test_a_malformed_run_directory_is_one_sentence(tmp_path, capsys, damage, wor
     assert words in err and "Traceback" not in err
 
 
+def _edit_step_2(run, **fields):
+    """Set fields of the record of step 2, line 3 of metrics.jsonl (after the step-0 evaluation and step 1)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = json.dumps({**json.loads(lines[2]), **fields})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _edit_info(run, section, **fields):
+    info = json.loads((run / "run_info.json").read_text())
+    (info[section] if section else info).update(fields)
+    (run / "run_info.json").write_text(json.dumps(info))
+
+
+NAN = float("nan")  # json.dumps writes it as NaN, which json.loads reads back
+
+
+@pytest.mark.parametrize(
+    "damage, where",
+    [
+        (lambda run: _edit_step_2(run, step_time_s=0), "metrics.jsonl line 3 has step_time_s=0,"),
+        (lambda run: _edit_step_2(run, step_time_s=-1.5), "metrics.jsonl line 3 has step_time_s=-1.5,"),
+        (lambda run: _edit_step_2(run, step_time_s="fast"), "metrics.jsonl line 3 has step_time_s='fast',"),
+        (lambda run: _edit_step_2(run, step_time_s=NAN), "metrics.jsonl line 3 has step_time_s=nan,"),
+        (lambda run: _edit_step_2(run, step_time_s=None, tokens_per_s=-5), "line 3 has tokens_per_s=-5,"),
+        (lambda run: _edit_step_2(run, time_forward_s="x"), "metrics.jsonl line 3 has time_forward_s='x',"),
+        (lambda run: _edit_step_2(run, step=-2), "metrics.jsonl line 3 has step=-2,"),
+        (lambda run: _edit_info(run, "layout", world=0), "run_info.json has layout.world=0,"),
+        (lambda run: _edit_info(run, "layout", pp=0), "run_info.json has layout.pp=0,"),
+        (lambda run: _edit_info(run, "layout", pp="two"), "run_info.json has layout.pp='two',"),
+        (lambda run: _edit_info(run, "layout", world=NAN), "run_info.json has layout.world=nan,"),
+        (lambda run: _edit_info(run, "layout", world=4, tp=3), "run_info.json has layout.world=4, which pp x tp"),
+        (lambda run: _edit_info(run, None, tokens_per_step=-100), "run_info.json has tokens_per_step=-100,"),
+        (lambda run: _edit_info(run, "device", peak_flops=-1), "run_info.json has device.peak_flops=-1,"),
+        (lambda run: _edit_info(run, None, per_rank=cpu_ranks(1, "many")), "run_info.json has per_rank[0]="),
+        (lambda run: (run / "config.yaml").write_text("train: {global_batch: 0}\n"), "config.yaml has train.global"),
+    ],
+)
+def test_a_damaged_number_is_one_sentence_naming_file_line_and_field(tmp_path, capsys, damage, where):
+    """Numbers a user edited or a disk damaged: each used to be a ZeroDivisionError, a ValueError from float()
+    or matplotlib, or a report with negative tokens/s."""
+    run = make_run(tmp_path, "a", 2, 2, 16, [1.0, 1.0, 1.0], device_type="cpu", per_rank=cpu_ranks(2, 1, "0-3"))
+    damage(run)
+    with unchanged(tmp_path):
+        assert main(["report", str(run), "--out", str(tmp_path / "out"), "--warmup-steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert where in err and err.count("\n") == 1 and "rerun" in err
+
+
+def test_a_run_given_twice_is_reported_once(tmp_path, capsys):
+    one = make_run(tmp_path, "one", 1, 1, 16, [1.0, 2.0, 2.0])
+    two = make_run(tmp_path, "two", 2, 2, 16, [1.0, 1.0, 1.0])
+    again = tmp_path / "two" / ".." / "two"
+    assert main(["report", str(one), str(two), str(again), "--out", str(tmp_path / "out"), "--warmup-steps", "1"]) == 0
+    assert f"{again} is the run {two} given again: it is reported once." in capsys.readouterr().out
+    runs = json.loads((tmp_path / "out" / "report.json").read_text())["runs"]
+    assert [r["path"] for r in runs] == [str(one), str(two)] and runs[1]["efficiency"] == pytest.approx(1.0)
+
+
 def test_an_out_that_is_a_file_is_one_sentence(tmp_path, capsys):
     run = make_run(tmp_path, "a", 1, 1, 16, [1.0, 1.0, 1.0])
     (tmp_path / "out").write_text("")
@@ -259,3 +317,26 @@ def test_ranks_that_fit_their_cores_are_not_flagged(tmp_path, device_type, per_r
                    per_rank=per_rank)  # fmt: skip
     rows = build_report([base, run], tmp_path / "out", warmup_steps=1)
     assert [r["shared_cores"] for r in rows] == [None, None] and rows[1]["efficiency"] is not None
+
+
+def test_predict_leaves_out_only_the_run_it_cannot_predict(tmp_path, capsys):
+    """A zero-bubble run (which the performance model cannot trace) beside one it can: the report keeps the
+    other's prediction and says in one line why this one has none, where it used to refuse the whole report."""
+    from optimus.recipes import load_config
+    from tests.conftest import TINY_MODEL
+
+    common = ["machine=frontier", *TINY_MODEL, "model.n_layers=4", "train.seq_len=32", "train.global_batch=16",
+              "train.micro_batch=2", "parallel.ep=4"]  # fmt: skip
+    zero_bubble = ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual=2"]
+    for name, world, layout in (("n4", 4, []), ("n8", 8, zero_bubble)):
+        run = make_run(tmp_path, name, world, 4, 16, [0.5] * 4)
+        cfg = load_config([*common, *layout, f"parallel.nproc={world}"])
+        (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(cfg))))
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "n4"), str(tmp_path / "n8"), "--out", str(out), "--predict"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no prediction" in line]
+    assert len(lines) == 1 and lines[0].startswith("no prediction for n8: --predict ")  # predict's own sentence
+    base, zb = json.loads((out / "report.json").read_text())["runs"]
+    assert base["predicted_step_s"] > 0 and base["predicted_efficiency"] == pytest.approx(1.0)
+    assert zb["predicted_step_s"] is zb["predicted_error"] is zb["predicted_efficiency"] is None
+    assert f"- No prediction for n8: {lines[0].split(': ', 1)[1]}" in (out / "report.md").read_text()

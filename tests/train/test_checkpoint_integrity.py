@@ -114,14 +114,14 @@ def fail_meta_json(monkeypatch) -> None:
     """The data is written, but publishing it cannot write meta.json (the last bytes of the disk went to it)."""
     import optimus.train.checkpoint as checkpoint
 
-    real_write = checkpoint._write_atomic
+    real_write = checkpoint.write_text_atomic
 
     def write_or_fail(path, text):
         if path.name == "meta.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real_write(path, text)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", write_or_fail)
+    monkeypatch.setattr(checkpoint, "write_text_atomic", write_or_fail)
 
 
 def fail_staging(monkeypatch) -> None:
@@ -156,6 +156,30 @@ def test_a_save_on_a_full_disk_ends_the_run_naming_the_last_good_step(
     assert "Finished" not in out and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert f"checkpoint of step 6 could not be written: no space left on {root}" in err
     assert f"the last good checkpoint is step 4 ({root / 'step_000004'})" in err
+
+
+def test_a_failed_first_save_says_the_command_that_the_run_directory_then_accepts(
+    tmp_path, corpus_file, capsys, monkeypatch
+):
+    """No checkpoint before it: the run's records are kept, so the same command is refused unless
+    run.overwrite=true starts the run over, and the sentence says so (issue 55; it said "run the command
+    again")."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL_MODEL_RUN, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.micro_batch=4",
+            "train.eval_sequences=4", "train.steps=2", "checkpoint.interval=2"]  # fmt: skip
+    with monkeypatch.context() as mp:
+        mp.setattr(dcp_files, "_write_item", full_disk_write("step_000002"))
+        assert main(["train", *args]) == 2
+    err = error_of(capsys)
+    assert err.endswith(
+        "no checkpoint of this run was saved before it: free space there and run the same command with "
+        "run.overwrite=true to start it over.\n"
+    )
+    with unchanged(run_dir):
+        assert main(["train", *args]) == 2
+    assert "already holds a run" in error_of(capsys)
+    assert main(["train", *args, "run.overwrite=true"]) == 0
+    assert steps_of(run_dir) == [0, 1, 2]
 
 
 def train_on_a_full_disk(overrides: list[str], cache: str, step_name: str) -> str:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -46,3 +47,24 @@ def test_val_loss_does_not_depend_on_the_micro_batch(tmp_path, corpus_file):
     assert len(per_seq) == 7
     for micro_batch, loss in losses.items():
         assert loss == pytest.approx(expected, rel=1e-6), micro_batch
+
+
+def test_more_eval_sequences_than_held_out_windows_says_how_many_were_used(tmp_path, corpus_file, capsys):
+    """train.eval_sequences is an upper bound (its default, 32, is more than a small corpus holds out): a run
+    says in one line how many held-out windows it evaluates on, and records the number beside every val_loss."""
+    from optimus.cli import main
+    from optimus.data import build_data
+
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"data.path={corpus_file}", "train.micro_batch=4", "train.steps=1", f"run.dir={run_dir}"]
+    assert main(["train", *args, "train.eval_sequences=1000000"]) == 0
+    cfg = load_config(args)
+    held_out = len(build_data(cfg.data, cfg.train.seq_len, cfg.train.seed).val)
+    assert held_out < 1000000
+    out = capsys.readouterr().out
+    assert (
+        f"train.eval_sequences=1000000, but the held-out set has {held_out} windows of train.seq_len + 1 tokens: "
+        f"every evaluation uses those {held_out}"
+    ) in out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["val_sequences"]) for r in records if "val_loss" in r] == [(0, held_out), (1, held_out)]

@@ -277,3 +277,48 @@ def test_the_claim_outlives_a_background_save_when_fit_ends_by_an_exception(tmp_
         remove_if_empty()
     save_thread.join()
     assert held_while_writing == [True] and not claim.exists()
+
+
+# ---- claim files that are not what a run writes (issue 55) -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_claim_file_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, corpus_file, capsys, kind):
+    """A link is never written through (its target would be replaced by a claim record, then the link removed),
+    however old its target is; nor is a directory taken for a claim."""
+    run_dir, mine = tmp_path / "run", tmp_path / "mine.txt"
+    run_dir.mkdir()
+    mine.write_text("the user's own\n")
+    os.utime(mine, (0, 0))  # as stale as a claim gets: on main it was taken over, through the link
+    if kind == "symlink":
+        (run_dir / CLAIM_FILE).symlink_to(mine)
+    else:
+        (run_dir / CLAIM_FILE).mkdir()
+    with unchanged(tmp_path):
+        assert main(["train", *run_overrides(corpus_file, run_dir, "train.steps=1")]) == 2
+    err = error_of(capsys)
+    what = "a symbolic link" if kind == "symlink" else "a directory"
+    assert err.count("\n") == 1 and f"run.dir={run_dir} holds {CLAIM_FILE}, which is {what}, not the claim " in err
+    assert (run_dir / CLAIM_FILE).is_symlink() == (kind == "symlink")
+
+
+@pytest.mark.parametrize("content", ["", "not json"])
+def test_a_claim_file_naming_no_holder_is_taken_over_when_its_flock_is_free(tmp_path, content):
+    """Empty or garbage, and fresh: no run holds it (a live one would hold its flock, and its record names it).
+    Without flock only its heartbeat can tell, so it is held until it is stale."""
+    claim = tmp_path / CLAIM_FILE
+    claim.write_text(content)
+    try:
+        assert claim_dir(tmp_path) is None
+        assert json.loads(claim.read_text())["pid"] == os.getpid()
+    finally:
+        release_claims()
+    assert not claim.exists()
+
+
+def test_without_flock_a_fresh_claim_file_naming_no_holder_waits_for_its_heartbeat(no_flock, tmp_path):
+    claim = tmp_path / CLAIM_FILE
+    claim.write_text("not json")
+    with unchanged(tmp_path):
+        busy = claim_dir(tmp_path)
+    assert isinstance(busy, ConfigError) and "another run that has not recorded its host and pid yet" in str(busy)

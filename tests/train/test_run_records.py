@@ -14,9 +14,10 @@ import pytest
 
 from optimus.cli import main
 from optimus.platform import GLOO_ALLTOALL_FALLBACK, available_cores, cpu_list
-from optimus.train.metrics import MetricsLog, expert_load_imbalance
+from optimus.train.metrics import MetricsLog, expert_load_imbalance, wandb_refusal
 from tests.conftest import SMALL_MODEL_RUN
 from tests.trajectories import assert_same_trajectory, read_metrics, step_records
+from tests.unchanged import unchanged
 
 STEPS = 3
 RUN = [
@@ -124,17 +125,21 @@ class FakeWandb:
     def log(self, values, step):
         self.logged.append((step, values))
 
+    def finish(self):
+        self.logged.append("finished")
+
 
 def test_wandb_gets_one_number_per_layer_and_expert(tmp_path):
     wandb = FakeWandb()
     log = MetricsLog(tmp_path, True, wandb, moe_layer_ids=[1, 3])
     log.log({"step": 0, "tokens": 0, "val_loss": 5.5})
     log.log({"step": 1, "loss": 5.0, "mfu": None, "expert_tokens": [[3, 1], [0, 4]]})
-    log.file.close()
+    log.close()
     assert wandb.logged == [
         (0, {"step": 0, "tokens": 0, "val_loss": 5.5}),
         (1, {"step": 1, "loss": 5.0, "expert_tokens/layer_1/expert_0": 3, "expert_tokens/layer_1/expert_1": 1,
              "expert_tokens/layer_3/expert_0": 0, "expert_tokens/layer_3/expert_1": 4}),
+        "finished",
     ]  # fmt: skip
     assert read_metrics(tmp_path)[1]["expert_tokens"] == [[3, 1], [0, 4]]  # metrics.jsonl keeps the lists
 
@@ -169,3 +174,48 @@ def test_the_oracle_is_strict_until_routing_differs_then_checks_the_loss():
         assert_same_trajectory(records(5, flip_at=3, loss=(5, 1.001)), reference, "loss")
     with pytest.raises(AssertionError, match="step 0 val_loss"):
         assert_same_trajectory(records(5, flip_at=3, val_loss=(0, 1.01)), reference, "start")
+
+
+# ---- wandb without credentials (issue 55) ------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A user who never ran `wandb login`: no key in the environment, ~/.netrc or wandb's settings; wandb's
+    process-wide settings are read afresh (and dropped again after the test)."""
+    import wandb
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb"))
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_without_credentials_is_refused_before_anything_is_written(no_wandb_login, tmp_path, corpus_file, capsys):
+    run_dir = tmp_path / "run"
+    args = [*RUN, f"data.path={corpus_file}", "train.steps=1", f"run.dir={run_dir}", "logging.wandb=true"]
+    with unchanged(tmp_path):
+        assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith("optimus: error: logging.wandb=true, but no W&B API key is configured for ")
+    assert "WANDB_MODE=offline" in err and "wandb login" in err and not run_dir.exists()
+
+
+def test_wandb_is_accepted_with_a_key_or_offline_and_refused_when_missing(no_wandb_login, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # its form only: the check never asks the server
+    assert wandb_refusal() is None
+    wandb.teardown()
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # needs no key
+    assert wandb_refusal() is None
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    assert "needs the wandb package, which is not installed: pip install wandb" in str(wandb_refusal())

@@ -18,6 +18,7 @@ from optimus.cli import load_config, main
 from optimus.config import ConfigError
 from optimus.train.checkpoint import inspect
 from tests.conftest import copy_small_run
+from tests.unchanged import unchanged
 
 
 def flip_middle(path, nbytes=4096) -> None:
@@ -239,3 +240,44 @@ def test_unknown_keys_with_plus_are_refused():
         with pytest.raises(ConfigError, match="Unknown config key"):
             load_config([override])
     assert load_config(["data=tokens", "data.mix=[{path: a, weight: 1}]"]).data.mix[0]["path"] == "a"
+
+
+# ---- what a run directory holds before a run (issue 55) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        ("run_info.json", "config.yaml"),  # the issue's: a project directory with a config of the user's own
+        ("checkpoints/latest",),  # a checkpoint directory's pointer without a checkpoint
+    ],
+)
+def test_files_a_run_writes_without_its_metrics_are_refused_unless_overwritten(small_run, tmp_path, capsys, files):
+    """Every run writes metrics.jsonl first: without it, files a run would write are someone else's, and the run
+    refuses to overwrite them unless run.overwrite=true asks."""
+    _, overrides = small_run
+    proj = tmp_path / "proj"
+    for name in files:
+        (proj / name).parent.mkdir(parents=True, exist_ok=True)
+        (proj / name).write_text("the user's own\n")
+    base = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={proj}", "train.steps=1"]
+    with unchanged(tmp_path):
+        assert main(["train", *base]) == 2
+    err = error_of(capsys)
+    named = ", ".join(str(proj / name) if "/" in name else name for name in files)
+    assert len(err.splitlines()) == 1 and f"run.dir={proj} holds {named}, which a run would overwrite" in err
+    assert "but no metrics.jsonl" in err and "run.overwrite=true to replace them" in err
+    assert main(["train", *base, "run.overwrite=true"]) == 0
+    assert steps_of(proj) == [0, 1] and "the user's own" not in (proj / files[0]).read_text()
+
+
+def test_a_run_that_died_before_its_first_step_runs_again(small_run, tmp_path):
+    """It left config.yaml and run_info.json beside an empty metrics.jsonl (written first): no run to keep."""
+    _, overrides = small_run
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for name, text in (("metrics.jsonl", ""), ("config.yaml", "model: {}\n"), ("run_info.json", "{}\n")):
+        (proj / name).write_text(text)
+    base = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={proj}", "train.steps=1"]
+    assert main(["train", *base]) == 0
+    assert steps_of(proj) == [0, 1] and json.loads((proj / "run_info.json").read_text())["params"]

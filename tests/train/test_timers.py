@@ -8,9 +8,9 @@ import os
 import pytest
 
 from optimus.cli import load_config
-from optimus.config import ConfigError
+from optimus.config import ConfigError, parse_step_window
 from optimus.train import timers as timers_module
-from optimus.train.timers import Timers, parse_step_window
+from optimus.train.timers import Timers
 from optimus.train.trainer import Trainer
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed

@@ -30,7 +30,8 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
     run_dir, records = run_train(tmp_path, corpus_file, "train.steps=40", "optim.lr=3e-3")
     assert [m["step"] for m in records] == list(range(0, 41))
     start, metrics = records[0], records[1:]  # the held-out loss before training, then the steps
-    assert start.keys() == {"step", "tokens", "val_loss"} and start["tokens"] == 0
+    assert start.keys() == {"step", "tokens", "val_loss", "val_sequences"} and start["tokens"] == 0
+    assert start["val_sequences"] == 8 and all(m["val_sequences"] == 8 for m in records if "val_loss" in m)
     assert abs(start["val_loss"] - math.log(512)) < 0.1  # an untrained model's near-uniform prediction
     for m in metrics:
         assert METRIC_KEYS <= m.keys()
@@ -126,3 +127,8 @@ def test_resume_hint_names_the_run_dir_the_run_chose():
     )
     cfg = load_config(["run.dir=/scratch/runs/tiny-1"])
     assert resume_hint(cfg, Path("/scratch/runs/tiny-1")) == "run the same command again to resume"
+    cfg = load_config(["run.dir=/scratch/runs/tiny-1", "run.overwrite=true"])  # which would start it over
+    assert (
+        resume_hint(cfg, Path("/scratch/runs/tiny-1"))
+        == "run the same command again but without run.overwrite=true to resume"
+    )
