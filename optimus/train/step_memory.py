@@ -54,6 +54,8 @@ def step_memory_tracker(model: torch.nn.Module, optimizer):
             if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
                 self._ac_mod, self._in_ac = None, False
 
+        # MemTracker's backward hooks keep per-module statistics, which the per-category peak does not read and
+        # which a second backward of the same module (interleaved schedules) broke: nothing to do here.
         def _pre_bw_hook(self, module, args):
             pass
 
