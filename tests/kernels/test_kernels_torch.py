@@ -34,7 +34,7 @@ def expert_path(ops, leaves, token_idx_A, offsets_E):
 
 def value_and_grads(ops, leaves, token_idx_A, offsets_E, seed=1):
     out_TD = expert_path(ops, leaves, token_idx_A, offsets_E)
-    dout_TD = torch.randn(out_TD.shape, generator=torch.Generator().manual_seed(seed)).to(out_TD.dtype)
+    dout_TD = torch.randn(out_TD.shape, generator=torch.Generator().manual_seed(seed)).to(out_TD.device, out_TD.dtype)
     return [out_TD, *torch.autograd.grad(out_TD, leaves, dout_TD)]
 
 
