@@ -48,6 +48,8 @@ Commands:
   plan [overrides]      predicted memory per device and FLOPs per step of a recipe on a layout
   plan --predict [...]  predicted step time, MFU, time split and scaling (--nodes A,B,C) on the recipe's machine
   plan --dry-run [...]  one training step of the layout at its real size on fake tensors: memory, collectives
+  plan --calibrate --out DIR  this node's measured rates and links as a machine recipe, DIR/machine.yaml
+  selftest [--out DIR]  check this node's kernels and collectives against references, measure its rates
 
 Run `optimus <command> --help` for the options of one command.
 """
@@ -184,6 +186,14 @@ def _command(command: str, rest: list[str]) -> int:
             from optimus.report.cli import main as report_main
 
             return report_main(rest)
+        if command == "selftest":
+            from optimus.selftest import main as selftest_main
+
+            return selftest_main(rest)
+        if command == "plan" and "--calibrate" in rest:
+            from optimus.selftest import calibrate_main
+
+            return calibrate_main(rest)
         if command == "plan" and "--dry-run" in rest:
             from optimus.dry_run import main as dry_run_main
 

@@ -237,6 +237,10 @@ class OptimusConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     kernels: str = "auto"  # auto | torch | triton
+    # Before step 1, run every expert-path kernel of that backend once on a small case at the model's widths,
+    # forward and backward, against the plain-PyTorch reference (optimus/train/kernel_check.py): a kernel wrong on
+    # this device stops the run there. null = on for any device but a CPU; true = on, CPUs too; false = off
+    check_kernels: bool | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

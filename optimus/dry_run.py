@@ -136,6 +136,7 @@ def dry_run_rank(
     check_rank(rank, world)
     cfg = copy.deepcopy(cfg)
     cfg.parallel.check_collectives = False  # a fake group has no values to check
+    cfg.check_kernels = False  # nor have fake tensors
     cfg.parallel.nproc = world
     spec = resolve_run(cfg, world, dry_run_platform(cfg, device))
     started = time.perf_counter()

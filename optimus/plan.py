@@ -701,7 +701,11 @@ def parser() -> argparse.ArgumentParser:
     dry.add_argument(
         "--imbalance", type=float, help="the busiest expert's share of the routed tokens over the mean (default 1)"
     )
-    dry.add_argument("--device", help="cpu (the default), or cuda: a fake GPU (needs a CUDA build of torch)")
+    dry.add_argument(
+        "--device",
+        help="cpu (the default), or cuda: a fake GPU (needs a CUDA build of torch); with --calibrate the device to "
+        "measure (default: machine.device)",
+    )
     dry.add_argument("--out", help="write DIR/rank<R>.json (memory, collectives, host syncs) per rank")
     dry.add_argument("--overwrite", action="store_true", help="replace an earlier dry run's --out")
     dry.add_argument(
@@ -711,23 +715,29 @@ def parser() -> argparse.ArgumentParser:
     pred.add_argument(
         "--predict", action="store_true", help="step time, tokens/s, MFU and time split (optimus/perf/predict.py)"
     )
+    cal = p.add_argument_group("calibration", "this node's rates and links, measured, as DIR/machine.yaml")
+    cal.add_argument("--calibrate", action="store_true", help="measure this node and write --out DIR")
+    cal.add_argument("--nproc", type=int, help="processes to measure with, one per device (default: one per GPU)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
     return p
 
 
 # The options of each `optimus plan` command beyond --nodes, --world and the overrides (optimus.cli routes
-# `plan --dry-run` to optimus.dry_run.main, `plan --predict` to optimus.perf.predict.main, the rest to main).
+# `plan --calibrate` to optimus.selftest.calibrate_main, `plan --dry-run` to optimus.dry_run.main, `plan --predict`
+# to optimus.perf.predict.main, the rest to main).
 OPTIONS = {
     "plan": ("json",),
     "dry-run": ("dry_run", "rank", "imbalance", "device", "out", "overwrite", "check_groups"),
     "predict": ("predict", "json", "imbalance", "device"),
+    "calibrate": ("calibrate", "device", "out", "overwrite", "nproc"),
 }
 
 
 def parse(argv: list[str], command: str) -> argparse.Namespace:
     """The options of `command` (a key of OPTIONS), each refused in one sentence where the command does not take
-    it or names something twice, before any work. --device left out is cpu; --imbalance left out stays None
-    (optimus.load_model.checked_imbalance checks it against the model)."""
+    it or names something twice, before any work. --device left out is cpu (for --calibrate it stays None: the
+    recipe's device); --imbalance left out stays None (optimus.load_model.checked_imbalance checks it against the
+    model)."""
     opts = parser().parse_intermixed_args(argv)
     given = [name for names in OPTIONS.values() for name in names if _given(getattr(opts, name))]
     for name in dict.fromkeys(given):
@@ -737,7 +747,8 @@ def parse(argv: list[str], command: str) -> argparse.Namespace:
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
             raise ConfigError(f"{flag} names {', '.join(map(str, twice))} more than once: name each once.")
-    opts.device = opts.device or "cpu"
+    if command != "calibrate":
+        opts.device = opts.device or "cpu"
     return opts
 
 
@@ -748,6 +759,12 @@ def _given(value) -> bool:
 
 def _not_taken(command: str, flag: str) -> str:
     """Why `command` refuses `flag`, and what to run instead."""
+    if command == "calibrate":
+        return f"--calibrate measures this node and writes DIR/machine.yaml (--out DIR): leave out {flag}."
+    if flag == "--calibrate":
+        return "--calibrate is a command of its own (it measures this node): run `optimus plan --calibrate --out DIR`."
+    if flag == "--nproc":
+        return "--nproc belongs to `optimus plan --calibrate` (its processes on this node): leave it out."
     if command == "predict":
         return f"--predict runs its own dry runs and writes no files: leave out {flag}."
     if command == "dry-run" and flag == "--predict":

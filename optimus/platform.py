@@ -257,6 +257,14 @@ def max_memory_allocated(platform: Platform) -> int:
     return int(api.max_memory_allocated(platform.device)) if api is not None else 0
 
 
+def reset_peak_memory(platform: Platform) -> None:
+    """Start the device allocator's peak afresh (start-up checks allocate what the run never holds again); a CPU's
+    resident-set peak cannot be reset."""
+    api = _api(platform)
+    if api is not None:
+        api.reset_peak_memory_stats(platform.device)
+
+
 def proc_bytes(path: str, field: str) -> int | None:
     """The `field:  N kB` line of a Linux /proc file (meminfo, self/status) in bytes; None where it is absent."""
     try:

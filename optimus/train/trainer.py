@@ -41,6 +41,7 @@ from optimus.platform import (
     peak_flops_per_device,
     peak_memory_bytes,
     release_free_cpu_memory,
+    reset_peak_memory,
     synchronize,
 )
 from optimus.ranks import report_saved_at_stop
@@ -58,6 +59,7 @@ from optimus.train.faults import (
     unpack_step_flags,
 )
 from optimus.train.intervals import due_every
+from optimus.train.kernel_check import check_kernels, kernel_check_enabled
 from optimus.train.metrics import (
     MetricsLog,
     RunWriteError,
@@ -147,9 +149,12 @@ class Trainer:
             torch.get_device_module(spec.platform.device_type).set_device(spec.platform.device)
         self._init_layout(spec)
         cfg, p = self.cfg, self.cfg.parallel
+        compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
-            compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
             check_collectives(self.ps, self.platform.device, compute_dtype, p.dispatcher)
+        if kernel_check_enabled(cfg.check_kernels, self.platform.device_type):  # and so does a wrong kernel
+            check_kernels(cfg, self.ps, self.platform.device, compute_dtype)
+            reset_peak_memory(self.platform)  # its tensors are gone: the memory figures are the run's
         self.run_dir = resolve_run_dir(cfg, self.ps)
 
         self.data = build_data(cfg.data, cfg.train.seq_len, cfg.train.seed)
@@ -173,7 +178,6 @@ class Trainer:
         )
         self.flops_per_token = flops_per_token(self.param_counts, cfg.model, cfg.train.seq_len)
         # On a CPU the peak is a matmul probe in the dtype the run computes in.
-        compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops_per_device(self.platform, cfg.machine, compute_dtype)
         self.trace = TorchTrace(
             cfg.profile.torch, cfg.profile.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type
