@@ -258,10 +258,11 @@ def max_memory_allocated(platform: Platform) -> int:
 
 
 def reset_peak_memory(platform: Platform) -> None:
-    """Start the device allocator's peak afresh (start-up checks allocate what the run never holds again); a CPU's
-    resident-set peak cannot be reset."""
+    """Hand the allocator's cached blocks back and start its peak afresh (start-up checks allocate what the run never
+    holds again: gigabytes at a large model's widths); a CPU's resident-set peak cannot be reset."""
     api = _api(platform)
     if api is not None:
+        api.empty_cache()
         api.reset_peak_memory_stats(platform.device)
 
 

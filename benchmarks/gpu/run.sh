@@ -27,11 +27,16 @@ out=${1:-benchmarks/results/gpu/latest}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 OPTIMUS_CACHE=${OPTIMUS_CACHE:-$out/cache}
 python=${PYTHON:-python3}
-if $python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then gpu=1; else gpu=0; fi
+accelerator="import sys, torch; x = getattr(torch, 'xpu', None)
+sys.exit(0 if torch.cuda.is_available() or (x is not None and x.is_available()) else 1)"
+if $python -c "$accelerator"; then gpu=1; else gpu=0; fi
+# Fragmentation headroom: the step plans about 72 GiB, close to an 80 GB card's usable memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "$gpu" = 1 ]; then
     stages=${STAGES:-selftest expert_path step_triton step_torch predict step_profile kernel_tests}
-    step_model=(model=mula-7b-a1b model.n_layers=8 train.seq_len=2048 train.micro_batch=4 train.global_batch=32
-        train.dtype=bf16)
+    # STEP_LAYERS=6 for a 64 GB device (an Aurora tile): 8 layers plan about 72 GiB
+    step_model=(model=mula-7b-a1b model.n_layers=${STEP_LAYERS:-8} train.seq_len=2048 train.micro_batch=4
+        train.global_batch=32 train.dtype=bf16)
     steps=8 expert_path_args=() tiny_selftest=()
 else
     stages=${STAGES:-selftest expert_path step_torch}
@@ -79,6 +84,10 @@ for name in $stages; do
         fi
         ;;
     predict)  # the step_* stages' step predicted from the selftest's calibration of this node
+        if [ ! -f "$out/selftest/machine.yaml" ]; then
+            echo "== predict: skipped, no selftest/machine.yaml (the selftest stage writes it)"
+            continue
+        fi
         stage predict 150 $python -m optimus plan --predict --world 1 --device cuda "${step_model[@]}" \
             "${step_args[@]}" kernels=triton machine=nvidia machine.ranks_per_node=1 \
             $($python benchmarks/gpu/summary.py --machine-overrides "$out/selftest/machine.yaml")

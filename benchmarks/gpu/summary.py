@@ -18,28 +18,31 @@ from pathlib import Path
 SKIPPED_STEPS = 2  # the first steps compile kernels, autotune and warm the allocator
 
 
-def device_rates() -> dict:
+def device_rates(device: str) -> dict:
     """The two ceilings measured on the device: a bf16 8192^3 matrix product (TFLOP/s) and a 2 GiB device-to-device
-    copy (GB/s, bytes read plus written); medians of 10 after 3 warm-ups, on random data."""
+    copy (GB/s, bytes read plus written); medians of 10 after 3 warm-ups, on random data, issued back to back."""
     import torch
+
+    api = torch.get_device_module(device)
 
     def median_seconds(fn) -> float:
         for _ in range(3):
             fn()
-        times = []
+        api.synchronize()
+        events = []
         for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = api.Event(enable_timing=True), api.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+            events.append((start, end))
+        api.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
     n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     gemm_tflops = 2 * n**3 / median_seconds(lambda: a @ b) / 1e12
-    src = torch.randn(2**29, device="cuda")  # 2 GiB of fp32
+    src = torch.randn(2**29, device=device)  # 2 GiB of fp32
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src)) / 1e9
     return {"bf16_gemm_tflops_8192": gemm_tflops, "copy_gbs": copy_gbs}
@@ -49,22 +52,25 @@ def environment() -> dict:
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    env["hip"] = torch.version.hip
     try:
         import triton
 
         env["triton"] = triton.__version__
     except Exception as e:  # absent or broken: say which
         env["triton"] = f"not importable ({type(e).__name__})"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(device=props.name, multiprocessors=props.multi_processor_count)
+    xpu = getattr(torch, "xpu", None)
+    device = "cuda" if torch.cuda.is_available() else "xpu" if xpu is not None and xpu.is_available() else None
+    if device is not None:
+        props = torch.get_device_module(device).get_device_properties(0)
+        env.update(device=props.name, multiprocessors=getattr(props, "multi_processor_count", None))
         env["memory_gib"] = props.total_memory / 2**30
         try:
             query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
             env["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
-        env.update(device_rates())
+        env.update(device_rates(device))
     else:
         env["device"] = "cpu (no GPU visible: tiny shapes)"
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""

@@ -67,16 +67,20 @@ class Case:
         return f"{self.name}: {self.rows} rows x {self.dim} -> {self.ffn}, {self.experts} experts{empty}{one}"
 
 
-def recipe_cases(dim: int, ffn: int, experts: int, top_k: int, tokens: int) -> list[Case]:
+def recipe_cases(dim: int, ffn: int, experts: int, top_k: int, tokens: int, ragged_widths: bool = False) -> list[Case]:
     """The recipe's own shape (`tokens` tokens per micro-batch, `experts` experts on this rank) and the awkward
-    ones: one row, empty experts, dimensions one past a tile multiple, and the recipe's rows all on one expert."""
+    ones: one row, empty experts, row counts that fill no tile (67 tokens), and the recipe's rows all on one
+    expert; with `ragged_widths`, the 67 tokens' widths one past a multiple of 16 as well. A recipe's widths stay
+    what they are in every step, so a node is checked at its own (on a GPU each new width also costs Triton a
+    compile and an autotuning of every kernel); the tests check the kernels' width masks."""
     k = min(top_k, experts)
     cases = [Case("recipe", tokens, dim, ffn, experts, k)]
     cases.append(Case("one row", 1, dim, ffn, experts, 1))
     if experts > k:
         empty = tuple(range(1, experts, 2))[: experts - k]
         cases.append(Case("empty experts", max(tokens // 8, 3), dim, ffn, experts, k, empty_experts=empty))
-    cases.append(Case("ragged tiles", 67, _past_tile(dim), _past_tile(ffn), max(experts, 2), min(k, 2)))
+    widths = (_past_tile(dim), _past_tile(ffn)) if ragged_widths else (dim, ffn)
+    cases.append(Case("ragged tiles", 67, *widths, max(experts, 2), min(k, 2)))
     cases.append(Case("rows on one expert", tokens, dim, ffn, experts, 1, one_expert=True))
     return cases
 
@@ -101,8 +105,9 @@ class KernelResult:
     kernel: str  # the operation and the output checked, e.g. "grouped_mm wgrad"
     dtype: torch.dtype
     case: Case
-    error: float  # ||got - ref|| / ||ref||; inf for a NaN, an Inf or a wrong shape
+    error: float  # ||got - ref|| / ||ref||; inf for a NaN, an Inf, a wrong shape or an exception
     tolerance: float
+    raised: str | None = None  # the exception the kernel raised instead of computing, as "Type: first line"
 
     @property
     def ok(self) -> bool:
@@ -114,22 +119,27 @@ class KernelResult:
 
     def failure(self, backend: str) -> str:
         """One sentence: which kernel, dtype and shape, how far off, and what to set instead."""
-        off = "returned NaN, Inf or a wrong shape" if math.isinf(self.error) else f"is off by {self.error:.2e}"
+        where = f"the {backend} kernel {self.kernel} in {self.dtype_name} at {self.case.describe()}"
         fallback = "kernels=torch" if backend != "torch" else "kernels=triton where Triton runs, or another torch build"
-        return (
-            f"the {backend} kernel {self.kernel} in {self.dtype_name} at {self.case.describe()} {off} relative to "
-            f"the reference (tolerance {self.tolerance:.1e}); use {fallback}."
-        )
+        if self.raised is not None:
+            return f"{where} raised {self.raised.rstrip('.')}; use {fallback}."
+        off = "returned NaN, Inf or a wrong shape" if math.isinf(self.error) else f"is off by {self.error:.2e}"
+        return f"{where} {off} relative to the reference (tolerance {self.tolerance:.1e}); use {fallback}."
 
 
 def relative_error(got: torch.Tensor | None, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, inf for a missing result, a wrong shape or a non-finite value. In fp64 on a CPU;
+    on an accelerator in fp32 where the tensors are, with one value read back (an fp64 or host copy of a
+    weight-stack gradient would cost gigabytes and seconds; fp32's norms are exact to far below any tolerance)."""
     if got is None or got.shape != want.shape:
         return math.inf
-    got64, want64 = got.detach().double().cpu(), want.detach().double().cpu()
-    if not torch.isfinite(got64).all():
+    wide = torch.float64 if want.device.type == "cpu" else torch.float32
+    got_w, want_w = got.detach().to(wide), want.detach().to(wide)
+    finite, diff, scale = torch.stack(
+        [torch.isfinite(got_w).all().to(wide), (got_w - want_w).norm(), want_w.norm()]
+    ).tolist()
+    if not finite:
         return math.inf
-    scale = want64.norm().item()
-    diff = (got64 - want64).norm().item()
     return diff / scale if scale > 0 else diff
 
 
@@ -196,16 +206,25 @@ def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, g
             with torch.no_grad():
                 dout = torch.randn(want_fn(*[t.float() for t in inputs[name]]).shape, generator=gen).to(device, dtype)
             want = _outputs_and_grads(want_fn, [t.float() for t in inputs[name]], dout.float())
+        raised = None
         try:
             got = _outputs_and_grads(fn, inputs[name], dout)
-        except Exception:  # a kernel that raises on this device is as wrong as one that computes wrongly
-            got = [None] * len(labels)
+            _synchronize(device)  # a kernel's fault surfaces here, as this kernel's, not at a later read
+        except torch.OutOfMemoryError:  # the case does not fit beside what the process holds: not the kernel's fault
+            raise
+        except Exception as err:  # a kernel that raises on this device is as wrong as one that computes wrongly
+            got, raised = [None] * len(labels), f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
         for label, g, w in zip(labels, got, want):
-            results.append(KernelResult(f"{name} {label}", dtype, case, relative_error(g, w), tol))
+            results.append(KernelResult(f"{name} {label}", dtype, case, relative_error(g, w), tol, raised))
     counts = count_ids(token_idx_A, case.tokens)
     want_counts = torch.bincount(token_idx_A.cpu(), minlength=case.tokens)
     results.append(KernelResult("count_ids", torch.int64, case, relative_error(counts, want_counts), 0.0))
     return results
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
 
 
 class _ieee_fp32:

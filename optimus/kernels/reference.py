@@ -21,11 +21,12 @@ def expert_swiglu_mlp(
     n_ffn = w2_EFD.shape[1]
     y_AD = x_AD.new_zeros(x_AD.shape[0], w2_EFD.shape[2])
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    # unbind, not w[e]: each w[e]'s backward would zero-fill a gradient of the whole stack, once per expert
+    for end, w13_DF2, w2_FD in zip(offsets_E.tolist(), w13_EDF2.unbind(0), w2_EFD.unbind(0)):
         if end > start:
-            h_F2 = x_AD[start:end] @ w13_EDF2[e]
+            h_F2 = x_AD[start:end] @ w13_DF2
             h_F = F.silu(h_F2[:, :n_ffn]) * h_F2[:, n_ffn:]
-            y_AD[start:end] = h_F @ w2_EFD[e]
+            y_AD[start:end] = h_F @ w2_FD
         start = end
     return y_AD
 
@@ -40,9 +41,9 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor)
     """y[rows of e] = x[rows of e] @ w[e], one matmul per expert."""
     y_AN = x_AK.new_zeros(x_AK.shape[0], w_EKN.shape[2])
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for end, w_KN in zip(offsets_E.tolist(), w_EKN.unbind(0)):  # unbind: see expert_swiglu_mlp
         if end > start:
-            y_AN[start:end] = x_AK[start:end] @ w_EKN[e]
+            y_AN[start:end] = x_AK[start:end] @ w_KN
         start = end
     return y_AN
 

@@ -371,3 +371,11 @@ def combine_backward(dout_TD, y_AD, idx_A, weight_A, y_dtype, w_dtype):
     if A:
         _combine_bwd_kernel[(A,)](dout_TD, y_AD, idx_A, weight_A, dy_AD, dw_A, D, BLOCK_D=min(_block_d(D), 256))
     return dy_AD, dw_A
+
+
+def forget_autotuning() -> None:
+    """Drop each autotuned kernel's chosen configuration, so that its next call tunes again. Autotuning keys on the
+    widths, not on the row count: a call on a few rows (the start-up check's) would otherwise fix the tiles that
+    every later call, on a micro-batch's thousands of rows, runs with."""
+    for kernel in (_grouped_gemm_kernel, _swiglu_fwd_kernel, _swiglu_bwd_kernel, _grouped_wgrad_kernel):
+        kernel.cache.clear()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import importlib.metadata
 import platform as python_platform
 import socket
 import sys
@@ -325,9 +324,11 @@ def context(job: Job, platform: Platform, processes: int) -> dict:
 
 def versions() -> dict:
     """Python, torch and Triton (None where not installed), and the device runtime torch was built with."""
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
+    try:  # the module's own version: ROCm's and XPU's Triton come in packages of other names
+        import triton as triton_module
+
+        triton = triton_module.__version__
+    except Exception:  # absent, or broken without its driver libraries: as good as absent here
         triton = None
     return {
         "python": python_platform.python_version(),

@@ -65,8 +65,11 @@ def free_bytes(device: torch.device) -> int | None:
     None where it cannot be read."""
     if device.type == "cpu":
         return proc_bytes("/proc/meminfo", "MemAvailable")
-    mem_get_info = getattr(torch.get_device_module(device.type), "mem_get_info", None)
-    return int(mem_get_info(device)[0]) if mem_get_info is not None else None
+    api = torch.get_device_module(device.type)
+    try:
+        return int(api.mem_get_info(device)[0])
+    except (AttributeError, RuntimeError, NotImplementedError):  # XPU without Level Zero's sysman cannot say
+        return int(api.get_device_properties(device).total_memory - api.memory_reserved(device))
 
 
 def gemm_shape(model: ModelConfig, tokens: int) -> tuple[int, int, int]:

@@ -5,8 +5,8 @@ strides) does not crash: it trains on wrong numbers. Before step 1 every rank ru
 its MoE layers take (`kernels`, resolved as `GroupedExperts` resolves it) forward and backward once, on one
 small case at the model's own widths and this rank's experts, in the run's compute dtype on the run's device,
 against the plain-PyTorch reference (`optimus.kernels.check`, which also holds the tolerance rule). The real
-widths are what a kernel's tiling and autotuning see in the step: Triton's autotuning keys on them, so what the
-check tunes the step reuses.
+widths are what a kernel's tiling sees in the step; Triton's autotuning, which keys on the widths alone, is
+forgotten after the check, so that the step's first micro-batch tunes at its own row count.
 
 The ranks then agree (one all-reduce of the errors over the world, MAX) and every rank raises the same
 one-sentence `KernelCheckFailed` naming the first failing kernel, or none does. `check_kernels` switches it:
@@ -64,6 +64,10 @@ def check_kernels(cfg: OptimusConfig, ps: ParallelState, device: torch.device, c
     except KernelUnavailable as err:  # the `kernels` key: the user's to change, as the model reports it
         raise ConfigError(str(err)) from None
     results = check_backend(backend, [case], [compute_dtype], device)
+    if backend.name == "triton":  # tuned on the case's few rows: let the step's first micro-batch tune its own
+        from optimus.kernels.triton_kernels import forget_autotuning
+
+        forget_autotuning()
     # Each kernel's worst error over the ranks: every rank then reports the same kernel with the same number.
     error_K = torch.tensor([r.error for r in results], dtype=torch.float64, device=device)
     if ps.is_distributed:

@@ -163,9 +163,15 @@ TRITON_WIDTHS = {"n_experts": 4, "top_k": 2, "dim": 24, "ffn": 40, "kernels": "t
 def test_the_triton_backend_is_checked_under_the_interpreter(wrong, triton_kernels, monkeypatch):
     if wrong is not None:
         monkeypatch.setattr(triton_kernels, "grouped_gemm", wrong(triton_kernels.grouped_gemm))
+    # A choice autotuning made, as on a GPU (the interpreter has one configuration, and tunes nothing)
+    tuned = [triton_kernels._grouped_gemm_kernel, triton_kernels._swiglu_fwd_kernel]
+    for kernel in tuned:
+        monkeypatch.setitem(kernel.cache, ("a width", "another"), kernel.configs[0])
     sentence = raised(small_config(**TRITON_WIDTHS), device=torch.device("cuda" if ON_GPU else "cpu"))
     if wrong is None:
         assert sentence is None
+        # What the check's 192 rows would tune fixes the tiles of every later call: forgotten
+        assert all(kernel.cache == {} for kernel in tuned)
     else:
         assert sentence.startswith(
             "At start-up, the triton kernel expert_swiglu_mlp forward in float32 at 96 tokens: 192 rows x 24 -> 40, "
