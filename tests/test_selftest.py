@@ -181,6 +181,24 @@ def test_a_case_that_would_not_fit_a_quarter_of_the_free_memory_is_skipped_and_s
     assert any(line.startswith("  skipped recipe: 128 rows x 32 -> 48, 4 experts (needs about") for line in lines)
 
 
+def test_a_case_that_runs_out_of_memory_anyway_is_skipped_and_said(monkeypatch):
+    cases = {case.name: case for case in kernel_cases(load_config(SMALL))}
+    real = kernels.check_backend
+
+    def out_of_memory_at_the_recipes_shape(backend, checked, *args):
+        if checked[0].name == "recipe":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(backend, checked, *args)
+
+    monkeypatch.setattr(kernels, "check_backend", out_of_memory_at_the_recipes_shape)
+    checked = kernels.check_kernels("torch", list(cases.values()), torch.float32, torch.device("cpu"))
+    assert {row["case"] for row in checked["results"]} == CASES - {"recipe"}
+    assert [skip["case"].split(":")[0] for skip in checked["skipped"]] == ["recipe"]
+    lines = selftest_report._kernel_lines({**checked, "setting": "torch", "dtype": "fp32", "none": None}, 1)
+    skipped = "  skipped recipe: 128 rows x 32 -> 48, 4 experts (ran out of memory: needs about"
+    assert any(line.startswith(skipped) for line in lines)
+
+
 def test_a_dense_model_has_no_expert_kernels_to_check():
     code, table, err = run("selftest", "--kernels", "torch", *SMALL, "model.moe.n_experts=0")
     assert code == 0, err

@@ -131,7 +131,8 @@ def _kernel_lines(kernels: dict, processes: int) -> list[str]:
     for skip in kernels["skipped"]:
         budget = skip["budget_bytes"]
         budget = "" if budget is None else f"; a quarter of the free memory is {_gib(budget)}"
-        lines.append(f"  skipped {skip['case']} (needs about {_gib(skip['bytes'])}{budget})")
+        why = "ran out of memory: " if skip.get("ran_out_of_memory") else ""
+        lines.append(f"  skipped {skip['case']} ({why}needs about {_gib(skip['bytes'])}{budget})")
     return lines
 
 
