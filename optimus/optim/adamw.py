@@ -49,8 +49,10 @@ def adamw_update(
     """
     if fused is None:
         fused = fused_kernel_available(param_N.device)
-    if fused:  # the kernel reads the step count from a tensor on the device: one for every chunk of the call
-        step_fn = functools.partial(_fused_chunk, step=torch.tensor(float(step), device=param_N.device))
+    if fused:  # the kernel reads the step count from a tensor on the device: one for every chunk of the call,
+        # filled there (torch.tensor(step, device=...) would be a blocking copy from the host, which waits for
+        # the whole queue on a GPU)
+        step_fn = functools.partial(_fused_chunk, step=torch.full((), float(step), device=param_N.device))
     else:
         step_fn = functools.partial(_single_tensor_chunk, step=step)
     # In chunks: a 16-bit gradient's fp32 copy (and the fallback's sqrt and denominator) would otherwise be as
