@@ -5,7 +5,10 @@ its rank<R>.json, and writes a table: world, rank, measured peak by category bes
 collectives per step and bytes by kind, host syncs per step, the dry run's wall time and the process's
 peak resident memory. The CPU's flags are recorded with the results (the times depend on the machine).
 
-    python benchmarks/dry_run.py [--only NAME ...] [--out benchmarks/results]
+    python benchmarks/dry_run.py [--only NAME ...] [--device cpu|cuda|rocm|xpu] [--name STEM] [--out benchmarks/results]
+
+Each layout is traced on its recipe's device path (Aurora: xpu, Frontier: rocm) unless --device names one;
+the results go to STEM.json and STEM.md (default dry_run_device).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ LAYOUTS = [
 MIB, GIB = 2**20, 2**30
 
 
-def run_layout(overrides: list[str], nodes: int, out: Path) -> dict:
+def run_layout(overrides: list[str], nodes: int, out: Path, device: str | None = None) -> dict:
     """One dry run through the CLI; its rank file, wall time and the child's peak resident set."""
     started = time.perf_counter()
     command = [sys.executable, "-m", "optimus", "plan", "--dry-run", "--nodes", str(nodes), "--out", str(out)]
+    command += ["--device", device] if device else []
     with tempfile.TemporaryFile("w+") as log:
         child = subprocess.Popen([*command, *overrides], stdout=log, stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: its peak resident set
@@ -74,13 +78,14 @@ def by_kind(calls: list[dict]) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| layout | world | rank | peak GiB measured | planned GiB | measured/planned | at the peak (GiB) "
+        "| layout | path (kernels) | world | rank | peak GiB measured | planned GiB | measured/planned "
+        "| at the peak (GiB) "
         "| collectives: calls (GiB) by kind | host syncs | dry run s | RSS GiB | --check-groups: ranks, hours |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | | | failed: {r['error']} | | | | | | {r['seconds']:.0f} | |")
+            lines.append(f"| {name} | | | | failed: {r['error']} | | | | | | {r['seconds']:.0f} | |")
             continue
         mem = r["memory"]
         cats = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem["by_category"].items() if v >= GIB / 100)
@@ -91,7 +96,8 @@ def table(results: dict) -> str:
         lay = r["layout"]
         check = len(group_check_ranks(r["world"], lay["pp"], lay["tp"], lay["ep"]))
         lines.append(
-            f"| {name} | {r['world']} | {r['rank']} | {mem['peak_bytes'] / GIB:.2f} | {mem['planned_bytes'] / GIB:.2f} "
+            f"| {name} | {r.get('device', 'cpu')} ({r.get('kernels', 'torch')}) | {r['world']} | {r['rank']} "
+            f"| {mem['peak_bytes'] / GIB:.2f} | {mem['planned_bytes'] / GIB:.2f} "
             f"| {mem['peak_bytes'] / mem['planned_bytes']:.3f} | {cats} | {kinds} | {syncs} "
             f"| {r['wall_seconds']:.0f} | {r['max_rss_bytes'] / GIB:.2f} "
             f"| {check}, {check * r['wall_seconds'] / 3600:.1f} |"
@@ -103,18 +109,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="names of LAYOUTS to run (default: all)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--device", help="the device path to trace (default: each recipe's machine.device)")
+    parser.add_argument("--name", default="dry_run_device", help="the results' file stem")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides, nodes in LAYOUTS:
             if args.only and name not in args.only:
                 continue
-            results[name] = run_layout(overrides, nodes, Path(tmp) / name.replace(" ", "_").replace("@", "n"))
+            out_dir = Path(tmp) / name.replace(" ", "_").replace("@", "n")
+            results[name] = run_layout(overrides, nodes, out_dir, args.device)
             print(table({name: results[name]}).splitlines()[-1], flush=True)
     out = Path(args.out)
     machine = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": torch_version()}
-    (out / "dry_run.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1) + "\n")
-    (out / "dry_run.md").write_text(report(results, machine))
+    (out / f"{args.name}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1) + "\n")
+    (out / f"{args.name}.md").write_text(report(results, machine, args.device))
     print(table(results))
 
 
@@ -124,12 +133,14 @@ def torch_version() -> str:
     return torch.__version__
 
 
-def report(results: dict, machine: dict) -> str:
+def report(results: dict, machine: dict, device: str | None) -> str:
     lines = [
         "# Dry runs of the experiment recipes at their published size",
         "",
         "`python benchmarks/dry_run.py` runs, for each layout, `optimus plan --dry-run --nodes N "
-        "experiment=NAME --out DIR` (the busiest rank, `--device cpu`, uniform routing) and tabulates its "
+        f"experiment=NAME --out DIR{' --device ' + device if device else ''}` (the busiest rank, "
+        f"{'on its recipe' + chr(39) + 's device path' if not device else 'on the ' + device + ' path'}, uniform "
+        "routing) and tabulates its "
         f"rank<R>.json. Machine: {machine['cpus']} CPUs ({machine['cpu_flags']}), torch {machine['torch']}; "
         "the times are wall seconds of the whole command (start-up included) on a machine shared with other "
         "work, the resident set is the process's peak. The last column is how many ranks `--check-groups` runs "

@@ -8,8 +8,9 @@
         the Frontier study's 22B / 175B / 1T figures and the Aurora MoE study's 220B-A10B scaling beside the
         predictions for the experiment recipes, and a sensitivity table (each machine number halved and
         doubled): predict_studies.json. The dry runs take minutes each; their traces are kept in --cache.
-    python benchmarks/predict.py recipes [--out benchmarks/results] [--cache DIR]
-        every experiment recipe at benchmarks/dry_run.py's world sizes: predict_recipes.json
+    python benchmarks/predict.py recipes [--out benchmarks/results] [--cache DIR] [--device D] [--name SUFFIX]
+        every experiment recipe at benchmarks/dry_run.py's world sizes, traced on its recipe's device path (or
+        --device's): predict_recipes<SUFFIX>.json
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
         by hand around them)
@@ -134,6 +135,7 @@ def run_local(out: Path) -> None:
 def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = (), weak_from: int = 0) -> tuple:
     """(cfg, world, traces) of an experiment recipe (with `extra` overrides) at `nodes`, its global batch grown
     from `weak_from` nodes when given (weak scaling); traced, or from the cache."""
+    from optimus.dry_run import dry_run_device
     from optimus.perf.predict import scaled_batch, trace_step
     from optimus.perf.step_trace import FORMAT
     from optimus.recipes import load_config
@@ -141,15 +143,19 @@ def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = ()
     cfg = load_config([f"experiment={recipe}", *extra])
     cfg = scaled_batch(cfg, nodes, weak_from) if weak_from else cfg
     world = nodes * cfg.machine.ranks_per_node
-    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}.v{FORMAT}.json.gz"
+    device = DEVICE or dry_run_device(cfg, None)  # the recipe's device path, unless --device names one
+    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}-{device}.v{FORMAT}.json.gz"
     if path.exists():
         traces = {int(k): v for k, v in json.loads(gzip.decompress(path.read_bytes())).items()}
     else:
-        print(f"{recipe} on {nodes} nodes, global batch {cfg.train.global_batch}:", flush=True)
-        traces = trace_step(cfg, world)
+        print(f"{recipe} on {nodes} nodes, global batch {cfg.train.global_batch}, {device} path:", flush=True)
+        traces = trace_step(cfg, world, device=device)
         path.write_bytes(gzip.compress(json.dumps(traces).encode()))
     return cfg, world, traces
 
+
+DEVICE: str | None = None  # --device: the device path every recipe is traced on (None: each recipe's own)
+SUFFIX = ""  # --name: of the results' files
 
 # Published: (recipe, nodes, MFU) from Dash et al. (Frontier); scaling from both studies.
 PUBLISHED_MFU = [("frontier-22b", 16, 0.3838), ("frontier-175b", 128, 0.3614), ("frontier-1t", 384, 0.3196)]
@@ -205,7 +211,7 @@ def run_recipes(out: Path, cache: Path) -> None:
         cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]))
         pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
         rows.append({"layout": name, "nodes": nodes, **pred.as_dict()})
-        (out / "predict_recipes.json").write_text(json.dumps(rows, indent=1))
+        (out / f"predict_recipes{SUFFIX}.json").write_text(json.dumps(rows, indent=1))
 
 
 def run_studies(out: Path, cache: Path) -> None:
@@ -320,7 +326,11 @@ def main() -> None:
     parser.add_argument("what", choices=["local", "studies", "recipes", "tables"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
+    parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
+    parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
     args = parser.parse_args()
+    global DEVICE, SUFFIX
+    DEVICE, SUFFIX = args.device, args.name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "local":

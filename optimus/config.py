@@ -92,7 +92,7 @@ class MachinePerfConfig:
 @dataclass
 class MachineConfig:
     name: str = "local"
-    device: str = "auto"  # auto | cpu | cuda | xpu
+    device: str = "auto"  # auto | cpu | cuda | rocm | xpu (rocm: torch calls the device cuda)
     backend: str | None = None  # null = pick from the device (nccl, xccl/ccl, gloo)
     ranks_per_node: int | None = None
     peak_flops: float | None = None  # bf16 FLOP/s per device; null = table or CPU probe

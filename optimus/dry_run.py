@@ -38,46 +38,51 @@ import torch
 import torch.distributed as dist
 
 from optimus.config import ConfigError, OptimusConfig
+from optimus.fake_device import engine_error_explained
 from optimus.host_syncs import HostSyncCounter
 from optimus.load_model import ExpertLoad, checked_imbalance, using
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
-from optimus.platform import Platform, detect_platform
+from optimus.perf.operators import OperatorCounter
+from optimus.platform import DEVICE_PATHS, Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.run_spec import resolve_run
 from optimus.train import step_memory
 from optimus.train.step_memory import step_memory_tracker
 
-DEVICES = ("cpu", "cuda")
+DEVICES = DEVICE_PATHS  # what --device takes: cpu, or the stand-in of a GPU's (cuda, rocm, xpu)
 
 
 @dataclass
 class FakeBatches:
-    """A step's micro-batches of token ids, [micro_batch, seq_len + 1] each, made under the fake mode."""
+    """A step's micro-batches of token ids, [micro_batch, seq_len + 1] each, made under the fake mode on `device`."""
 
     n_micro_batches: int
     micro_batch: int
     seq_len: int
     vocab_size: int
+    device: torch.device
 
     def next_step(self) -> list[torch.Tensor]:
         shape = (self.micro_batch, self.seq_len + 1)
-        return [torch.randint(0, self.vocab_size, shape) for _ in range(self.n_micro_batches)]
+        return [torch.randint(0, self.vocab_size, shape, device=self.device) for _ in range(self.n_micro_batches)]
 
 
-def dry_run_platform(cfg: OptimusConfig, device: str) -> Platform:
-    """The platform the step is traced for: this machine's CPU, or a fake GPU of the recipe's machine."""
-    if device not in DEVICES:
-        raise ConfigError(f"--device {device} is not supported: use one of {', '.join(DEVICES)}.")
-    if device == "cpu":
+def dry_run_device(cfg: OptimusConfig, device: str | None) -> str:
+    """The device path a dry run traces: --device, or the recipe's own machine.device (for `auto`, this machine's)."""
+    path = declared_device_path(cfg.machine) if device is None else device
+    if path not in DEVICES:
+        raise ConfigError(f"--device {path} is not supported: use one of {', '.join(DEVICES)}.")
+    return path
+
+
+def dry_run_platform(cfg: OptimusConfig, device: str | None) -> Platform:
+    """The platform the step is traced for: this machine's CPU, or the stand-in of a GPU (optimus.fake_device)."""
+    path = dry_run_device(cfg, device)
+    if path == "cpu":
         machine = copy.copy(cfg.machine)
         machine.device, machine.backend = "cpu", None
         return detect_platform(machine, 0)
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "--device cuda needs a GPU that torch can see (the backward of fake GPU tensors asks the device for its "
-            "current stream, pytorch#92627; a login or compile node with one GPU will do): use --device cpu here."
-        )
-    return Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "fake GPU (dry run)")
+    return stand_in_platform(path)
 
 
 def answer_read(tensor: torch.Tensor) -> bool | float | int:
@@ -108,11 +113,9 @@ def check_dry_run_config(cfg: OptimusConfig, what: str = "A dry run") -> None:
 
 @contextlib.contextmanager
 def known_warnings_quiet() -> Iterator[None]:
-    """Silence, while a dry run runs, the two warnings that every one of them raises and that say nothing about
-    the layout: the sharder's aliasing check reads the addresses of fake storages (optimus.parallel.flat_buffer,
-    where a fake tensor's is never used), and MemTracker meets a None among a module's outputs."""
+    """Silence, while a dry run runs, the warning that every one of them raises and that says nothing about the
+    layout: MemTracker meets a None among a module's outputs."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor is deprecated", UserWarning)
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass of tensor", UserWarning)
         yield
 
@@ -123,9 +126,10 @@ def check_rank(rank: int, world: int) -> None:
 
 
 def dry_run_rank(
-    cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str = "cpu", step_trace=None
+    cfg: OptimusConfig, world: int, rank: int, imbalance: float = 1.0, device: str | None = None, step_trace=None
 ) -> dict:
-    """One training step of `rank` of `world` ranks on fake tensors: its memory, collectives and host syncs.
+    """One training step of `rank` of `world` ranks on fake tensors, on device path `device` (None: the recipe's
+    machine.device, dry_run_device): its memory, collectives, host syncs and operators.
     With `step_trace` (an optimus.perf.step_trace.StepTrace: the collective trace that also records every
     operator and marks the pipeline's actions), the step's events under `events` and the schedule's order
     under `schedule`, instead of the memory (torch's MemTracker, which the performance model does not need)."""
@@ -140,10 +144,13 @@ def dry_run_rank(
     cfg.parallel.nproc = world
     spec = resolve_run(cfg, world, dry_run_platform(cfg, device))
     started = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # The fake group serves the CPU, and the stand-in device where the step runs on one (its point-to-point
+    # batches ask the group for a backend of their tensors' device type).
+    backend = "fake" if not spec.platform.traced else f"cpu:fake,{spec.platform.device_type}:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
-        with known_warnings_quiet():
-            trainer, memory = _step(spec, imbalance, step_trace)
+        with known_warnings_quiet(), engine_error_explained():
+            trainer, memory, operators = _step(spec, imbalance, step_trace)
         ps = trainer.ps
     finally:
         dist.destroy_process_group()
@@ -164,7 +171,8 @@ def dry_run_rank(
             "ep_rank": ps.ep_rank,
             "accum": trainer.accum,
         },
-        "device": device,
+        "device": spec.platform.path,
+        "kernels": trainer.kernels.name,
         "imbalance": imbalance,
         "memory": None
         if measured is None
@@ -176,6 +184,7 @@ def dry_run_rank(
         },
         "collectives": trainer.collectives.calls,
         "host_syncs": trainer.host_syncs.as_list(),
+        "operators": operators.summary(),
         "seconds": time.perf_counter() - started,
     }
     if step_trace is not None:
@@ -185,8 +194,8 @@ def dry_run_rank(
 
 
 def _step(spec, imbalance: float, step_trace):
-    """(the trainer, its MemTracker or None with `step_trace`) after one step of the run `spec` on fake tensors,
-    in the fake process group dry_run_rank made."""
+    """(the trainer, its MemTracker or None with `step_trace`, its OperatorCounter) after one step of the run
+    `spec` on fake tensors, in the fake process group dry_run_rank made."""
     from optimus.kernels.torch_private import FakeTensorMode
     from optimus.train.trainer import Trainer
 
@@ -195,20 +204,21 @@ def _step(spec, imbalance: float, step_trace):
     with using(load):
         trainer = Trainer.for_one_step(spec, tensor_mode=fake)
     t = cfg.train
-    trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size)
+    trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size, trainer.device)
     gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
     with fake, using(load, trainer.ps.ep_rank):
         memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
         trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
         trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
+        operators = OperatorCounter()
         with ExitStack() as stack:
-            for recorder in (memory, trainer.collectives, trainer.host_syncs):
+            for recorder in (memory, operators, trainer.collectives, trainer.host_syncs):  # (innermost last)
                 if recorder is not None:
                     stack.enter_context(recorder)
             if step_trace is not None and trainer.pipeline is not None:
                 stack.enter_context(step_trace.mark_actions(trainer.pipeline.pipeline_stages))
             trainer.train_step()
-    return trainer, memory
+    return trainer, memory, operators
 
 
 def pipeline_order(trainer) -> dict[int, list[str]] | None:
@@ -261,16 +271,18 @@ def summary_lines(result: dict) -> list[str]:
     kinds = ", ".join(f"{op} {n} ({b / mib:.1f} MiB)" for op, (n, b) in sorted(by_kind.items()))
     categories = ", ".join(f"{k} {v / mib:.1f}" for k, v in mem["by_category"].items() if v)
     syncs = sum(s["count"] for s in result["host_syncs"])
-    lay = result["layout"]
+    lay, ops = result["layout"], result["operators"]
     verdict = [does_not_fit_line(mem, f"rank {result['rank']} measured a peak of")] if mem["fits"] is False else []
     return verdict + [
         f"rank {result['rank']} of {result['world']} (pp_rank {lay['pp_rank']}, tp_rank {lay['tp_rank']}, "
-        f"ep_rank {lay['ep_rank']}; {lay['accum']} micro-batches) on a fake {result['device']}: "
-        f"{result['seconds']:.1f} s",
+        f"ep_rank {lay['ep_rank']}; {lay['accum']} micro-batches) on the {result['device']} path "
+        f"(kernels={result['kernels']}), on fake tensors: {result['seconds']:.1f} s",
         f"  memory: peak {mem['peak_bytes'] / mib:.1f} MiB measured, {mem['planned_bytes'] / mib:.1f} MiB planned "
         f"(measured / planned {ratio:.3f}); at the peak, MiB: {categories}",
         f"  collectives: {len(result['collectives'])} calls: {kinds}",
         f"  host syncs: {syncs}: " + "; ".join(f"{s['where']} x{s['count']}" for s in result["host_syncs"]),
+        f"  operators: {len(ops)} kinds, {sum(o['calls'] for o in ops.values())} calls; most bytes: "
+        + ", ".join(f"{name} x{o['calls']} ({o['bytes'] / mib:.0f} MiB)" for name, o in list(ops.items())[:4]),
     ]
 
 
@@ -315,7 +327,7 @@ def main(argv: list[str]) -> int:
     world = world_size(cfg, opts.nodes, opts.world)
     p = cfg.parallel
     check_dry_run_config(cfg)
-    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU build of torch
+    device = dry_run_device(cfg, opts.device)  # the device path to trace
     imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
     plan = make_plan(cfg, world)  # refuses a layout that does not divide
     ranks = list(opts.rank or [busiest_rank(plan, world, p.pp)])
@@ -326,7 +338,7 @@ def main(argv: list[str]) -> int:
     if opts.out:
         check_out(Path(opts.out), opts.overwrite)  # writable, and nothing of the user's to replace
     print(f"dry run of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {world}: {ranks}", flush=True)
-    results = run_dry_runs(cfg, world, ranks, imbalance, opts.device)
+    results = run_dry_runs(cfg, world, ranks, imbalance, device)
     problems = mismatches({rank: r["collectives"] for rank, r in results.items()}) if opts.check_groups else []
     if opts.check_groups:
         print("group check: " + ("every traced group agrees" if not problems else f"{len(problems)} groups disagree"))
@@ -336,7 +348,7 @@ def main(argv: list[str]) -> int:
     if too_big:
         print(f"DOES NOT FIT: the measured peak of ranks {too_big} is more than a device holds (machine.memory_gb)")
     if opts.out:
-        summary = {"world": world, "ranks": ranks, "imbalance": imbalance, "device": opts.device,
+        summary = {"world": world, "ranks": ranks, "imbalance": imbalance, "device": device,
                    "group_check": opts.check_groups, "mismatches": problems, "does_not_fit": too_big}  # fmt: skip
         write_results(results, summary, Path(opts.out))
         print(f"wrote {opts.out}/rank<R>.json for ranks {ranks}")

@@ -105,6 +105,7 @@ from optimus.config import (
     qk_norm_mode,
     validate,
 )
+from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
 from optimus.model import (
     ParamCounts,
     Transformer,
@@ -126,7 +127,7 @@ from optimus.parallel.pipeline import (
     stage_layer_ids,
     stage_sizes,
 )
-from optimus.platform import declared_device_type, resolve_dtype
+from optimus.platform import TORCH_DEVICE_OF_PATH, declared_device_path, declared_device_type, resolve_dtype
 from optimus.run_spec import RunSpec
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
@@ -265,10 +266,13 @@ def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[Ran
     return shares
 
 
-def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> dict[str, float]:
+def _layer_activations(
+    m: ModelConfig, a: int, tp: int = 1, sp: bool = True, ffn_widths: int = SAVED_FFN_WIDTHS["torch"]
+) -> dict[str, float]:
     """Bytes per token of the micro-batch that each part of a block keeps for the backward on one tp rank (see
     the module docstring): what tensor parallelism splits over heads or columns, and the MoE layer's share of
-    the tokens, count 1/tp; the norms 1/tp with sequence parallelism, whole without."""
+    the tokens, count 1/tp; the norms 1/tp with sequence parallelism, whole without. `ffn_widths`: the F-wide rows
+    the expert kernels keep per routed row (optimus.kernels.SAVED_FFN_WIDTHS)."""
     d, moe = m.dim, m.moe
     d_kv = m.n_kv_heads * (m.dim // m.n_heads)
     qk = qk_norm_mode(m.qk_norm)
@@ -296,7 +300,7 @@ def _layer_activations(m: ModelConfig, a: int, tp: int = 1, sp: bool = True) -> 
         "moe_input": d * a / tp,
         "router": (router_input + 8 * moe.n_experts + 8 * k + 20 * k) / tp,  # fp32 logits/probs, ids, row ids
         "expert_rows": 2 * k * d * a / tp,  # the exchanged rows: expert inputs and expert outputs
-        "expert_mlp": 4 * k * f * a / tp,
+        "expert_mlp": ffn_widths * k * f * a / tp,
         "shared": 4 * moe.n_shared_experts * f * a / tp,
         "block_input": d * a * residual,
         "head_input": d * a * residual + norm_output + gathered,  # the final norm's, and the head's input
@@ -332,6 +336,7 @@ def activation_bytes(
     sp: bool = True,
     head_work: bool = False,
     staging: tuple[int, int] = (0, 0),
+    ffn_widths: int = SAVED_FFN_WIDTHS["torch"],
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
@@ -342,8 +347,8 @@ def activation_bytes(
     count the fused cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler
     books it to the head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it
     out. `staging`: ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at
-    its end)."""
-    part = _layer_activations(m, act_bytes, tp, sp)
+    its end). `ffn_widths`: as _layer_activations'."""
+    part = _layer_activations(m, act_bytes, tp, sp, ffn_widths)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
     blocks = [_block_activations(part, i in moe_ids, checkpointing) for i in layers]
@@ -415,8 +420,9 @@ class Plan:
         return asdict(self)
 
 
-def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
-    """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
+def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> dict:
+    """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank on device path
+    `path` (whose expert kernels decide what the experts keep)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     stage_world = world // p.pp
     dense = share.local_dense(p.tp)
@@ -429,7 +435,7 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int) -> dict:
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
-             "head_work": True, "staging": staging}  # fmt: skip
+             "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path)}  # fmt: skip
     accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
     accumulated = (
         zero2_accumulated_bytes(cfg, share, accum)
@@ -518,16 +524,29 @@ def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None)
 
 
 def plan_run(spec: RunSpec) -> Plan:
-    """make_plan of a run whose settings are resolved and validated already (optimus.run_spec)."""
-    return plan_layout(spec.cfg, spec.world_size)
+    """make_plan of a run whose settings are resolved and validated already (optimus.run_spec), on its platform's
+    device path."""
+    return plan_layout(spec.cfg, spec.world_size, path=spec.platform.path)
 
 
-def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
-    """make_plan without the validation."""
+def planned_ffn_widths(cfg: OptimusConfig, path: str) -> int:
+    """The F-wide rows per routed row that the expert kernels of `cfg.kernels` keep on device path `path`: the
+    backend a run there takes (Triton on a GPU where it imports: optimus.kernels.resolve_name, as a dry run
+    resolves it)."""
+    try:
+        name = resolve_name(cfg.kernels, TORCH_DEVICE_OF_PATH[path], traced=path != "cpu")
+    except KernelUnavailable as err:
+        raise ConfigError(str(err)) from None
+    return SAVED_FFN_WIDTHS[name]
+
+
+def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None, path: str | None = None) -> Plan:
+    """make_plan without the validation; on device path `path` (None: the recipe's, declared_device_path)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     ep, pp, tp = p.ep, p.pp, p.tp
     counts = counts or count_params_of_config(m)
-    ranks = [_rank_plan(cfg, share, world) for share in rank_shares(cfg, world, counts)]
+    path = path or declared_device_path(cfg.machine)
+    ranks = [_rank_plan(cfg, share, world, path) for share in rank_shares(cfg, world, counts)]
     busiest = max(ranks, key=lambda r: r["total"])
     state, act = busiest["state"], busiest["activations"]
     compute = planned_dtype(cfg)
@@ -703,8 +722,8 @@ def parser() -> argparse.ArgumentParser:
     )
     dry.add_argument(
         "--device",
-        help="cpu (the default), or cuda: a fake GPU (needs a CUDA build of torch); with --calibrate the device to "
-        "measure (default: machine.device)",
+        help="the device path to trace: cpu, cuda, rocm or xpu (a GPU's step on a stand-in device, on any machine); "
+        "default: the recipe's machine.device; with --calibrate the device to measure (default: machine.device)",
     )
     dry.add_argument("--out", help="write DIR/rank<R>.json (memory, collectives, host syncs) per rank")
     dry.add_argument("--overwrite", action="store_true", help="replace an earlier dry run's --out")
@@ -735,9 +754,9 @@ OPTIONS = {
 
 def parse(argv: list[str], command: str) -> argparse.Namespace:
     """The options of `command` (a key of OPTIONS), each refused in one sentence where the command does not take
-    it or names something twice, before any work. --device left out is cpu (for --calibrate it stays None: the
-    recipe's device); --imbalance left out stays None (optimus.load_model.checked_imbalance checks it against the
-    model)."""
+    it or names something twice, before any work. --device left out stays None (the recipe's device:
+    optimus.dry_run.dry_run_device); --imbalance left out stays None (optimus.load_model.checked_imbalance checks
+    it against the model)."""
     opts = parser().parse_intermixed_args(argv)
     given = [name for names in OPTIONS.values() for name in names if _given(getattr(opts, name))]
     for name in dict.fromkeys(given):
@@ -747,8 +766,6 @@ def parse(argv: list[str], command: str) -> argparse.Namespace:
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
             raise ConfigError(f"{flag} names {', '.join(map(str, twice))} more than once: name each once.")
-    if command != "calibrate":
-        opts.device = opts.device or "cpu"
     return opts
 
 

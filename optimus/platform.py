@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from optimus.config import ConfigError, MachineConfig
+from optimus.fake_device import STAND_IN
 from optimus.kernels.dtypes import cpu_has_fast_bf16
 from optimus.kernels.torch_private import DTENSOR_COLLECTIVE_LOGGER
 
@@ -27,12 +28,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Platform:
-    device_type: str  # cuda | xpu | cpu
+    device_type: str  # cuda | xpu | cpu, or a dry run's stand-in (optimus.fake_device.STAND_IN)
     vendor: str  # nvidia | amd | intel | cpu
     device: torch.device  # cuda:i / xpu:i / cpu, for the local rank
     backend: str  # nccl | xccl | ccl | gloo
     device_name: str
 
+    @property
+    def path(self) -> str:
+        """The device path: which device's code the step takes (cpu | cuda | rocm | xpu). The one answer to
+        "which device path" in Optimus; a dry run's stand-in device takes the path of the device it stands for."""
+        return PATH_OF_VENDOR[self.vendor]
+
+    @property
+    def traced(self) -> bool:
+        """Whether the step runs on fake tensors of a stand-in device (a dry run of a GPU's step): no kernel runs."""
+        return self.device_type == STAND_IN
+
+
+# The device paths, by the vendor of the device; each is a torch device type but for ROCm, whose GPUs torch calls
+# `cuda` (torch.version.hip is set).
+PATH_OF_VENDOR = {"cpu": "cpu", "nvidia": "cuda", "amd": "rocm", "intel": "xpu"}
+DEVICE_PATHS = tuple(PATH_OF_VENDOR.values())
+TORCH_DEVICE_OF_PATH = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "xpu": "xpu"}
 
 # Backends each device type can run; a machine.backend override must be one of these.
 _BACKENDS = {"cuda": ("nccl", "gloo"), "xpu": ("xccl", "ccl", "gloo"), "cpu": ("gloo", "mpi")}
@@ -42,27 +60,37 @@ def _xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
-def declared_device_type(machine: MachineConfig) -> str:
-    """The device type a machine recipe names (machine.device), or for `auto` the one this machine has: what a run
-    there uses, and what `optimus plan` plans for (which may run elsewhere, so nothing is checked here)."""
+def declared_device_path(machine: MachineConfig) -> str:
+    """The device path a machine recipe names (machine.device: cpu, cuda, rocm or xpu), or for `auto` this
+    machine's: what a run there takes, and what `optimus plan` plans and traces for (which may run elsewhere, so
+    nothing is checked here)."""
     want = machine.device
-    if want not in ("auto", "xpu", "cuda", "cpu"):
-        raise ConfigError(f"machine.device={want!r} is not supported: set it to auto, cpu, cuda or xpu.")
+    if want not in ("auto", *DEVICE_PATHS):
+        raise ConfigError(f"machine.device={want!r} is not supported: set it to auto, cpu, cuda, rocm or xpu.")
     if want == "auto":
         if _xpu_available():
             return "xpu"
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "rocm" if torch.version.hip else "cuda"
+        return "cpu"
     return want
+
+
+def declared_device_type(machine: MachineConfig) -> str:
+    """The torch device type of declared_device_path (cpu, cuda or xpu)."""
+    return TORCH_DEVICE_OF_PATH[declared_device_path(machine)]
 
 
 def _pick_device_type(machine: MachineConfig) -> str:
     """declared_device_type, which this machine must have."""
-    want = declared_device_type(machine)
+    want = declared_device_path(machine)
     if want == "xpu" and not _xpu_available():
         raise ConfigError("machine.device=xpu but torch sees no Intel GPU: set machine.device=auto or cpu.")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("machine.device=cuda but torch sees no CUDA/ROCm GPU: set machine.device=auto or cpu.")
-    return want
+    if want in ("cuda", "rocm") and not torch.cuda.is_available():
+        raise ConfigError(f"machine.device={want} but torch sees no CUDA/ROCm GPU: set machine.device=auto or cpu.")
+    if want == "rocm" and not torch.version.hip:
+        raise ConfigError("machine.device=rocm but this torch is a CUDA build: install a ROCm build or set cuda.")
+    return TORCH_DEVICE_OF_PATH[want]
 
 
 def _oneccl_bindings_available() -> bool:
@@ -115,6 +143,19 @@ def detect_platform(machine: MachineConfig, local_rank: int) -> Platform:
             "machine.backend=ccl needs oneccl_bindings_for_pytorch: install it or set machine.backend=xccl."
         )
     return Platform(device_type, vendor, device, backend, name)
+
+
+_VENDOR_OF_PATH = {path: vendor for vendor, path in PATH_OF_VENDOR.items()}
+_NAME_OF_PATH = {"cuda": "NVIDIA GPU", "rocm": "AMD GPU", "xpu": "Intel GPU"}
+
+
+def stand_in_platform(path: str) -> Platform:
+    """The platform of a dry run of device path `path` (cuda | rocm | xpu) on this machine: fake tensors on the
+    stand-in device (optimus.fake_device), the collective backend that device's runs use."""
+    from optimus.fake_device import stand_in
+
+    backend = "xccl" if path == "xpu" else "nccl"
+    return Platform(STAND_IN, _VENDOR_OF_PATH[path], stand_in(path), backend, f"{_NAME_OF_PATH[path]} (stand-in)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,11 +7,17 @@ import random
 import pytest
 import torch
 
+from optimus.fake_device import stand_in
+
 # Triton fixes compiled-or-interpreted when it is first imported, and with a CUDA build of torch (what a plain
 # `pip install torch` gives) importing torch._dynamo, as some optimus modules do, imports it: without a GPU the
 # Triton tests need the interpreter, so it is chosen here, before any test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The dry runs' stand-in device (optimus.fake_device), registered before any test runs a backward: the autograd
+# engine sizes its device queues at a process's first backward, as `optimus plan` does in its own process.
+stand_in("cuda")
 
 # The tests' small MoE, trained with AdamW at 3e-3 (its best lr on the tiny model): under AdamW every layout matches
 # one process within fp32 rounding, while the default run's Muon iterates in bf16, where layouts part by a bf16 unit

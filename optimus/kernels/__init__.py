@@ -26,6 +26,10 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton")
 
+# F-wide rows (F = expert_dim) the expert MLP keeps per routed row for its backward, in the compute dtype: the
+# torch backend keeps h13 = x @ w13 (2F), silu(gate) and h; Triton's keeps h13 and h (optimus.plan counts them).
+SAVED_FFN_WIDTHS = {"torch": 4, "triton": 3}
+
 
 class KernelUnavailable(ValueError):
     """The `kernels` backend asked for cannot run here; the message says what to change.
@@ -84,24 +88,36 @@ def _triton_backend() -> KernelBackend:
     return KernelBackend("triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm)
 
 
-def get_backend(name: str = "auto") -> KernelBackend:
-    """Return the backend for `kernels=<name>` (auto | torch | triton)."""
+def resolve_name(name: str = "auto", device_type: str | None = None, traced: bool = False) -> str:
+    """The backend (`torch` or `triton`) that `kernels=<name>` means on a device of `device_type` (the type of the
+    expert path's tensors; None: this machine's GPU where it has one, else `cpu`).
+
+    `auto` is torch on a CPU and triton on an accelerator where Triton compiles. `traced`: no kernel runs (a dry
+    run on fake tensors, or a plan): Triton's operators need no GPU there (their fake implementations run), and
+    whether it compiles on the device cannot be known here, so `auto` takes it wherever it imports, as on a GPU
+    where it compiles. Refuses, in one sentence, a name that is no backend or a backend that cannot run here.
+    """
     if name not in BACKENDS:
         raise KernelUnavailable(f"kernels={name!r} is not a kernel backend; use one of {', '.join(BACKENDS)}.")
-    if name == "torch":
-        return _torch_backend()
+    if device_type is None:
+        device_type = "cpu" if not gpu_present() else ("xpu" if not torch.cuda.is_available() else "cuda")
     if name == "triton":
         if not triton_importable():
             raise KernelUnavailable(
                 "kernels=triton needs the triton package, which cannot be imported here: "
                 "install it with `pip install triton` (or set kernels=torch)."
             )
-        if not gpu_present() and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type == "cpu" and not traced and os.environ.get("TRITON_INTERPRET") != "1":
             raise KernelUnavailable(
                 "kernels=triton needs a GPU and none is visible: set kernels=torch on CPUs "
                 "(or TRITON_INTERPRET=1 to run the kernels in Triton's slow interpreter)."
             )
-        return _triton_backend()
-    if gpu_present() and triton_importable() and triton_compiles():
-        return _triton_backend()
-    return _torch_backend()
+        return "triton"
+    if name == "auto" and device_type != "cpu" and triton_importable() and (traced or triton_compiles()):
+        return "triton"
+    return "torch"
+
+
+def get_backend(name: str = "auto", device_type: str | None = None, traced: bool = False) -> KernelBackend:
+    """The backend for `kernels=<name>` on a device of `device_type` (resolve_name)."""
+    return _triton_backend() if resolve_name(name, device_type, traced) == "triton" else _torch_backend()

@@ -13,6 +13,14 @@ from pathlib import Path
 import torch
 
 
+def on_cpu(where: torch.Tensor | torch.device) -> bool:
+    """Whether the expert path takes a CPU's schedules for tensors on this device (or this tensor's): the kernels'
+    one test of "is this a CPU". Any other device - a GPU, or a dry run's stand-in for one - takes the
+    accelerator's schedule."""
+    device = where.device if isinstance(where, torch.Tensor) else where
+    return device.type == "cpu"
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on for t's device, else t's own dtype."""
     device_type = t.device.type
@@ -55,7 +63,7 @@ def math_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     Upcasting 16-bit operands to fp32 and accumulating in fp32 is exactly a 16-bit GEMM with
     fp32 accumulation (products of 16-bit floats are exact in fp32), only faster on such CPUs.
     """
-    if dtype in (torch.bfloat16, torch.float16) and device.type == "cpu" and not cpu_has_fast_half_gemm():
+    if dtype in (torch.bfloat16, torch.float16) and on_cpu(device) and not cpu_has_fast_half_gemm():
         return torch.float32
     return dtype
 

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from optimus.kernels import cpu_schedules as cpu
-from optimus.kernels.dtypes import compute_dtype, math_dtype, round_to
+from optimus.kernels.dtypes import compute_dtype, math_dtype, on_cpu, round_to
 from optimus.kernels.host_reads import assumed_bounds, group_bounds
 from optimus.kernels.swiglu import swiglu, swiglu_backward
 from optimus.kernels.torch_private import FakeTensor
@@ -60,14 +60,14 @@ def _use_grouped(n_experts: int, *tensors: torch.Tensor) -> bool:
     # CUDA's grouped GEMM only takes bf16; everywhere else fall back to the loop on doubt.
     if not _HAS_GROUPED_MM or tensors[0].dtype not in _GROUPED_MM_DTYPES or not _aligned(*tensors):
         return False
-    if tensors[0].device.type == "cpu":
+    if on_cpu(tensors[0]):
         return n_experts <= _CPU_GROUPED_MAX_EXPERTS
     return tensors[0].dtype == torch.bfloat16
 
 
 def _builds_kernel_per_shape(t: torch.Tensor) -> bool:
     """16-bit on a CPU, where oneDNN builds a GEMM kernel per shape: the GEMMs take `cpu_schedules`."""
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+    return on_cpu(t) and t.dtype in (torch.bfloat16, torch.float16)
 
 
 class RowBounds:
@@ -165,7 +165,7 @@ def _scatter_sum(src_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A, n_to
     than `index_add_`, which runs serially there; elsewhere `index_add_` is the fast one.
     """
     # Sparse CSR tensors do not run on fake tensors: a dry run (optimus plan --dry-run) takes index_add here.
-    csr = src_AD.device.type == "cpu" and not isinstance(src_AD, FakeTensor)
+    csr = on_cpu(src_AD) and not isinstance(src_AD, FakeTensor)
     if csr and acc in (torch.float32, torch.float64) and src_AD.shape[0]:
         return cpu.csr_scatter_sum(src_AD, token_idx_A, weight_A, n_tokens, acc)
     src_AD = src_AD.to(acc)

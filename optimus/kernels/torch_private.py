@@ -161,6 +161,44 @@ PRIVATE_API: dict[str, PrivateName] = {
         f"OpOverload.overloadpacket (public property) for the name; none for the schema in torch {CHECKED_TORCH}",
         "tracing collectives stops with an AttributeError.",
     ),
+    "python_backend": PrivateName(
+        "torch.utils.backend_registration._setup_privateuseone_for_python_backend, torch._C._acc.PrivateUse1Hooks "
+        "and torch._C._get_privateuse1_backend_name",
+        "optimus/fake_device.py (the dry run's stand-in device: torch's PrivateUse1 device type as a Python backend, "
+        "with the device guard the autograd engine asks for)",
+        f"none in torch {CHECKED_TORCH}: torch.utils.rename_privateuse1_backend is public, but without a C++ "
+        "extension a backend has no device guard",
+        "a dry run of a GPU's path stops with this sentence (--device cpu still runs).",
+    ),
+    "dispatcher": PrivateName(
+        "torch._C.DispatchKey, torch._C.DispatchKeySet, torch._C._ExcludeDispatchKeyGuard, "
+        "torch._C._dispatch_has_kernel_for_dispatch_key and torch._C._dispatch_get_registrations_for_dispatch_key",
+        "optimus/fake_device.py (the stand-in's autocast: which operators torch's AutocastCUDA / AutocastXPU "
+        "kernels cover, and the call below the stand-in's own autocast)",
+        f"none in torch {CHECKED_TORCH}: torch.library.register_autocast registers a custom operator's autocast, "
+        "not an aten operator's for another device",
+        "a dry run of a GPU's path stops with this sentence (--device cpu still runs).",
+    ),
+    "dispatch_modes": PrivateName(
+        "torch.utils._python_dispatch._disable_current_modes and _get_current_dispatch_mode_stack",
+        "optimus/fake_device.py (the autocast probe runs outside the step's modes; the stand-in's allocations "
+        "belong to the active fake mode)",
+        f"none in torch {CHECKED_TORCH}",
+        "a dry run of a GPU's path stops with this sentence (--device cpu still runs).",
+    ),
+    "fused_attention": PrivateName(
+        "torch.ops.aten._scaled_dot_product_flash_attention and _scaled_dot_product_fused_attention_overrideable",
+        "optimus/fake_device.py (the fused attention kernel a GPU's SDPA picks, run on the stand-in)",
+        "torch.nn.functional.scaled_dot_product_attention, which picks a kernel per device in C++ and on the "
+        "stand-in would take the math path",
+        "a dry run of a GPU's path stops with this sentence (--device cpu still runs).",
+    ),
+    "storage_id": PrivateName(
+        "torch.UntypedStorage._cdata",
+        "optimus/parallel/flat_buffer.py (whether two tensors share a storage, on fake tensors too)",
+        "untyped_storage().data_ptr(), which a fake tensor's storage does not have (a warning, then an error)",
+        "tensors never count as sharing a storage: the optimizer copies parameters it could have adopted.",
+    ),
     "Module._modules": PrivateName(
         "torch.nn.Module._modules",
         "optimus/parallel/pipeline.py (a cut stage lists its modules in the whole model's order, the order of "
@@ -206,6 +244,49 @@ if grouped_mm is None and hasattr(torch, "_grouped_mm"):
 
 FakeTensor: type = _class("torch._subclasses.fake_tensor", "FakeTensor", "FakeTensor")
 FakeTensorMode: type = _class("torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensorMode")
+
+# ---- the stand-in device (optimus/fake_device.py)
+
+setup_python_backend: Callable | None = _attribute(
+    "torch.utils.backend_registration", "_setup_privateuseone_for_python_backend"
+)
+PrivateUse1Hooks: type = getattr(getattr(torch._C, "_acc", None), "PrivateUse1Hooks", None) or _stand_in(
+    "python_backend"
+)
+DispatchKey = getattr(torch._C, "DispatchKey", None)
+DispatchKeySet = getattr(torch._C, "DispatchKeySet", None)
+ExcludeDispatchKeyGuard = getattr(torch._C, "_ExcludeDispatchKeyGuard", None)
+dispatch_has_kernel: Callable[[str, str], bool] | None = getattr(
+    torch._C, "_dispatch_has_kernel_for_dispatch_key", None
+)
+dispatch_registrations: Callable[[str], list[str]] | None = getattr(
+    torch._C, "_dispatch_get_registrations_for_dispatch_key", None
+)
+disable_current_modes: Callable | None = _attribute("torch.utils._python_dispatch", "_disable_current_modes")
+current_dispatch_modes: Callable | None = _attribute("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack")
+SDPA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+SDPA_FUSED_OVERRIDEABLE = getattr(torch.ops.aten, "_scaled_dot_product_fused_attention_overrideable", None)
+TO_COPY = torch.ops.aten._to_copy.default  # (what every dtype conversion dispatches to; in every torch)
+
+
+def privateuse1_backend_name() -> str:
+    """The name torch's PrivateUse1 device type answers to (`privateuseone` until a backend renames it)."""
+    get = getattr(torch._C, "_get_privateuse1_backend_name", None)
+    if get is None:
+        raise PrivateTorchMissing(PRIVATE_API["python_backend"].moved())
+    return get()
+
+
+def stand_in_api_missing() -> list[str]:
+    """The sentences of the private names the stand-in device needs that this torch lacks."""
+    return [PRIVATE_API[name].moved() for name in ("python_backend", "dispatcher", "dispatch_modes",
+                                                   "fused_attention") if not found(name)]  # fmt: skip
+
+
+def storage_id(t: torch.Tensor) -> int | None:
+    """An identity of `t`'s storage, equal for tensors that share it (None where this torch hides it)."""
+    return getattr(t.untyped_storage(), "_cdata", None)
+
 
 # ---- optimizer
 
@@ -321,6 +402,19 @@ _PROBES: dict[str, Callable[[], bool]] = {
         hasattr(torch.ops.aten.add.Tensor, a) for a in ("_schema", "_overloadpacket", "namespace")
     ),
     "Module._modules": lambda: isinstance(getattr(torch.nn.Module(), "_modules", None), dict),
+    "python_backend": lambda: (
+        setup_python_backend is not None
+        and hasattr(getattr(torch._C, "_acc", None), "PrivateUse1Hooks")
+        and hasattr(torch._C, "_get_privateuse1_backend_name")
+    ),
+    "dispatcher": lambda: (
+        None not in (DispatchKey, DispatchKeySet, ExcludeDispatchKeyGuard, dispatch_has_kernel)
+        and dispatch_registrations is not None
+        and hasattr(DispatchKey, "AutocastPrivateUse1")
+    ),
+    "dispatch_modes": lambda: disable_current_modes is not None and current_dispatch_modes is not None,
+    "fused_attention": lambda: SDPA_FLASH is not None and SDPA_FUSED_OVERRIDEABLE is not None,
+    "storage_id": lambda: isinstance(storage_id(torch.zeros(1)), int),
 }
 
 

@@ -19,6 +19,7 @@ is fixed), so no atomics are needed and results are deterministic.
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
@@ -254,3 +255,29 @@ def smoke_test() -> bool:
     y = tk.grouped_gemm(x, w, offsets)
     expect = torch.cat([x[:24] @ w[0], x[24:] @ w[1]])
     return bool(torch.allclose(y.float(), expect.float(), atol=1e-1, rtol=1e-2))
+
+
+# ---- FLOPs of the operators that multiply matrices (torch's FLOP counter and the performance model's pricing,
+# optimus.perf.step_trace.op_cost, read them from torch.utils.flop_counter's registry) ----
+
+
+@register_flop_formula(torch.ops.optimus.triton_swiglu_mlp)
+def _swiglu_mlp_flops(x_shape, w13_shape, w2_shape, offsets_shape, dtype, out_shape=None) -> int:
+    rows, dim = x_shape
+    ffn = w2_shape[1]
+    return 2 * rows * dim * 2 * ffn + 2 * rows * ffn * dim  # x @ w13[e], then h @ w2[e]
+
+
+@register_flop_formula(torch.ops.optimus.triton_swiglu_backward)
+def _swiglu_backward_flops(dy_shape, w2_shape, h13_shape, offsets_shape, out_shape=None) -> int:
+    return 2 * dy_shape[0] * w2_shape[1] * w2_shape[2]  # dh = dy @ w2[e]^T
+
+
+@register_flop_formula(torch.ops.optimus.triton_grouped_mm)
+def _grouped_mm_flops(x_shape, w_shape, offsets_shape, dtype, out_shape=None) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[2]
+
+
+@register_flop_formula(torch.ops.optimus.triton_grouped_wgrad)
+def _grouped_wgrad_flops(x_shape, g_shape, offsets_shape, dtype, out_shape=None) -> int:
+    return 2 * x_shape[0] * x_shape[1] * g_shape[1]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from optimus.config import ConfigError, ModelConfig
-from optimus.kernels import KernelUnavailable
+from optimus.kernels import KernelBackend, KernelUnavailable
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
 from optimus.model.loss import head_cross_entropy, head_logits
@@ -25,7 +25,7 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def build_model(cfg: ModelConfig, kernels: str = "auto") -> Transformer:
+def build_model(cfg: ModelConfig, kernels: str | KernelBackend = "auto") -> Transformer:
     """The whole model on the meta device: shapes and dtypes, no memory. `optimus.parallel.parallelize` lays it out
     for a rank and materialises that rank's part; `Transformer(cfg)` builds it whole on the current device."""
     with torch.device("meta"):
@@ -38,7 +38,7 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: str):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: str | KernelBackend):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -71,7 +71,7 @@ class Transformer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        kernels: str = "auto",
+        kernels: str | KernelBackend = "auto",
         layer_ids: Sequence[int] | None = None,
         embed: bool = True,
         head: bool = True,

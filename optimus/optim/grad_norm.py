@@ -29,15 +29,19 @@ def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> tor
     return total
 
 
-def global_grad_norm(owned_sq_sums: list[torch.Tensor], group, distributed: bool, stages_group=None) -> float:
-    """sqrt of the sum over ranks of each rank's fp64 squared norms.
+def owned_sq_norm(owned_sq_sums: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm (fp64, 0-d, on the sums' device): summed over every
+    rank (one all-reduce, possibly merged with other sums: optimus.train.step_sums), its square root is the norm.
 
-    Each element of the model must be counted by exactly one rank: callers pass a
-    zero for shards that other ranks also hold (replicated parameters). With pipeline
-    stages, `group` holds one stage's ranks and `stages_group` (ParallelState.pp_group)
-    then sums the stages' totals.
-    """
-    total = torch.stack(owned_sq_sums).sum() if owned_sq_sums else torch.zeros((), dtype=torch.float64)
+    Each element of the model must be counted by exactly one rank: callers pass a zero for shards that other
+    ranks also hold (replicated parameters)."""
+    return torch.stack(owned_sq_sums).sum() if owned_sq_sums else torch.zeros((), dtype=torch.float64)
+
+
+def global_grad_norm(owned_sq_sums: list[torch.Tensor], group, distributed: bool, stages_group=None) -> float:
+    """sqrt of the sum over ranks of each rank's fp64 squared norms (owned_sq_norm). With pipeline stages,
+    `group` holds one stage's ranks and `stages_group` (ParallelState.pp_group) then sums the stages' totals."""
+    total = owned_sq_norm(owned_sq_sums)
     if distributed:
         dist.all_reduce(total, group=group)
     if stages_group is not None:

@@ -38,13 +38,28 @@ class ShardedOptimizer:
     def step(self, lr: float) -> float:
         """Reduce, clip and apply the gradients; returns the pre-clip global norm (no update if it is not finite)."""
         norm = self.sharder.reduce()
+        self.apply(lr, norm)
+        return norm
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """step() in two halves, for a caller that sums the norm with its own values in one all-reduce and one
+        read (optimus.train.trainer): finish the reductions and return this rank's share of the squared norm of
+        the summed gradients (fp64, 0-d, on the device); global_norm() of its sum over all ranks is step()'s norm,
+        which apply() then takes."""
+        return self.sharder.reduce_local()
+
+    def global_norm(self, sq_norm_sum: float) -> float:
+        """The global norm of the mean gradient from reduce_gradients()' values summed over every rank."""
+        return math.sqrt(sq_norm_sum) * self.sharder.mean_scale
+
+    def apply(self, lr: float, norm: float) -> None:
+        """Clip by `norm` (the global norm of the reduced gradients) and update; nothing if it is not finite."""
         if not math.isfinite(norm):
-            return norm
+            return
         self.step_count += 1
         grad_scale = clip_coefficient(norm, self.grad_clip) * self.sharder.mean_scale
         self.rule.step(self.sharder, lr, self.step_count, grad_scale)
         self.sharder.gather()
-        return norm
 
     def zero_grad(self) -> None:
         self.sharder.zero_grad()

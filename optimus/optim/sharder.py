@@ -44,11 +44,11 @@ import torch.distributed as dist
 
 from optimus.model.moe.experts import expert_offsets
 from optimus.optim.gather_overlap import attach_gather_waits, buckets_needed, buckets_of_params
-from optimus.optim.grad_norm import global_grad_norm, sum_of_squares
+from optimus.optim.grad_norm import global_grad_norm, owned_sq_norm, sum_of_squares
 from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, bucket_numel, group_state_bytes, shard_worlds
 from optimus.parallel import ParallelState
 from optimus.parallel.collectives import reduce_scatter_sum
-from optimus.parallel.flat_buffer import FlatParams, GlobalPlace, Segment, param_groups
+from optimus.parallel.flat_buffer import FlatParams, GlobalPlace, Segment, param_groups, same_start
 from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad, tp_global_offsets, tp_grad_roles
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -339,7 +339,7 @@ class ShardGroup:
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
         c = self.comm
         if c.shard_world == 1:  # one owner: an all-reduce over the replicas, if any, into src; then src -> out
-            copy_to = None if out.data_ptr() == src.data_ptr() else out
+            copy_to = None if same_start(out, src) else out
             if c.pre_world > 1:
                 self.works.append((dist.all_reduce(src, group=c.pre_group, async_op=True), src, copy_to))
             elif copy_to is not None:
@@ -367,7 +367,7 @@ class ShardGroup:
                 view = self.full_grad[s.start : s.end].view_as(s.param)
                 if s.param.grad is None:
                     view.zero_()
-                elif s.param.grad.data_ptr() != view.data_ptr():
+                elif not same_start(s.param.grad, view):
                     view.copy_(s.param.grad)
 
     def reduce_rest(self) -> None:
@@ -539,12 +539,21 @@ class GradSharder:
     def reduce(self) -> float:
         """Finish the step's reductions; the global 2-norm of the mean gradient over every stage (nan or inf when
         some gradient is not finite)."""
-        self.wait_for_params()  # the previous step's, where no forward has waited for them
-        with self._timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
-            self.finish_reduction()
+        self._finish()
         sq_sums = [g.sq_norm() for g in self.groups.values()]
         norm_of_sums = global_grad_norm(sq_sums, self.ps.world_group, self.ps.is_distributed, self.ps.pp_group)
         return norm_of_sums * self.mean_scale
+
+    def reduce_local(self) -> torch.Tensor:
+        """Finish the step's reductions; this rank's share of the squared norm of the summed gradient (fp64, 0-d,
+        on the device), which summed over every rank and scaled by mean_scale**2 is the square of reduce()'s."""
+        self._finish()
+        return owned_sq_norm([g.sq_norm() for g in self.groups.values()])
+
+    def _finish(self) -> None:
+        self.wait_for_params()  # the previous step's, where no forward has waited for them
+        with self._timed("grad_reduce"):  # ZeRO-2: only the part not hidden behind the backward
+            self.finish_reduction()
 
     def owned_slices(self) -> Iterator[OwnedSlice]:
         """The fp32 slices this rank owns, group by group and bucket by bucket, with their reduced gradients."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from optimus.kernels.torch_private import storage_id
 from optimus.model.moe.experts import expert_offsets
 from optimus.parallel.tensor_parallel import like_parameter, local_tensor
 
@@ -83,6 +84,14 @@ class OwnedRange:
 GlobalPlace = tuple[int, tuple[int, ...], "tuple[int, int] | None"]
 
 ALIGN_BYTES = 128  # every rank's slice of a bucket starts on a 128-byte boundary
+
+
+def same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` start at the same element of the same storage: what `a.data_ptr() == b.data_ptr()`
+    asks, without reading an address (a fake tensor of a dry run has none)."""
+    return storage_id(a) == storage_id(b) is not None and (
+        a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size()
+    )
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -194,7 +203,7 @@ class FlatParams:
             return None
         for s in self.slots:
             p = s.local
-            same = p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == base + s.start
+            same = storage_id(p) == storage_id(first) is not None and p.storage_offset() == base + s.start
             if not (same and p.is_contiguous()):
                 return None
         return first.detach().as_strided((self.padded_numel,), (1,), base)

@@ -237,10 +237,11 @@ PROGRESS = ("stdout", "stderr", "none")  # where trace_step's child reports each
 
 
 def trace_step(
-    cfg: OptimusConfig, world: int, imbalance: float = 1.0, progress: str = "stdout", device: str = "cpu"
+    cfg: OptimusConfig, world: int, imbalance: float = 1.0, progress: str = "stdout", device: str | None = None
 ) -> dict[int, dict]:
     """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with a StepTrace),
-    in a fresh process, which reports each dry run it starts on `progress` (one of PROGRESS). Fresh, because
+    in a fresh process, which reports each dry run it starts on `progress` (one of PROGRESS), on device path
+    `device` (None: the recipe's, optimus.dry_run.dry_run_device). Fresh, because
     torch keeps caches keyed by DeviceMesh (DTensor's sharding decisions) that outlive a process group: a mesh
     of an earlier world over the same ranks would name groups that no longer exist (fresh_process_context)."""
     import tempfile
@@ -260,7 +261,7 @@ def trace_step(
     return {int(pp_rank): trace for pp_rank, trace in result["traces"].items()}
 
 
-def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, progress: str, device: str = "cpu") -> None:
+def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, progress: str, device: str | None) -> None:
     """trace_step's child: the dry runs, their traces (or the error) written to `out` as JSON."""
     import sys
     import traceback
@@ -312,9 +313,9 @@ def planned_fit(cfg: OptimusConfig, world: int) -> dict:
 
 
 def predict(cfg: OptimusConfig, world: int, machine: MachineModel | None = None, imbalance: float = 1.0,
-            progress: str = "stdout", device: str = "cpu") -> Prediction:  # fmt: skip
-    """Trace the ranks the replay needs (dry runs on `device`, as optimus plan --dry-run's --device) and replay
-    them on the machine model."""
+            progress: str = "stdout", device: str | None = None) -> Prediction:  # fmt: skip
+    """Trace the ranks the replay needs (dry runs on device path `device`, as optimus plan --dry-run's --device;
+    None: the recipe's) and replay them on the machine model."""
     traces = trace_step(cfg, world, imbalance, progress, device)
     return prediction_of(cfg, world, machine or machine_model(cfg.machine, world), traces)
 
@@ -359,7 +360,7 @@ def scaling(
     machine_for,
     imbalance: float = 1.0,
     progress: str = "stdout",
-    device: str = "cpu",
+    device: str | None = None,
 ) -> list[dict]:
     """Per world size: the strong-scaling prediction (the recipe's global batch) and the weak-scaling one (the
     batch grown with the world from the first), with their efficiencies against the first world size
@@ -461,7 +462,7 @@ def main(argv: list[str]) -> int:
     import json
     import sys
 
-    from optimus.dry_run import dry_run_platform
+    from optimus.dry_run import dry_run_device
     from optimus.load_model import checked_imbalance
     from optimus.perf.machine import times_operators
     from optimus.plan import parse, world_size
@@ -470,7 +471,7 @@ def main(argv: list[str]) -> int:
     # Everything that can be refused is checked before the machine is measured and the step traced.
     opts = parse(argv, "predict")
     cfg = load_config(opts.overrides)
-    dry_run_platform(cfg, opts.device)  # refuses --device cuda without a GPU
+    device = dry_run_device(cfg, opts.device)  # the device path the step is traced on
     imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
     check_predictable(cfg)
     worlds = [world_size(cfg, [n], None) for n in opts.nodes] if opts.nodes else [world_size(cfg, None, opts.world)]
@@ -492,10 +493,10 @@ def main(argv: list[str]) -> int:
     for line in too_big:  # first, before the minutes of work
         print(line, file=sys.stderr if opts.json else sys.stdout, flush=True)
     if len(worlds) == 1:
-        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), imbalance, progress, opts.device)
+        prediction = predict(cfg, worlds[0], machine_for(worlds[0]), imbalance, progress, device)
         text, out = format_prediction(prediction), prediction.as_dict()
     else:
-        rows = scaling(cfg, worlds, machine_for, imbalance, progress, opts.device)
+        rows = scaling(cfg, worlds, machine_for, imbalance, progress, device)
         text, out = format_prediction(rows[0]["strong"]) + format_scaling(rows), scaling_json(rows)
     print(json.dumps(out, indent=2) if opts.json else "\n".join(text))
     return 1 if too_big else 0

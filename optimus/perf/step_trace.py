@@ -105,6 +105,8 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
         return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
     packet = func._overloadpacket
     if packet in flop_registry:
+        compute = _named_arguments(func, args, kwargs).get("dtype")  # an operator that casts to its compute dtype
+        fp32 = compute == torch.float32 if isinstance(compute, torch.dtype) else fp32
         return "mm", int(flop_registry[packet](*args, **kwargs, out_val=out)), moved, fp32
     if name == "_grouped_mm":  # [M, K] x [G, K, N]: every row meets one group's matrix
         a, b = inputs[0], inputs[1]

@@ -69,36 +69,59 @@ class StopSignal:
 
 @dataclass
 class StepFlags:
-    """What the ranks agreed on in one step's reduction."""
+    """What the ranks agreed on in one step's reduction (the step's one host read of values it computed)."""
 
     means: list[float]  # loss, lm_loss, aux_loss, z_loss averaged over the global batch
     nonfinite_ranks: list[int]  # ranks whose loss was not finite
     stop: bool  # some rank received a stop signal
     nonfinite_params: bool  # some rank's parameters were not finite when the step began
+    sq_norm: float  # the summed gradients' squared norm (the optimizer's reduce_gradients, summed over the ranks)
+    tokens_per_expert: list[list[int]] | None  # [L][E] assignments per MoE layer and expert over the global batch
 
 
 def pack_step_flags(
-    sums_4: torch.Tensor, rank: int, world_size: int, stop: bool, params_finite: torch.Tensor | bool = True
+    sums_4: torch.Tensor,
+    rank: int,
+    world_size: int,
+    stop: bool,
+    params_finite: torch.Tensor | bool = True,
+    sq_norm: torch.Tensor | None = None,
+    counts_LE: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[4 + world + 2]: this rank's loss sums, a one-hot of rank if they are not finite, the stop flag, and a
-    flag for its parameters (`params_finite`: from `parameters_finite`) not being finite."""
-    bad = (~torch.isfinite(sums_4).all()).to(sums_4.dtype)
-    flags_W = torch.zeros(world_size, dtype=sums_4.dtype, device=sums_4.device)
+    """[4 + world + 3 + L x E] fp64: this rank's loss sums, a one-hot of rank if they are not finite, the stop flag,
+    a flag for its parameters (`params_finite`: from `parameters_finite`) not being finite, its share of the
+    squared gradient norm (`sq_norm`, 0 without), and its tokens per MoE layer and expert (`counts_LE`, integers:
+    exact in fp64 up to 2^53). Summed over the ranks by one all-reduce and read by unpack_step_flags."""
+    device, dtype = sums_4.device, torch.float64
+    bad = (~torch.isfinite(sums_4).all()).to(dtype)
+    flags_W = torch.zeros(world_size, dtype=dtype, device=device)
     flags_W[rank] = bad
-    stop_1 = torch.full((1,), float(stop), dtype=sums_4.dtype, device=sums_4.device)
-    params_bad_1 = (~torch.as_tensor(params_finite, device=sums_4.device)).to(sums_4.dtype).reshape(1)
-    return torch.cat([sums_4, flags_W, stop_1, params_bad_1])
+    stop_1 = torch.full((1,), float(stop), dtype=dtype, device=device)
+    params_bad_1 = (~torch.as_tensor(params_finite, device=device)).to(dtype).reshape(1)
+    norm_1 = torch.zeros(1, dtype=dtype, device=device) if sq_norm is None else sq_norm.to(dtype).reshape(1)
+    counts = [] if counts_LE is None else [counts_LE.to(dtype).reshape(-1)]
+    return torch.cat([sums_4.to(dtype), flags_W, stop_1, params_bad_1, norm_1, *counts])
 
 
-def unpack_step_flags(reduced: torch.Tensor, n_micro_batches: int) -> StepFlags:
-    """`n_micro_batches` = micro-batches over all ranks (the loss sums become global means)."""
+def unpack_step_flags(
+    reduced: torch.Tensor, n_micro_batches: int, counts_shape: tuple[int, int] | None = None
+) -> StepFlags:
+    """`n_micro_batches` = micro-batches over all ranks (the loss sums become global means); `counts_shape` the
+    [L, E] of the packed tokens per expert (None: none packed)."""
     values = reduced.tolist()
-    world = len(values) - 6
+    n_counts = counts_shape[0] * counts_shape[1] if counts_shape else 0
+    counts = [int(v) for v in values[len(values) - n_counts :]]
+    values = values[: len(values) - n_counts]
+    world = len(values) - 7
     return StepFlags(
         means=[v / n_micro_batches for v in values[:4]],
         nonfinite_ranks=[r for r in range(world) if values[4 + r] > 0],
-        stop=values[-2] > 0,
-        nonfinite_params=values[-1] > 0,
+        stop=values[-3] > 0,
+        nonfinite_params=values[-2] > 0,
+        sq_norm=values[-1],
+        tokens_per_expert=[counts[i : i + counts_shape[1]] for i in range(0, n_counts, counts_shape[1])]
+        if counts_shape
+        else None,
     )
 
 

@@ -60,7 +60,7 @@ def check_kernels(cfg: OptimusConfig, ps: ParallelState, device: torch.device, c
     if case is None:
         return
     try:
-        backend = get_backend(cfg.kernels)
+        backend = get_backend(cfg.kernels, device.type)
     except KernelUnavailable as err:  # the `kernels` key: the user's to change, as the model reports it
         raise ConfigError(str(err)) from None
     results = check_backend(backend, [case], [compute_dtype], device)

@@ -10,18 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from optimus.config import ConfigError
-
-
-def expert_tokens(tokens_per_expert_LE: torch.Tensor | None) -> list[list[int]] | None:
-    """`tokens_per_expert_LE` (per MoE layer, the step's assignments to each expert over the global batch: a token
-    counts once for each of its top_k experts) as lists of ints, read to the host in one transfer; None for a
-    model without MoE layers."""
-    if tokens_per_expert_LE is None:
-        return None
-    return [[int(n) for n in row] for row in tokens_per_expert_LE.tolist()]
 
 
 def expert_load_imbalance(expert_tokens_LE: list[list[int]] | None) -> float | None:

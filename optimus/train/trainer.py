@@ -26,6 +26,7 @@ from tqdm import tqdm
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
+from optimus.kernels import KernelUnavailable, get_backend
 from optimus.model import Transformer, build_model, count_params, count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.model.moe import RouterStats, router_loss
 from optimus.optim import build_optimizer, lr_at
@@ -65,7 +66,6 @@ from optimus.train.metrics import (
     RunWriteError,
     console_line,
     expert_load_imbalance,
-    expert_tokens,
     throughput,
     write_json_atomic,
     write_problem,
@@ -145,7 +145,7 @@ class Trainer:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
             run = resolve_run(run, world_size, detect_platform(run.machine, local_rank))
         spec = run
-        if spec.platform.device_type != "cpu":
+        if spec.platform.path != "cpu":
             torch.get_device_module(spec.platform.device_type).set_device(spec.platform.device)
         self._init_layout(spec)
         cfg, p = self.cfg, self.cfg.parallel
@@ -233,7 +233,11 @@ class Trainer:
         cfg = self.cfg
         # profile.timers: the dispatchers, the pipeline stages and the optimizer time their work through it.
         self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
-        parts = parallelize(build_model(cfg.model, cfg.kernels), self.ps, cfg, self.device, self.timers)
+        try:  # the backend for the device the step runs on (a dry run's: the device it stands in for)
+            self.kernels = get_backend(cfg.kernels, self.device.type, traced=self.platform.traced)
+        except KernelUnavailable as err:  # the `kernels` key: the user's to change
+            raise ConfigError(str(err)) from None
+        parts = parallelize(build_model(cfg.model, self.kernels), self.ps, cfg, self.device, self.timers)
         self.model = parts.module  # every parameter this rank holds, under its whole-model name
         self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
         if parts.n_stages > 1:
@@ -289,25 +293,25 @@ class Trainer:
         router_losses_M3 = self.router_stats.micro_batch_means(len(micro_batches), ps.pp_group)
         sums_4 = step_loss_sums(lm_losses_M, router_losses_M3, cfg.model.moe)
         counts_LE = self.router_stats.tokens_per_expert()  # [L, E] or None
-        if counts_LE is not None:  # integers, summed exactly over the ranks whatever the batch
-            counts_LE = counts_LE.to(torch.int64)
-        # One reduction agrees on the losses, on which ranks saw a non-finite loss, on a stop signal, and on
-        # whether the last update left non-finite parameters (the forward has waited for their all-gathers).
-        self.optimizer.wait_for_params()
+        self.optimizer.wait_for_params()  # (the forward has waited for their all-gathers)
         params_finite = parameters_finite(self.model)
         stop = self.stop_signal.requested or lost_claim() is not None  # rank 0: another run took its directory
-        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, stop, params_finite)
+        with timers("optimizer"), self._collectives_phase("optimizer"):
+            sq_norm = self.optimizer.reduce_gradients()  # the gradients' reductions end here
+        # One reduction and one read agree on the losses, on which ranks saw a non-finite loss, on a stop signal, on
+        # whether the last update left non-finite parameters, on the gradient norm and on the tokens per expert: a
+        # GPU's queue drains once for them all.
+        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, stop, params_finite, sq_norm, counts_LE)
         if ps.pp_rank > 0:
             flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
         # The tp ranks of a group hold the same LM loss and each a 1/tp share's router losses: their mean
         # over the group is the micro-batch's, so the sums are averaged over all of a stage's ranks.
         if ps.is_distributed:
             dist.all_reduce(flags)
-            if counts_LE is not None:
-                dist.all_reduce(counts_LE)
-        agreed = unpack_step_flags(flags, self.accum * ps.stage_size)
+        counts_shape = None if counts_LE is None else tuple(counts_LE.shape)
+        agreed = unpack_step_flags(flags, self.accum * ps.stage_size, counts_shape)
         if agreed.nonfinite_params:  # every rank stops here
-            self.optimizer.discard_gradients()
+            self.optimizer.zero_grad()
             raise TrainingDiverged(nonfinite_parameters_message(self.step))
         self.stop_agreed = agreed.stop
         means = agreed.means
@@ -315,18 +319,19 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         with timers("optimizer"), self._collectives_phase("optimizer"):
             if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
-                self.optimizer.discard_gradients()
                 grad_norm = float("nan")
             else:
-                grad_norm = self.optimizer.step(lr)  # skips the update itself if the norm is not finite
-                self.optimizer.zero_grad()
+                grad_norm = self.optimizer.global_norm(agreed.sq_norm)
+                self.optimizer.apply(lr, grad_norm)  # skips the update itself if the norm is not finite
+            self.optimizer.zero_grad()
         skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
-        if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
-            for moe in self.model.moe_layers:
-                moe.update_bias(counts_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
         # Each rank routed its own tokens (a tp rank 1/tp of its group's, a pipeline rank its stages' layers), so
-        # the all-reduced counts hold every layer's assignments over the global batch once.
-        tokens_LE = expert_tokens(counts_LE)
+        # the summed counts hold every layer's assignments over the global batch once.
+        tokens_LE = agreed.tokens_per_expert
+        if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
+            summed_LE = flags[-counts_LE.numel() :].view(counts_LE.shape).to(torch.int64)  # on the device
+            for moe in self.model.moe_layers:
+                moe.update_bias(summed_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
         record = {
             "loss": means[0], "lm_loss": means[1], "aux_loss": means[2], "z_loss": means[3],
             "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
@@ -435,7 +440,7 @@ class Trainer:
                 "type": self.platform.device_type, "name": self.platform.device_name, "backend": self.platform.backend,
                 "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
             },
-            "kernels": self.model.moe_layers[0].experts.kernels.name if self.model.moe_layers else None,
+            "kernels": self.kernels.name if self.model.moe_layers else None,
             "tokens_per_step": self.cfg.train.global_batch * self.cfg.train.seq_len,
             "per_rank": per_rank,
         }  # fmt: skip

@@ -44,13 +44,27 @@ def read_metrics(run_dir) -> list[dict]:
 def test_step_flags_pack_and_unpack():
     sums = torch.tensor([4.0, 3.0, 2.0, float("nan")])
     packed = pack_step_flags(sums, rank=2, world_size=3, stop=True)
-    assert packed.shape == (9,) and packed[4:].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert packed.shape == (10,) and packed[4:].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     agreed = unpack_step_flags(packed + pack_step_flags(torch.ones(4), 0, 3, False), n_micro_batches=2)
     assert agreed.nonfinite_ranks == [2] and agreed.stop and not agreed.nonfinite_params
-    assert agreed.means[:3] == [2.5, 2.0, 1.5]
+    assert agreed.means[:3] == [2.5, 2.0, 1.5] and agreed.sq_norm == 0.0 and agreed.tokens_per_expert is None
     params_bad = pack_step_flags(torch.ones(4), 1, 3, False, params_finite=torch.tensor(False))
     agreed = unpack_step_flags(packed + params_bad, n_micro_batches=2)
     assert agreed.nonfinite_params and agreed.nonfinite_ranks == [2] and agreed.stop
+
+
+def test_the_gradient_norm_and_tokens_per_expert_travel_with_the_flags_exactly():
+    """One all-reduce (a sum) of two ranks' packed values: the squared norms add, the counts add as integers
+    (exact in fp64 far past any step's token count)."""
+    counts = [torch.tensor([[3, 2**40], [0, 7]]), torch.tensor([[1, 5], [2**40, 0]])]
+    packed = [
+        pack_step_flags(torch.ones(4), r, 2, False, sq_norm=torch.tensor(2.25 * (r + 1), dtype=torch.float64),
+                        counts_LE=counts[r])
+        for r in range(2)
+    ]  # fmt: skip
+    agreed = unpack_step_flags(packed[0] + packed[1], n_micro_batches=2, counts_shape=(2, 2))
+    assert agreed.sq_norm == 6.75 and agreed.nonfinite_ranks == [] and not agreed.stop
+    assert agreed.tokens_per_expert == (counts[0] + counts[1]).tolist()
 
 
 def test_parameters_finite_sees_one_nan_or_inf_in_any_dtype():

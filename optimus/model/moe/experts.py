@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from optimus.config import experts_per_rank
-from optimus.kernels import get_backend
+from optimus.kernels import KernelBackend, get_backend
 
 
 def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
@@ -36,7 +36,7 @@ class GroupedExperts(nn.Module):
     index of its first one.
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int, kernels: str = "auto"):
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, kernels: str | KernelBackend = "auto"):
         super().__init__()
         self.n_experts = n_experts
         self.expert_offset = 0
@@ -45,7 +45,7 @@ class GroupedExperts(nn.Module):
         # front to back, each reduced as soon as it is complete (optimus.parallel.flat_buffer.flat_order).
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
-        self.kernels = get_backend(kernels)
+        self.kernels = kernels if isinstance(kernels, KernelBackend) else get_backend(kernels)
 
     def keep_experts(self, start: int, end: int) -> None:
         """Keep only global experts [start, end) of the ones held now (copies, not views; free on meta)."""

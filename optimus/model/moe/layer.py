@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from optimus.config import MoEConfig
+from optimus.kernels import KernelBackend
 from optimus.model.mlp import SwiGLU
 from optimus.model.moe.dispatch import LocalDispatcher
 from optimus.model.moe.experts import GroupedExperts
@@ -25,7 +26,9 @@ class MoE(nn.Module):
     layer's term of the pooled loss (see PooledBalance); None: the layer's own aux loss.
     """
 
-    def __init__(self, dim: int, cfg: MoEConfig, kernels: str = "auto", layer_idx: int = 0, n_moe_layers: int = 1):
+    def __init__(
+        self, dim: int, cfg: MoEConfig, kernels: str | KernelBackend = "auto", layer_idx: int = 0, n_moe_layers: int = 1
+    ):
         super().__init__()
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(cfg.n_experts, dim, cfg.expert_dim, kernels)
