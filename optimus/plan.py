@@ -71,15 +71,15 @@ busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) ad
 buckets (optimus.optim.memory.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
 per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
-one computed. Three more terms are added at the peak (each found by `optimus plan --dry-run`): ZeRO-2's
+one computed. Two more terms are added at the peak (each found by `optimus plan --dry-run`): ZeRO-2's
 full-size gradient, which accumulates from a step's first backward when it has several micro-batches
-(zero2_accumulated_bytes); the pipeline stages' receive buffers, one per micro-batch of the step for each stage
-input and output gradient a rank receives (pipeline_buffer_bytes); and under tensor parallelism the embedding
-backward's two [V, D] tensors (tp_embedding_grad_bytes). The optimizer step comes after the backward: with
-Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32 update directions,
-at most) beside the state and the pipeline's receive buffers is the peak where that is more (the totals, and
-so the dry run's planned figure, take the larger). Not included: allocator fragmentation
-and cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
+(zero2_accumulated_bytes); and the pipeline stages' receive buffers, one per micro-batch of the step for each
+stage input and output gradient a rank receives (pipeline_buffer_bytes). (The tensor-parallel embedding's
+backward keeps only its rank's rows: optimus.parallel.tensor_parallel.) The optimizer step comes after the
+backward: with Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32
+update directions, at most) beside the state and the pipeline's receive buffers is the peak where that is more
+(the totals, and so the dry run's planned figure, take the larger). Not included: allocator fragmentation and
+cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
 all-gathers' and reduce-scatters' buffers, AdamW's temporaries of the optimizer step (after the backward, below
 the peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
 as its blocks start, before the peak), and the different buffers of the Triton kernels. docs/MEMORY.md
@@ -185,17 +185,6 @@ def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> i
     positions = t.seq_len // p.tp if p.sp and p.tp > 1 else t.seq_len
     buffers = sum((i > 0) + (i < n_stages - 1) for i in share.stages)
     return accum * buffers * t.micro_batch * positions * m.dim * DTYPE_BYTES[planned_dtype(cfg)]
-
-
-def tp_embedding_grad_bytes(cfg: OptimusConfig, share: RankShare) -> int:
-    """Under tensor parallelism the embedding's backward (DTensor's vocabulary-sharded embedding) makes the gradient
-    of the whole [V, D] table on every tp rank, and a copy of it, before keeping its own rows: two [V, D] tensors
-    in the compute dtype on the rank that holds the embedding, at the end of each micro-batch's backward (what a
-    dry run of frontier-175b and frontier-1t measured: 2 x 2.4 GiB at D = 25,600)."""
-    m, p = cfg.model, cfg.parallel
-    if not share.embed or p.tp == 1:
-        return 0
-    return 2 * padded_vocab_size(m.vocab_size) * m.dim * DTYPE_BYTES[planned_dtype(cfg)]
 
 
 def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
@@ -437,11 +426,7 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> d
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
              "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path)}  # fmt: skip
     accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
-    accumulated = (
-        zero2_accumulated_bytes(cfg, share, accum)
-        + pipeline_buffer_bytes(cfg, share, accum)
-        + tp_embedding_grad_bytes(cfg, share)
-    )
+    accumulated = zero2_accumulated_bytes(cfg, share, accum) + pipeline_buffer_bytes(cfg, share, accum)
 
     def peak(mode: str) -> int:
         return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated

@@ -4,7 +4,8 @@
 (a run of `tp` consecutive ranks that share one batch):
 
     module                 split over tp                          input -> output (sp on | sp off)
-    embed                  vocabulary rows (RowwiseParallel)      tokens -> Shard(1) | Replicate
+    embed                  vocabulary rows (each rank its own     tokens -> Shard(1) | Replicate
+                           rows' lookups, summed)
     attn_norm, ffn_norm    - (SequenceParallel with sp)           Shard(1) -> Shard(1)
     attn                   heads: wq/wk/wv columns, wo rows       all-gathers the sequence with sp;
                                                                   wo reduce-scatters (sp) or all-reduces
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -102,6 +104,39 @@ class _WidthShardedRMSNorm(ParallelStyle):
             sum_sq = x32.square().sum(dim=-1, keepdim=True).redistribute(placements=[Replicate()])  # [B, S, 1]
             normed = (x32 * torch.rsqrt(sum_sq / width + eps)).to(x.dtype)
             return (normed * module.weight).to_local()
+
+        module.forward = forward
+        return module
+
+
+class _VocabParallelEmbedding(ParallelStyle):
+    """The embedding split over the vocabulary (its rows): each rank looks up the tokens in its own rows (zeros for
+    the others'), and the ranks' parts are summed into the residual stream's layout (a reduce-scatter over the
+    sequence with sp, an all-reduce without). Its backward is an embedding backward over this rank's [V/tp, D]
+    rows only; DTensor's row-split embedding (RowwiseParallel) builds the whole [V, D] gradient and a copy of it
+    on every rank (2 x 2.4 GiB at frontier-1t's D = 25,600). Takes the token ids whole on every rank; returns
+    this rank's part of the residual stream as a plain tensor."""
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows, tp = module.weight.shape[0], device_mesh.size()
+        if rows % tp:
+            raise ValueError(f"an embedding of {rows} rows does not split over {tp} tensor-parallel ranks")
+        weight = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter("weight", nn.Parameter(weight, module.weight.requires_grad))
+        first = device_mesh.get_local_rank() * (rows // tp)  # this rank's first row
+        layout = self.output_layout
+
+        def forward(ids_BS: torch.Tensor) -> torch.Tensor:
+            w_VD = module.weight.to_local()  # [V / tp, D]: this rank's rows
+            local_BS = ids_BS - first
+            outside_BS = (local_BS < 0) | (local_BS >= w_VD.shape[0])
+            part_BSD = F.embedding(local_BS.masked_fill(outside_BS, 0), w_VD).masked_fill(outside_BS[..., None], 0)
+            summed = DTensor.from_local(part_BSD, device_mesh, [Partial()], run_check=False)
+            return summed.redistribute(device_mesh, [layout]).to_local()
 
         module.forward = forward
         return module
@@ -172,7 +207,7 @@ def _apply(module: nn.Module, mesh: DeviceMesh, prefix: str, plan: dict) -> None
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:
     """Split `model` (a Transformer or a pipeline stage of one, on any device, meta included) over `mesh`."""
     if getattr(model, "embed", None) is not None:
-        _apply(model, mesh, "embed", {"": RowwiseParallel(input_layouts=Replicate(), output_layouts=_residual(sp))})
+        _apply(model, mesh, "embed", {"": _VocabParallelEmbedding(_residual(sp))})
     for name, block in model.layers.items():
         prefix = f"layers.{name}"
         if sp:

@@ -183,7 +183,7 @@ def prepare(cfg: OptimusConfig, device: str | None, nproc: int | None, kernels: 
     detect_platform(cfg.machine, index or 0)  # refuses a machine.device or machine.backend this node lacks
     if kernels == "triton":  # auto resolves per device, in the ranks; triton must be importable and runnable
         try:
-            get_backend(kernels)
+            get_backend(kernels, device_type)
         except KernelUnavailable as err:
             raise ConfigError(str(err)) from None
     info = discover()

@@ -41,8 +41,7 @@ def case_bytes(case: Case, dtype: torch.dtype) -> int:
 def check_kernels(backend_name: str, cases: list[Case], dtype: torch.dtype, device: torch.device) -> dict:
     """Each kernel of the backend on each case that fits a quarter of the free memory: the backend's resolved
     name, the results as rows (selftest.json's), and the skipped cases."""
-    # auto looks for a GPU, not at the device checked: CPU tensors on a GPU node take the torch backend
-    backend = get_backend("torch" if backend_name == "auto" and device.type == "cpu" else backend_name)
+    backend = get_backend(backend_name, device.type)  # auto: the checked device's (CPU tensors on a GPU node: torch)
     free = free_bytes(device)
     budget = free // 4 if free is not None else None
     fitting = [case for case in cases if budget is None or case_bytes(case, dtype) <= budget]
