@@ -5,8 +5,9 @@ For each requested rank, in this process, one after the other:
     a fake process group   init_process_group("fake", world_size=W, rank=R): every collective completes at
                            once with outputs of the right shape, so rank R builds every group the real run
                            builds and issues every call it would, without the other W - 1 ranks
-    fake tensors           FakeTensorMode: every op runs on shapes, dtypes and devices alone (on the CPU, or
-                           with --device cuda on a fake GPU, which needs one GPU visible for the backward)
+    fake tensors           FakeTensorMode: every op runs on shapes, dtypes and devices alone, on the device path
+                           traced (dry_run_device: the recipe's machine.device or --device): the CPU's, or a
+                           GPU's on the stand-in device of optimus.fake_device, on any machine
     the real step          Trainer.for_one_step: the model build (meta, then this rank's shard), its
                            parallelisation, activation checkpointing, dispatcher, pipeline schedule, loss,
                            backward and the sharded optimizer's step, with fake micro-batches of the real shape
@@ -14,10 +15,11 @@ For each requested rank, in this process, one after the other:
                            optimus.load_model (uniform, or --imbalance X for the busiest expert); every other
                            value read back reads as zero (finite, no stop), and each read is counted
 
-and three recorders: torch's MemTracker (peak bytes by category, beside `optimus plan`'s prediction for the
+and four recorders: torch's MemTracker (peak bytes by category, beside `optimus plan`'s prediction for the
 rank), the collective trace (optimus.parallel.collective_trace, the same recorder as profile.collectives=true
-in a real run) and the host synchronisations (optimus.host_syncs). Each rank's result is a JSON file:
-`rank`, `world`, `layout`, `memory` {peak_bytes, planned_bytes, by_category}, `collectives`, `host_syncs`.
+in a real run), the host synchronisations (optimus.host_syncs) and the operators (optimus.perf.operators).
+Each rank's result is a JSON file: `rank`, `world`, `layout`, `device` (the path), `kernels`, `memory`
+{peak_bytes, planned_bytes, by_category}, `collectives`, `host_syncs`, `operators`.
 """
 
 from __future__ import annotations
