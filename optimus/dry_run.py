@@ -17,7 +17,7 @@ For each requested rank, in this process, one after the other:
 
 and four recorders: torch's MemTracker (peak bytes by category, beside `optimus plan`'s prediction for the
 rank), the collective trace (optimus.parallel.collective_trace, the same recorder as profile.collectives=true
-in a real run), the host synchronisations (optimus.host_syncs) and the operators (optimus.perf.operators).
+in a real run), the host synchronisations (optimus.host_syncs) and the operators (optimus.operators).
 Each rank's result is a JSON file: `rank`, `world`, `layout`, `device` (the path), `kernels`, `memory`
 {peak_bytes, planned_bytes, by_category}, `collectives`, `host_syncs`, `operators`.
 """
@@ -43,9 +43,9 @@ from optimus.config import ConfigError, OptimusConfig
 from optimus.fake_device import engine_error_explained
 from optimus.host_syncs import HostSyncCounter
 from optimus.load_model import ExpertLoad, checked_imbalance, using
+from optimus.operators import OperatorCounter
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
-from optimus.perf.operators import OperatorCounter
 from optimus.platform import DEVICE_PATHS, Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.run_spec import resolve_run
 from optimus.train import step_memory

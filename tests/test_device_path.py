@@ -18,7 +18,7 @@ from optimus.dry_run import dry_run_device, dry_run_rank
 from optimus.fake_device import STAND_IN, stand_in
 from optimus.kernels import SAVED_FFN_WIDTHS, dtypes, get_backend, torch_backend
 from optimus.kernels.torch_private import FakeTensorMode
-from optimus.perf.operators import OperatorCounter
+from optimus.operators import OperatorCounter
 from optimus.plan import planned_ffn_widths
 from optimus.platform import Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.recipes import load_config

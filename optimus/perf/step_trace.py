@@ -34,9 +34,9 @@ from contextlib import contextmanager
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import flop_registry
 
 from optimus.kernels.torch_private import current_graph_task_id
+from optimus.operators import launches_kernel, op_cost
 from optimus.parallel.collective_trace import (
     _NAMESPACES,
     _NOT_COLLECTIVES,
@@ -51,67 +51,11 @@ from optimus.perf.op_timing import op_signature
 # The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures.
 FORMAT = 2
 
-# Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
-_NO_KERNEL = {
-    "detach", "alias", "lift_fresh", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
-    "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
-}  # fmt: skip
-_ATTENTION = re.compile(r"^_scaled_dot_product_\w*attention")  # q, k, v as [B, H, S, D]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.
 _ASYNC_CALLERS = {"isend", "irecv", "batch_isend_irecv"}
 # Optimus's functions that issue one collective as another on a CPU (gloo), and what a GPU's library runs.
 _STANDS_FOR = {"reduce_scatter_sum": "reduce_scatter"}
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> int:
-    """FLOPs an attention kernel does for q [B, H, Sq, D] and k [B, Hk, Sk, D]: two products of Sq x Sk x D per
-    head forward (scores, then values), five backward (the scores again, and the gradients of q, k, v and the
-    probabilities); a causal kernel skips the masked half."""
-    b, h, sq, d = q.shape
-    sk = k.shape[-2]
-    flops = 2 * 2 * b * h * sq * sk * d
-    if backward:
-        flops = flops * 5 // 2
-    return flops // 2 if causal else flops
-
-
-def _attention_args(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(query, key, causal) of an attention kernel or its backward, by the schema's argument names."""
-    named = _named_arguments(func, args, kwargs)
-    return named["query"], named["key"], bool(named.get("is_causal", False))
-
-
-def launches_kernel(func) -> bool:
-    """Whether an operator runs a kernel: not a view, a metadata query (prim: a tensor's device) or an
-    allocation whose contents nobody computes."""
-    return not (func.is_view or func._overloadpacket.__name__ in _NO_KERNEL or func.namespace == "prim")
-
-
-def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
-    """(kind, FLOPs, bytes read and written, fp32 matrix product) of one operator call."""
-    name = func._overloadpacket.__name__
-    if not launches_kernel(func):
-        return "view", 0, 0, False
-    inputs = _tensors(list(args) + list(kwargs.values()))
-    moved = _nbytes(inputs) + _nbytes(_tensors([out]))
-    fp32 = any(t.dtype == torch.float32 for t in inputs)
-    if _ATTENTION.search(name):
-        q, k, causal = _attention_args(func, args, kwargs)
-        return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
-    packet = func._overloadpacket
-    if packet in flop_registry:
-        compute = _named_arguments(func, args, kwargs).get("dtype")  # an operator that casts to its compute dtype
-        fp32 = compute == torch.float32 if isinstance(compute, torch.dtype) else fp32
-        return "mm", int(flop_registry[packet](*args, **kwargs, out_val=out)), moved, fp32
-    if name == "_grouped_mm":  # [M, K] x [G, K, N]: every row meets one group's matrix
-        a, b = inputs[0], inputs[1]
-        return "mm", 2 * a.shape[0] * a.shape[-1] * b.shape[-1], moved, fp32
-    return "mem", 0, moved, False
 
 
 def _stands_for() -> str | None:

@@ -1,0 +1,111 @@
+"""What a step's operators cost, and which kernels a step contains.
+
+`op_cost` prices one operator call as the performance model does (optimus.perf.step_trace records it for
+every operator of a traced step): its kind (a matrix product with its FLOPs, an attention kernel, any other
+kernel with the bytes it reads and writes, or no kernel) and whether it multiplies in fp32.
+
+`OperatorCounter` sums them by operator name over a step: a dry run's rank file holds the summary under
+`operators` (optimus.dry_run), so that a reader, and a test, can see the step the traced device runs:
+`aten._grouped_mm` or `optimus.triton_swiglu_mlp` for the experts, the device's fused attention,
+`c10d._reduce_scatter_base_` for the sharded optimizer - and none of a CPU's schedules (which show as their own
+operators: the CPU's attention kernel, `aten._sparse_mm` for the CSR combine, `aten.bmm` over padded experts,
+`c10d.alltoall_base_` for gloo's reduce-scatter).
+
+Apart from the performance model (optimus.perf), which imports it, so that a dry run imports no part of it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from optimus.kernels.torch_private import TorchDispatchMode
+from optimus.parallel.collective_trace import _named_arguments, _tensors
+
+# Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
+_NO_KERNEL = {
+    "detach", "alias", "lift_fresh", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
+    "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
+}  # fmt: skip
+_ATTENTION = re.compile(r"^_scaled_dot_product_\w*attention")  # q, k, v as [B, H, S, D]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> int:
+    """FLOPs an attention kernel does for q [B, H, Sq, D] and k [B, Hk, Sk, D]: two products of Sq x Sk x D per
+    head forward (scores, then values), five backward (the scores again, and the gradients of q, k, v and the
+    probabilities); a causal kernel skips the masked half."""
+    b, h, sq, d = q.shape
+    sk = k.shape[-2]
+    flops = 2 * 2 * b * h * sq * sk * d
+    if backward:
+        flops = flops * 5 // 2
+    return flops // 2 if causal else flops
+
+
+def _attention_args(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(query, key, causal) of an attention kernel or its backward, by the schema's argument names."""
+    named = _named_arguments(func, args, kwargs)
+    return named["query"], named["key"], bool(named.get("is_causal", False))
+
+
+def launches_kernel(func) -> bool:
+    """Whether an operator runs a kernel: not a view, a metadata query (prim: a tensor's device) or an
+    allocation whose contents nobody computes."""
+    return not (func.is_view or func._overloadpacket.__name__ in _NO_KERNEL or func.namespace == "prim")
+
+
+def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
+    """(kind, FLOPs, bytes read and written, fp32 matrix product) of one operator call."""
+    name = func._overloadpacket.__name__
+    if not launches_kernel(func):
+        return "view", 0, 0, False
+    inputs = _tensors(list(args) + list(kwargs.values()))
+    moved = _nbytes(inputs) + _nbytes(_tensors([out]))
+    fp32 = any(t.dtype == torch.float32 for t in inputs)
+    if _ATTENTION.search(name):
+        q, k, causal = _attention_args(func, args, kwargs)
+        return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        compute = _named_arguments(func, args, kwargs).get("dtype")  # an operator that casts to its compute dtype
+        fp32 = compute == torch.float32 if isinstance(compute, torch.dtype) else fp32
+        return "mm", int(flop_registry[packet](*args, **kwargs, out_val=out)), moved, fp32
+    if name == "_grouped_mm":  # [M, K] x [G, K, N]: every row meets one group's matrix
+        a, b = inputs[0], inputs[1]
+        return "mm", 2 * a.shape[0] * a.shape[-1] * b.shape[-1], moved, fp32
+    return "mem", 0, moved, False
+
+
+def operator_name(func) -> str:
+    """`namespace.name` of an operator, overload dropped: `aten.mm`, `optimus.triton_swiglu_mlp`, `c10d.send`."""
+    return f"{func.namespace}.{func._overloadpacket.__name__}"
+
+
+class OperatorCounter(TorchDispatchMode):
+    """While active: per operator that runs a kernel, its calls, FLOPs (matrix products and attention) and bytes
+    read and written (op_cost, the performance model's own pricing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.operators: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if launches_kernel(func):
+            _, flops, moved, _ = op_cost(func, args, kwargs, out)
+            row = self.operators.setdefault(operator_name(func), {"calls": 0, "flops": 0, "bytes": 0})
+            row["calls"] += 1
+            row["flops"] += flops
+            row["bytes"] += moved
+        return out
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """The operators by name, most bytes first."""
+        return dict(sorted(self.operators.items(), key=lambda item: (-item[1]["bytes"], item[0])))
