@@ -319,7 +319,7 @@ def measure_cpu(threads: int, seconds: float = 0.3) -> dict:
 
 def _attention_rate(seconds: float) -> float:
     """FLOP/s of causal bf16 attention, forward and backward, at q, k, v [4, 8, 512, 64]."""
-    from optimus.perf.step_trace import attention_flops
+    from optimus.operators import attention_flops
 
     q, k, v = (torch.randn(4, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 

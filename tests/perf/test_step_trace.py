@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from optimus.operators import attention_flops
 from optimus.parallel.collectives import reduce_scatter_sum
-from optimus.perf.step_trace import StepTrace, attention_flops
+from optimus.perf.step_trace import StepTrace
 from tests.distributed import run_distributed
 
 
