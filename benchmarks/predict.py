@@ -132,7 +132,9 @@ def run_local(out: Path) -> None:
 # The studies
 
 
-def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = (), weak_from: int = 0) -> tuple:
+def traces_for(
+    recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = (), weak_from: int = 0, device: str | None = None
+) -> tuple:
     """(cfg, world, traces) of an experiment recipe (with `extra` overrides) at `nodes`, its global batch grown
     from `weak_from` nodes when given (weak scaling); traced, or from the cache."""
     from optimus.dry_run import dry_run_device
@@ -143,7 +145,7 @@ def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = ()
     cfg = load_config([f"experiment={recipe}", *extra])
     cfg = scaled_batch(cfg, nodes, weak_from) if weak_from else cfg
     world = nodes * cfg.machine.ranks_per_node
-    device = DEVICE or dry_run_device(cfg, None)  # the recipe's device path, unless --device names one
+    device = dry_run_device(cfg, device)  # the recipe's device path, unless --device names one
     path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}-{device}.v{FORMAT}.json.gz"
     if path.exists():
         traces = {int(k): v for k, v in json.loads(gzip.decompress(path.read_bytes())).items()}
@@ -153,9 +155,6 @@ def traces_for(recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = ()
         path.write_bytes(gzip.compress(json.dumps(traces).encode()))
     return cfg, world, traces
 
-
-DEVICE: str | None = None  # --device: the device path every recipe is traced on (None: each recipe's own)
-SUFFIX = ""  # --name: of the results' files
 
 # Published: (recipe, nodes, MFU) from Dash et al. (Frontier); scaling from both studies.
 PUBLISHED_MFU = [("frontier-22b", 16, 0.3838), ("frontier-175b", 128, 0.3614), ("frontier-1t", 384, 0.3196)]
@@ -196,7 +195,7 @@ def _scaled(machine: MachineModel, key: str, factor: float) -> MachineModel:
     return machine.with_values(**{key: getattr(machine, key) * factor})
 
 
-def run_recipes(out: Path, cache: Path) -> None:
+def run_recipes(out: Path, cache: Path, device: str | None = None, suffix: str = "") -> None:
     """Every experiment recipe at the world size of benchmarks/dry_run.py's table."""
     from dry_run import LAYOUTS
 
@@ -208,10 +207,10 @@ def run_recipes(out: Path, cache: Path) -> None:
     order = sorted(LAYOUTS, key=lambda layout: layout[0] in ("frontier-175b", "frontier-1t"))
     for name, overrides, nodes in order:
         recipe = overrides[0].removeprefix("experiment=")
-        cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]))
+        cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]), device=device)
         pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
         rows.append({"layout": name, "nodes": nodes, **pred.as_dict()})
-        (out / f"predict_recipes{SUFFIX}.json").write_text(json.dumps(rows, indent=1))
+        (out / f"predict_recipes{suffix}.json").write_text(json.dumps(rows, indent=1))
 
 
 def run_studies(out: Path, cache: Path) -> None:
@@ -329,8 +328,6 @@ def main() -> None:
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
     parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
     args = parser.parse_args()
-    global DEVICE, SUFFIX
-    DEVICE, SUFFIX = args.device, args.name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "local":
@@ -338,7 +335,7 @@ def main() -> None:
     elif args.what == "tables":
         print_tables(out)
     elif args.what == "recipes":
-        run_recipes(out, Path(args.cache))
+        run_recipes(out, Path(args.cache), args.device, args.name)
     else:
         run_studies(out, Path(args.cache))
 

@@ -31,7 +31,8 @@ def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> tor
 
 def owned_sq_norm(owned_sq_sums: list[torch.Tensor]) -> torch.Tensor:
     """This rank's share of the squared global gradient norm (fp64, 0-d, on the sums' device): summed over every
-    rank (one all-reduce, possibly merged with other sums: optimus.train.step_sums), its square root is the norm.
+    rank (one all-reduce, possibly merged with other sums: optimus.train.faults.pack_step_flags), its square root
+    is the norm.
 
     Each element of the model must be counted by exactly one rank: callers pass a zero for shards that other
     ranks also hold (replicated parameters)."""

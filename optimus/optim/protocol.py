@@ -12,6 +12,16 @@ class Optimizer(Protocol):
     def step(self, lr: float) -> float:
         """Reduce, clip and apply this step's gradients; return the pre-clip global gradient norm."""
 
+    def reduce_gradients(self):
+        """step()'s first half: finish the reductions; this rank's share of the squared gradient norm (a 0-d fp64
+        tensor on the device), to be summed over every rank by the caller."""
+
+    def global_norm(self, sq_norm_sum: float) -> float:
+        """The global norm of the mean gradient from reduce_gradients()' values summed over every rank."""
+
+    def apply(self, lr: float, norm: float) -> None:
+        """step()'s second half: clip by `norm` and update (nothing where it is not finite)."""
+
     def discard_gradients(self) -> None:
         """Drop this step's gradients without an update (every rank calls it for the same step)."""
 

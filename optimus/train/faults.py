@@ -103,6 +103,13 @@ def pack_step_flags(
     return torch.cat([sums_4.to(dtype), flags_W, stop_1, params_bad_1, norm_1, *counts])
 
 
+def summed_counts(reduced: torch.Tensor, counts_shape: tuple[int, int]) -> torch.Tensor:
+    """The tokens per MoE layer and expert, [L, E] int64 on the device, from pack_step_flags' vector summed over
+    the ranks (the same values unpack_step_flags reads to the host, without a read)."""
+    n_counts = counts_shape[0] * counts_shape[1]
+    return reduced[len(reduced) - n_counts :].view(counts_shape).to(torch.int64)
+
+
 def unpack_step_flags(
     reduced: torch.Tensor, n_micro_batches: int, counts_shape: tuple[int, int] | None = None
 ) -> StepFlags:

@@ -56,6 +56,7 @@ from optimus.train.faults import (
     pack_step_flags,
     parameters_finite,
     parameters_finite_on_every_rank,
+    summed_counts,
     too_many_skipped_message,
     unpack_step_flags,
 )
@@ -329,7 +330,7 @@ class Trainer:
         # the summed counts hold every layer's assignments over the global batch once.
         tokens_LE = agreed.tokens_per_expert
         if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
-            summed_LE = flags[-counts_LE.numel() :].view(counts_LE.shape).to(torch.int64)  # on the device
+            summed_LE = summed_counts(flags, counts_shape)
             for moe in self.model.moe_layers:
                 moe.update_bias(summed_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
         record = {
