@@ -71,11 +71,12 @@ busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) ad
 buckets (optimus.optim.memory.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
 per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
-one computed. Two more terms are added at the peak (each found by `optimus plan --dry-run`): ZeRO-2's
-full-size gradient, which accumulates from a step's first backward when it has several micro-batches
-(zero2_accumulated_bytes); and the pipeline stages' receive buffers, one per micro-batch of the step for each
-stage input and output gradient a rank receives (pipeline_buffer_bytes). (The tensor-parallel embedding's
-backward keeps only its rank's rows: optimus.parallel.tensor_parallel.) The optimizer step comes after the
+one computed. One more term is added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
+gradient, which accumulates from a step's first backward when it has several micro-batches
+(zero2_accumulated_bytes). The pipeline stages' receive buffers are not a term: Optimus's stages hold one only
+while its micro-batch needs it (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per
+micro-batch of the step, on a torch where they cannot be released). (The tensor-parallel embedding's backward
+keeps only its rank's rows: optimus.parallel.tensor_parallel.) The optimizer step comes after the
 backward: with Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32
 update directions, at most) beside the state and the pipeline's receive buffers is the peak where that is more
 (the totals, and so the dry run's planned figure, take the larger). Not included: allocator fragmentation and
@@ -127,6 +128,7 @@ from optimus.parallel.pipeline import (
     stage_layer_ids,
     stage_sizes,
 )
+from optimus.parallel.pipeline_stage import releases_receive_buffers
 from optimus.platform import TORCH_DEVICE_OF_PATH, declared_device_path, declared_device_type, resolve_dtype
 from optimus.run_spec import RunSpec
 
@@ -173,13 +175,15 @@ def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, accum: int) ->
 
 
 def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
-    """torch's PipelineStage allocates, once, a receive buffer for every micro-batch of the step on each stage it
-    runs: the stage's input (all stages but the first) and its output's gradient (all but the last),
-    [micro_batch, positions, D] in the compute dtype (positions / TP with sequence parallelism), kept for the
-    whole run. With hundreds of micro-batches per step they are GiBs (frontier-1t: 6.3 GiB on the first stage,
-    which a dry run measured)."""
+    """The receive buffers torch's PipelineStage keeps for the whole run: one for every micro-batch of the step
+    on each stage a rank runs, for its input (all stages but the first) and its output's gradient (all but the
+    last), [micro_batch, positions, D] in the compute dtype (positions / TP with sequence parallelism); with
+    hundreds of micro-batches per step, GiBs (frontier-1t: 6.3 GiB per kind, which a dry run measured).
+    Optimus's stages (optimus.parallel.pipeline_stage) hold a buffer only while its micro-batch needs it, where
+    this torch lets them: a received input is then the first layer's input, which the activations count, and a
+    received gradient lives during one backward, beside the gradients the activations count. 0 then."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if p.pp == 1:
+    if p.pp == 1 or releases_receive_buffers():
         return 0
     n_stages = p.pp * p.pp_virtual
     positions = t.seq_len // p.tp if p.sp and p.tp > 1 else t.seq_len

@@ -199,6 +199,15 @@ PRIVATE_API: dict[str, PrivateName] = {
         "untyped_storage().data_ptr(), which a fake tensor's storage does not have (a warning, then an error)",
         "tensors never count as sharing a storage: the optimizer copies parameters it could have adopted.",
     ),
+    "pipeline_recv_buffers": PrivateName(
+        "torch.distributed.pipelining.stage._RecvInfo (.buffer, .is_root_arg) and PipelineStage's args_recv_info, "
+        "grad_recv_info and the methods Optimus's stage overrides (PIPELINE_STAGE_METHODS)",
+        "optimus/parallel/pipeline_stage.py (a stage's receive buffers held only while their micro-batch needs "
+        "them, not one per micro-batch of the step for the whole run)",
+        f"none in torch {CHECKED_TORCH}: PipelineStage allocates its buffers itself and exposes no hook for it",
+        "the stages keep torch's buffers (one per micro-batch and received tensor, for the whole run) and the "
+        "memory plan counts them.",
+    ),
     "Module._modules": PrivateName(
         "torch.nn.Module._modules",
         "optimus/parallel/pipeline.py (a cut stage lists its modules in the whole model's order, the order of "
@@ -354,6 +363,10 @@ def __getattr__(name: str) -> Any:
 # What Optimus overrides or reads on torch's MemTracker besides its public methods.
 MEM_TRACKER_INTERNALS = ("_track", "_update_peak_stats", "_pre_fw_hook", "_curr_mem_snap", "_peak_mem",
                          "_peak_mem_snap", "_mod_tracker")  # fmt: skip
+# What optimus.parallel.pipeline_stage.Stage overrides on torch's PipelineStage.
+PIPELINE_STAGE_METHODS = ("_prepare_forward_infra", "_prepare_backward_infra", "get_fwd_recv_ops", "get_bwd_recv_ops",
+                          "set_local_bwd_input", "forward_one_chunk", "backward_one_chunk",
+                          "backward_weight_one_chunk")  # fmt: skip
 
 
 def _has(module: str, *attrs: str) -> bool:
@@ -400,6 +413,15 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "DTENSOR_COLLECTIVE_LOGGER": lambda: importlib.util.find_spec(DTENSOR_COLLECTIVE_LOGGER) is not None,
     "OpOverload._schema": lambda: all(
         hasattr(torch.ops.aten.add.Tensor, a) for a in ("_schema", "_overloadpacket", "namespace")
+    ),
+    "pipeline_recv_buffers": lambda: (
+        _source_has("torch.distributed.pipelining.stage", "_RecvInfo", "self.buffer = buffer")
+        and _source_has("torch.distributed.pipelining.stage", "_RecvInfo", "self.is_root_arg")
+        and all(
+            _source_has("torch.distributed.pipelining.stage", "_PipelineStageBase", f"self.{slots}[")
+            for slots in ("args_recv_info", "grad_recv_info")
+        )
+        and _has("torch.distributed.pipelining.stage", "PipelineStage", *PIPELINE_STAGE_METHODS)
     ),
     "Module._modules": lambda: isinstance(getattr(torch.nn.Module(), "_modules", None), dict),
     "python_backend": lambda: (

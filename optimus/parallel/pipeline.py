@@ -10,7 +10,8 @@ interleaved schedule expects).
 How many layers each stage takes: `parallel.pp_layers`, or the split whose costliest stage
 is cheapest (`balanced_split`), with the embedding and the head counted on the end stages.
 
-PyTorch's `PipelineStage` and schedule classes run the micro-batches, for training (`step`)
+PyTorch's `PipelineStage` (as optimus.parallel.pipeline_stage.Stage, which keeps a receive buffer only while
+its micro-batch needs it) and schedule classes run the micro-batches, for training (`step`)
 and for evaluation (the schedule's forward-only `eval`); this module builds them, merges a
 rank's stages into one module for the optimizer and checkpoints, and ties the embedding to
 the head across stages. The last stage returns the per-token cross-entropy of the model's own
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -39,6 +39,7 @@ from torch.distributed.pipelining import (
 from optimus.config import INTERLEAVED_SCHEDULES, ConfigError, ModelConfig
 from optimus.model import Transformer
 from optimus.model.moe.experts import expert_offsets
+from optimus.parallel.pipeline_stage import Stage
 from optimus.parallel.state import ParallelState
 
 # interleaved_zb: zero bubble (ZB1P), which splits each backward into the input gradient, sent on at once,
@@ -372,7 +373,7 @@ class Pipeline:
         for stage, index in zip(stages, stage_indices):
             inputs, outputs = stage_io_meta(stage, micro_batch, seq_len, ps)
             pipeline_stages.append(
-                PipelineStage(stage, index, n_stages, device, input_args=inputs, output_args=outputs, group=self.group)
+                Stage(stage, index, n_stages, device, input_args=inputs, output_args=outputs, group=self.group)
             )
             if timers:
                 _StageClock(self, index, stage)

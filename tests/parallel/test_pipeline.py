@@ -261,3 +261,30 @@ def test_zero2_reduces_each_stage_during_its_backward(tmp_path, corpus_file, sch
     ]  # fmt: skip
     for left, slots in run_distributed(unpacked_at_step, 2, overrides, os.environ["OPTIMUS_CACHE"]):
         assert slots > 0 and left == 0, (schedule, left, slots)
+
+
+# A pp=2 x ep=2 layout whose stage inputs are large beside its weights, so that one buffer per micro-batch shows.
+PIPELINE_MEMORY = [
+    *TINY_MODEL, "model.n_layers=4", "model.dim=256", "model.ffn_dim=512", "model.moe.expert_dim=128",
+    "train.steps=1", "train.micro_batch=2", "train.seq_len=128", "train.dtype=bf16", "parallel.nproc=4",
+    "parallel.pp=2", "parallel.ep=2",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_stages_memory_does_not_grow_with_the_micro_batches_of_a_step():
+    """torch's PipelineStage kept a receive buffer per micro-batch of the step for the whole run, and the last
+    stage every micro-batch's input (through the loss the schedule keeps, and a tracker's hooks); Optimus's stages
+    (optimus.parallel.pipeline_stage) keep what the micro-batches in flight need. A dry run of the first and the
+    last stage on the GPU's path measures the same peak with 8 and 32 micro-batches per step (with torch's stage
+    the first grew by 12%), within 5% of the plan, which counts no buffer per micro-batch."""
+    from optimus.dry_run import dry_run_rank
+
+    for rank in (0, 2):  # the first stage receives gradients, the last inputs
+        memory = {}
+        for batch in (32, 128):
+            cfg = load_config([*PIPELINE_MEMORY, f"train.global_batch={batch}"])
+            memory[batch] = dry_run_rank(cfg, 4, rank, device="cuda")["memory"]
+        assert memory[128]["peak_bytes"] <= 1.005 * memory[32]["peak_bytes"], (rank, memory)
+        for measured in memory.values():
+            assert abs(measured["peak_bytes"] / measured["planned_bytes"] - 1) < 0.05, (rank, measured)

@@ -140,7 +140,10 @@ class RouterStats:
         of the step (aux_loss_layers=pooled: the layer's term needs the counts of the layers after it)."""
         if layer_idx not in self._row:
             raise KeyError(f"layer {layer_idx} is not an MoE layer of this model (MoE layers: {self.layer_ids})")
-        self._losses.setdefault(layer_idx, []).append((aux_loss, torch.stack([z_loss, seq_aux_loss]).detach()))
+        # Values only: a loss kept with its graph would keep the graph's leaves too (a pipeline stage's received
+        # input, one per micro-batch) until the end of the step.
+        aux = aux_loss if callable(aux_loss) else aux_loss.detach()
+        self._losses.setdefault(layer_idx, []).append((aux, torch.stack([z_loss, seq_aux_loss]).detach()))
         counts_E = tokens_per_expert_E.detach()
         self._counts[layer_idx] = counts_E + self._counts[layer_idx] if layer_idx in self._counts else counts_E
 
