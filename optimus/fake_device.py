@@ -72,15 +72,15 @@ class _StandInModule:
 
     @staticmethod
     def set_device(device) -> None:
-        pass
+        """One device: it is always the current one."""
 
     @staticmethod
     def synchronize(device=None) -> None:
-        pass
+        """No kernel ever runs on it: there is nothing to wait for."""
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        pass
+        """Fake tensors draw no random numbers: there is no generator to seed."""
 
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
@@ -88,7 +88,7 @@ class _StandInModule:
 
     @staticmethod
     def set_rng_state(state, device=None) -> None:
-        pass
+        """No generator (manual_seed_all): the state is not kept."""
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -96,11 +96,11 @@ class _StandInModule:
 
     @staticmethod
     def empty_cache() -> None:
-        pass
+        """It holds no memory (fake tensors): there is no cache to empty."""
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
-        pass
+        """It holds no memory: its peak is always 0 (a dry run measures memory with torch's MemTracker)."""
 
     @staticmethod
     def memory_allocated(device=None) -> int:

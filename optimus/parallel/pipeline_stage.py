@@ -49,6 +49,13 @@ def _release(infos) -> None:
         info.buffer = torch.empty_like(info.buffer, device=META)  # shape and dtype only
 
 
+def _release_every_micro_batch(slots: dict) -> None:
+    """`slots`: a stage's receive infos per micro-batch (args_recv_info or grad_recv_info)."""
+    if releases_receive_buffers():
+        for infos in slots.values():
+            _release(infos)
+
+
 def _allocate(infos, device: torch.device) -> None:
     for info in _received(infos):
         if info.buffer.device == META:
@@ -62,18 +69,15 @@ class Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._inputs: dict[int, list[torch.Tensor]] = {}  # micro-batch -> its received inputs, until its backward
 
+    # torch allocates every micro-batch's buffers as a schedule first runs; they are released at once.
     def _prepare_forward_infra(self, *args, **kwargs):
         meta = super()._prepare_forward_infra(*args, **kwargs)
-        if releases_receive_buffers():
-            for infos in self.args_recv_info.values():
-                _release(infos)
+        _release_every_micro_batch(self.args_recv_info)
         return meta
 
     def _prepare_backward_infra(self, *args, **kwargs):
         meta = super()._prepare_backward_infra(*args, **kwargs)
-        if releases_receive_buffers():
-            for infos in self.grad_recv_info.values():
-                _release(infos)
+        _release_every_micro_batch(self.grad_recv_info)
         return meta
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
