@@ -32,7 +32,7 @@ def test_the_gpu_benchmark_runs_end_to_end_without_a_gpu(tmp_path, corpus_file):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     stages = dict(line.split()[:2] for line in (out / "stages.txt").read_text().splitlines())
-    assert stages == {"selftest": "0", "expert_path": "0", "step_torch": "0"}
+    assert stages == {"selftest": "0", "expert_path": "0", "device_path": "0", "step_torch": "0"}
     selftest = json.loads((out / "selftest" / "selftest.json").read_text())
     assert selftest["kernels"]["results"] and all(r["ok"] for r in selftest["kernels"]["results"])
     cases = json.loads((out / "expert_path.json").read_text())["cases"]
@@ -42,6 +42,10 @@ def test_the_gpu_benchmark_runs_end_to_end_without_a_gpu(tmp_path, corpus_file):
         for method in methods:
             assert case["methods"][method]["correct"], (case["shape"], method, case["methods"][method])
             assert case["methods"][method]["fwd+bwd"]["seconds"] > 0
+    device_path = json.loads((out / "device_path.json").read_text())  # (a CPU's step against the cuda trace)
+    assert (device_path["device_run"]["device"], device_path["traced"]["device"]) == ("cpu", "cuda")
+    assert "aten._grouped_mm" not in device_path["device_run"]["operators"]  # the CPU's own schedule ...
+    assert {"aten._grouped_mm", "optimus.triton_grouped_mm"} & set(device_path["traced"]["operators"])  # ... not
     summary = (out / "summary.md").read_text()
     step_row = next(line for line in summary.splitlines() if line.startswith("| torch |"))
     seconds, tokens_per_s = step_row.split("|")[2:4]

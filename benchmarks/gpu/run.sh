@@ -9,6 +9,8 @@
 #   selftest      `optimus selftest` on the step's recipe: every expert-path kernel against the reference, rates
 #   expert_path   benchmarks/gpu/expert_path.py: Triton, torch's grouped GEMM and a per-expert loop, checked, then
 #                 timed as fractions of a dense GEMM of the same FLOPs in the same run
+#   device_path   benchmarks/gpu/device_path.py: one step of a 2-layer mula-7b-a1b on the device beside the dry
+#                 run's trace of it on the stand-in device: operators (calls, FLOPs, bytes) and peak memory
 #   step_triton   `optimus train` of a one-device MoE model (mula-7b-a1b's widths, 8 layers: 3.6B parameters,
 #   step_torch    about 72 GiB planned) with kernels=triton, then kernels=torch: tokens/s, MFU, peak memory
 #   predict       `optimus plan --predict` of that step on machine=nvidia with the selftest's measured numbers
@@ -33,15 +35,15 @@ if $python -c "$accelerator"; then gpu=1; else gpu=0; fi
 # Fragmentation headroom: the step plans about 72 GiB, close to an 80 GB card's usable memory
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "$gpu" = 1 ]; then
-    stages=${STAGES:-selftest expert_path step_triton step_torch predict step_profile kernel_tests}
+    stages=${STAGES:-selftest expert_path device_path step_triton step_torch predict step_profile kernel_tests}
     # STEP_LAYERS=6 for a 64 GB device (an Aurora tile): 8 layers plan about 72 GiB
     step_model=(model=mula-7b-a1b model.n_layers=${STEP_LAYERS:-8} train.seq_len=2048 train.micro_batch=4
         train.global_batch=32 train.dtype=bf16)
-    steps=8 expert_path_args=() tiny_selftest=()
+    steps=8 expert_path_args=() tiny_selftest=() device_path_args=()
 else
-    stages=${STAGES:-selftest expert_path step_torch}
+    stages=${STAGES:-selftest expert_path device_path step_torch}
     step_model=(model=tiny train.seq_len=64 train.micro_batch=2 train.global_batch=4)
-    steps=3 expert_path_args=(--tiny) tiny_selftest=(kernels=torch)
+    steps=3 expert_path_args=(--tiny) tiny_selftest=(kernels=torch) device_path_args=(--tiny)
 fi
 step_args=(optim.update=adamw optim.lr=4e-4 optim.warmup_steps=2 train.log_interval=1 train.eval_interval=100000
     train.eval_sequences=4 ${OPTIMUS_STEP_OVERRIDES:-})
@@ -68,6 +70,9 @@ for name in $stages; do
         ;;
     expert_path)
         stage expert_path 170 $python benchmarks/gpu/expert_path.py "${expert_path_args[@]}" --out "$out/expert_path.json"
+        ;;
+    device_path)
+        stage device_path 150 $python benchmarks/gpu/device_path.py "${device_path_args[@]}" --out "$out/device_path.json"
         ;;
     step_triton | step_torch)
         rm -rf "${out:?}/$name"
@@ -96,8 +101,8 @@ for name in $stages; do
         stage kernel_tests 100 $python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_triton.py \
             tests/kernels/test_kernels_host_syncs.py tests/kernels/test_kernel_check.py
         ;;
-    *) echo "unknown stage $name: choose from selftest expert_path step_triton step_torch predict step_profile" \
-        "kernel_tests" ;;
+    *) echo "unknown stage $name: choose from selftest expert_path device_path step_triton step_torch predict" \
+        "step_profile kernel_tests" ;;
     esac
 done
 

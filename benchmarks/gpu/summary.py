@@ -144,6 +144,23 @@ def markdown(out: Path) -> str:
         lines += [expert_table(data["cases"], methods), ""]
         for c in data["cases"]:
             lines.append(f"- {c['shape']} {c['dtype']}: the torch backend's GEMM is {c['torch_backend_gemm']}")
+    device_path = out / "device_path.json"
+    if device_path.exists():
+        data = json.loads(device_path.read_text())
+        run, traced, gib = data["device_run"], data["traced"], 2.0**30
+        lines += ["", "## The dry run's trace against the device (`device_path.py`: one step, operators, peak)", ""]
+        lines += [f"- the step: {' '.join(data['overrides'])}",
+                  f"- on the device ({run['device']}, kernels={run['kernels']}): {len(run['operators'])} operators, "
+                  f"peak {run['peak_bytes'] / gib:.2f} GiB",
+                  f"- traced on the {traced['device']} stand-in (kernels={traced['kernels']}): "
+                  f"{len(traced['operators'])} operators, peak {traced['peak_bytes'] / gib:.2f} GiB; "
+                  f"planned {traced['planned_bytes'] / gib:.2f} GiB",
+                  f"- operators whose calls, FLOPs or bytes (>1%) differ: {len(data['differences'])}"]  # fmt: skip
+        for row in data["differences"]:
+            lines.append(
+                f"  - {row['operator']}: calls {row['calls_device']} / {row['calls_traced']}, bytes "
+                f"{row['bytes_device'] / 1e6:.1f} / {row['bytes_traced'] / 1e6:.1f} MB (device / traced)"
+            )
     lines += ["", f"## One training step (medians over the steps after step {SKIPPED_STEPS})", ""]
     lines += ["| kernels | s/step | tokens/s | TFLOP/s | MFU | peak GiB | loss |", "|---|" + "---:|" * 6]
     for run_dir in sorted(d for d in out.glob("step_*") if d.is_dir()):
