@@ -9,8 +9,8 @@ One training step of a small MoE model (every expert on one device, AdamW, bf16)
   device   for real, on this machine's accelerator (`machine.device=auto`), with `optimus.operators.OperatorCounter`
            active: the operators that launched a kernel, their calls, FLOPs and bytes, and the allocator's peak
            over the step (from the model's build on, as the dry run measures it)
-  traced   `optimus.dry_run.dry_run_rank(cfg, 1, 0, device=<this accelerator's path>)`: the same step on fake
-           tensors of the stand-in device (optimus.fake_device), its operators and its MemTracker peak
+  traced   `optimus.dry_run.dry_run_rank(cfg, 1, 0, device=<this accelerator's path>)` in a child process: the
+           same step on fake tensors of the stand-in device (optimus.fake_device), its operators and MemTracker peak
 
 Both are the first step after the build (the optimizer's state is made in it, as in the dry run), with the same
 recipe, kernels (`auto`: Triton where it compiles) and no start-up kernel check. The JSON holds both operator
@@ -22,15 +22,15 @@ schedule, which is what the --tiny run on a CPU shows (benchmarks/gpu/run.sh's C
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from optimus.dry_run import FakeBatches, dry_run_rank
-from optimus.fake_device import stand_in
 from optimus.operators import OperatorCounter
 from optimus.platform import detect_platform, max_memory_allocated, reset_peak_memory, synchronize
 from optimus.recipes import load_config
@@ -78,26 +78,42 @@ def differences(device: dict, traced: dict) -> list[dict]:
     return rows
 
 
+def traced_step(overrides: list[str], path: str) -> dict:
+    """`dry_run_rank` of the step on the `path` stand-in, in a child process: registering the stand-in device makes
+    it torch's accelerator, whose streams the autograd engine then asks for in a real GPU's backward (an internal
+    assert in torch 2.11), so the device's step and the stand-in never share a process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trace.json"
+        cmd = [sys.executable, __file__, "--trace", path, "--out", str(out), *overrides]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def trace_main(overrides: list[str], path: str, out: Path) -> int:
+    trace = dry_run_rank(load_config(overrides), 1, 0, device=path)
+    traced = {"device": trace["device"], "kernels": trace["kernels"], "peak_bytes": trace["memory"]["peak_bytes"],
+              "planned_bytes": trace["memory"]["planned_bytes"], "operators": trace["operators"]}  # fmt: skip
+    out.write_text(json.dumps(traced))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model (a CPU's minute)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    parser.add_argument("--trace", metavar="PATH", help=argparse.SUPPRESS)  # (the child process of traced_step)
     parser.add_argument("overrides", nargs="*", help="recipe overrides laid over the step's")
     args = parser.parse_args(argv)
-    cfg = load_config([*(TINY_STEP if args.tiny else STEP), *COMMON, *args.overrides])
+    if args.trace:
+        return trace_main(args.overrides, args.trace, args.out)
+    overrides = [*(TINY_STEP if args.tiny else STEP), *COMMON, *args.overrides]
 
     path = "cuda" if torch.cuda.is_available() or not hasattr(torch, "xpu") or not torch.xpu.is_available() else "xpu"
     path = "rocm" if path == "cuda" and torch.version.hip else path  # (a CPU's run is compared with a cuda trace)
-    stand_in(path)  # before the first backward: the autograd engine makes its device queues then
-    device = device_step(copy.deepcopy(cfg))
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    trace = dry_run_rank(cfg, 1, 0, device=path)
-    traced = {"device": trace["device"], "kernels": trace["kernels"], "peak_bytes": trace["memory"]["peak_bytes"],
-              "planned_bytes": trace["memory"]["planned_bytes"], "operators": trace["operators"]}  # fmt: skip
+    device = device_step(load_config(overrides))
+    traced = traced_step(overrides, path)
     diff = differences(device["operators"], traced["operators"])
-    result = {"overrides": [*(TINY_STEP if args.tiny else STEP), *COMMON, *args.overrides], "device_run": device,
-              "traced": traced, "differences": diff}  # fmt: skip
+    result = {"overrides": overrides, "device_run": device, "traced": traced, "differences": diff}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -98,7 +98,7 @@ for name in $stages; do
             $($python benchmarks/gpu/summary.py --machine-overrides "$out/selftest/machine.yaml")
         ;;
     kernel_tests)
-        stage kernel_tests 100 $python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_triton.py \
+        stage kernel_tests 150 $python -m pytest -q -rf --tb=short -p no:cacheprovider tests/kernels/test_kernels_triton.py \
             tests/kernels/test_kernels_host_syncs.py tests/kernels/test_kernel_check.py
         ;;
     *) echo "unknown stage $name: choose from selftest expert_path device_path step_triton step_torch predict" \

@@ -129,12 +129,13 @@ class KernelResult:
 
 def relative_error(got: torch.Tensor | None, want: torch.Tensor) -> float:
     """||got - want|| / ||want||, inf for a missing result, a wrong shape or a non-finite value. In fp64 on a CPU;
-    on an accelerator in fp32 where the tensors are, with one value read back (an fp64 or host copy of a
-    weight-stack gradient would cost gigabytes and seconds; fp32's norms are exact to far below any tolerance)."""
+    on an accelerator in fp32 where `got` is, with one value read back (an fp64 or host copy of a weight-stack
+    gradient would cost gigabytes and seconds; fp32's norms are exact to far below any tolerance). `want` may be
+    on the host (a reference computed there): it is moved to `got`'s device."""
     if got is None or got.shape != want.shape:
         return math.inf
-    wide = torch.float64 if want.device.type == "cpu" else torch.float32
-    got_w, want_w = got.detach().to(wide), want.detach().to(wide)
+    wide = torch.float64 if got.device.type == "cpu" else torch.float32
+    got_w, want_w = got.detach().to(wide), want.detach().to(got.device, wide)
     finite, diff, scale = torch.stack(
         [torch.isfinite(got_w).all().to(wide), (got_w - want_w).norm(), want_w.norm()]
     ).tolist()

@@ -52,6 +52,13 @@ def test_relative_error_counts_nan_and_wrong_shapes_as_infinite():
     assert relative_error(None, want) == math.inf
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a result on a GPU against a reference on the host")
+def test_relative_error_takes_a_reference_made_on_the_host():
+    want = torch.arange(6.0).reshape(3, 2)  # (the check's token counts are counted on the host)
+    assert relative_error(want.cuda(), want) == 0
+    assert math.isclose(relative_error(want.cuda() * 1.01, want), 0.01, rel_tol=1e-6)
+
+
 def test_the_awkward_cases_are_awkward():
     cases = {c.name: c for c in recipe_cases(dim=128, ffn=256, experts=8, top_k=2, tokens=512)}
     assert cases["recipe"].rows == 1024 and cases["one row"].rows == 1
