@@ -177,6 +177,13 @@ def stand_in(path: str) -> torch.device:
     return torch.device(STAND_IN, 0)
 
 
+def registered() -> bool:
+    """Whether this process has registered the stand-in device. Then torch takes it for the process's accelerator,
+    and the autograd engine asks it for the streams of a real GPU's backward (an internal assertion in torch's
+    engine): a real GPU's step and a dry run of one never share a process (Trainer refuses it)."""
+    return bool(_LIBRARIES)
+
+
 @contextmanager
 def engine_error_explained():
     """The autograd engine's failure on a stand-in registered after the process's first backward, as one sentence

@@ -101,6 +101,16 @@ def test_declared_device_path_takes_rocm_and_a_real_run_refuses_what_is_not_here
             detect_platform(MachineConfig(device="rocm"), 0)
 
 
+def test_a_process_with_the_stand_in_refuses_a_real_gpu(monkeypatch):
+    """The stand-in (registered by the tests' conftest, as by a dry run) would break a real GPU's backward."""
+    import optimus.platform as platform_module
+
+    stand_in("cuda")
+    monkeypatch.setattr(platform_module, "_pick_device_type", lambda machine: "cuda")
+    with pytest.raises(RuntimeError, match="run the GPU's step in a fresh process"):
+        detect_platform(MachineConfig(device="cuda"), 0)
+
+
 def test_auto_kernels_follow_the_device_the_step_runs_on(monkeypatch):
     monkeypatch.setattr(kernels, "gpu_present", lambda: True)  # a GPU node ...
     monkeypatch.setattr(kernels, "triton_compiles", lambda: True)

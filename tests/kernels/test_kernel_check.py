@@ -56,7 +56,7 @@ def test_relative_error_counts_nan_and_wrong_shapes_as_infinite():
 def test_relative_error_takes_a_reference_made_on_the_host():
     want = torch.arange(6.0).reshape(3, 2)  # (the check's token counts are counted on the host)
     assert relative_error(want.cuda(), want) == 0
-    assert math.isclose(relative_error(want.cuda() * 1.01, want), 0.01, rel_tol=1e-6)
+    assert math.isclose(relative_error(want.cuda() * 1.01, want), 0.01, rel_tol=1e-5)  # (in fp32 there)
 
 
 def test_the_awkward_cases_are_awkward():
