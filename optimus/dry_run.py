@@ -42,6 +42,7 @@ import torch.distributed as dist
 from optimus.config import ConfigError, OptimusConfig
 from optimus.fake_device import engine_error_explained
 from optimus.host_syncs import HostSyncCounter
+from optimus.kernels import torch_private as tp
 from optimus.load_model import ExpertLoad, checked_imbalance, using
 from optimus.operators import OperatorCounter
 from optimus.output_dir import check_out_dir, replacing_directory
@@ -122,6 +123,33 @@ def known_warnings_quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def sharding_metadata_apart() -> Iterator[None]:
+    """DTensor's output-shape propagation apart from the step's fake mode and recorders, as in a real run.
+
+    To learn an operator's output shape, DTensor runs it on tensors of the global shapes in the fake mode it
+    finds active, or in a new one. A real run has none active, so those tensors allocate nothing and no
+    recorder sees them. A dry run has one, and its recorders saw them: MemTracker counted, for instance,
+    the whole [ffn, D] w2 of a tensor-parallel layer as a temporary, 3.3 GiB at the peak of frontier-1t's
+    stage. Here the propagation runs out of the step's modes, in a fresh fake mode, as it does in a real run.
+    Where this torch moved the method, nothing changes and the dry run keeps counting them (torch_private)."""
+    if not tp.found("sharding_metadata"):
+        yield
+        return
+    propagator = tp.ShardingPropagator
+    traced = propagator._propagate_tensor_meta_non_cached
+
+    def apart(self, op_schema):
+        with tp.disable_current_modes(), tp.FakeTensorMode(allow_non_fake_inputs=True):
+            return traced(self, op_schema)
+
+    propagator._propagate_tensor_meta_non_cached = apart
+    try:
+        yield
+    finally:
+        propagator._propagate_tensor_meta_non_cached = traced
+
+
 def check_rank(rank: int, world: int) -> None:
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of a world of {world}: pick one in 0..{world - 1}.")
@@ -151,7 +179,7 @@ def dry_run_rank(
     backend = "fake" if not spec.platform.traced else f"cpu:fake,{spec.platform.device_type}:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
-        with known_warnings_quiet(), engine_error_explained():
+        with known_warnings_quiet(), engine_error_explained(), sharding_metadata_apart():
             trainer, memory, operators = _step(spec, imbalance, step_trace)
         ps = trainer.ps
     finally:

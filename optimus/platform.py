@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from optimus.config import ConfigError, MachineConfig
 from optimus import fake_device
+from optimus.config import ConfigError, MachineConfig
 from optimus.fake_device import STAND_IN
 from optimus.kernels.dtypes import cpu_has_fast_bf16
 from optimus.kernels.torch_private import DTENSOR_COLLECTIVE_LOGGER

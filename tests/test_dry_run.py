@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from optimus.cli import main
-from optimus.dry_run import dry_run_rank, group_check_ranks
+from optimus.dry_run import dry_run_rank, group_check_ranks, sharding_metadata_apart
+from optimus.kernels.torch_private import FakeTensorMode, TorchDispatchMode
 from optimus.load_model import ExpertLoad
 from optimus.output_dir import not_written
 from optimus.parallel.collective_trace import mismatches
 from optimus.plan import make_plan
 from optimus.recipes import load_config
+from tests.builds import fake_process_group
 from tests.conftest import TINY_MODEL
 from tests.unchanged import unchanged
 
@@ -380,3 +382,48 @@ def test_a_failed_replacement_gives_the_advice_of_its_cause(code, advice, tmp_pa
     with unchanged(tmp_path), pytest.raises(ConfigError, match=f"\\({os.strerror(code)}\\).*{advice}"):
         with replacing_directory(tmp_path / "out") as tmp:
             (tmp / "rank0.json").write_text("{}")
+
+
+class _EmptyShapes(TorchDispatchMode):
+    """The shapes of the tensors made by empty_strided while active (DTensor's shape propagation makes its
+    global-shape tensors with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.empty_strided.default:
+            self.shapes.append(tuple(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dtensors_shape_propagation_is_not_part_of_a_dry_step(monkeypatch):
+    """DTensor learns an operator's output shape by running it on global-shape tensors in the fake mode it finds
+    active. A real run has none: they live in a fake mode of their own. In a dry run the step's fake mode is
+    active, and its recorders saw them (MemTracker counted 3.3 GiB of them at frontier-1t's peak), unless
+    sharding_metadata_apart runs the propagation apart. Here it runs once more, as the dry run's recorders would
+    meet it: in the step's fake mode, under a recorder that sees every empty_strided."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from optimus.kernels.torch_private import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    calls = []
+    monkeypatch.setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                        lambda self, schema: calls.append((self, schema)) or propagate(self, schema))  # fmt: skip
+    with fake_process_group(4, 0):
+        mesh = init_device_mesh("cpu", (4,))  # (outside the fake mode: a mesh reads its ranks back)
+        with FakeTensorMode():
+            x = DTensor.from_local(torch.randn(8, 24), mesh, [Shard(1)], run_check=False)  # [8, 96] global
+            w = DTensor.from_local(torch.randn(24, 40), mesh, [Shard(0)], run_check=False)  # [96, 40] global
+            x @ w
+            monkeypatch.undo()
+            propagator, schema = next((p, s) for p, s in calls if s.op is torch.ops.aten.mm.default)
+            with _EmptyShapes() as seen:
+                propagator._propagate_tensor_meta_non_cached(schema)
+            with _EmptyShapes() as seen_apart, sharding_metadata_apart():
+                propagator._propagate_tensor_meta_non_cached(schema)
+    assert {(8, 96), (96, 40)} <= set(seen.shapes)  # what the recorders met before
+    assert seen_apart.shapes == []

@@ -208,6 +208,14 @@ PRIVATE_API: dict[str, PrivateName] = {
         "the stages keep torch's buffers (one per micro-batch and received tensor, for the whole run) and the "
         "memory plan counts them.",
     ),
+    "sharding_metadata": PrivateName(
+        "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+        "optimus/dry_run.py (DTensor's output-shape propagation, which makes global-shape tensors in the fake "
+        "mode it finds active, runs apart from the step's recorders, as in a real run's own fake mode)",
+        f"none in torch {CHECKED_TORCH}",
+        "a dry run counts each tensor-parallel operator's global-shape metadata tensors as memory (a few GiB "
+        "too high on a wide tensor-parallel model).",
+    ),
     "Module._modules": PrivateName(
         "torch.nn.Module._modules",
         "optimus/parallel/pipeline.py (a cut stage lists its modules in the whole model's order, the order of "
@@ -345,6 +353,7 @@ _LAZY = {
     "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
     "_TOTAL_KEY": ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
 }
 
 
@@ -423,6 +432,7 @@ _PROBES: dict[str, Callable[[], bool]] = {
         )
         and _has("torch.distributed.pipelining.stage", "PipelineStage", *PIPELINE_STAGE_METHODS)
     ),
+    "sharding_metadata": lambda: _has(*_LAZY["ShardingPropagator"], "_propagate_tensor_meta_non_cached"),
     "Module._modules": lambda: isinstance(getattr(torch.nn.Module(), "_modules", None), dict),
     "python_backend": lambda: (
         setup_python_backend is not None
