@@ -41,6 +41,12 @@ LAYOUTS = [
     ("frontier-mula-100b-a7b", ["experiment=frontier-mula-100b-a7b"], 384),
     ("frontier-mula-220b-a10b", ["experiment=frontier-mula-220b-a10b"], 384),
     ("aurora-deepseek-v3-1t", ["experiment=aurora-deepseek-v3-1t"], 192),  # the stretch: ~1.1T, 58B active
+    # Frontier's MoE layout on as many NVIDIA nodes (8 GPUs of 80 GB each): the cuda path, H100's peak
+    (
+        "nvidia-mula-220b-a10b",
+        ["experiment=frontier-mula-220b-a10b", "machine=nvidia", "machine.peak_flops=989e12"],
+        384,
+    ),  # fmt: skip
 ]
 MIB, GIB = 2**20, 2**30
 
@@ -121,6 +127,7 @@ def main() -> None:
             results[name] = run_layout(overrides, nodes, out_dir, args.device)
             print(table({name: results[name]}).splitlines()[-1], flush=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     machine = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": torch_version()}
     (out / f"{args.name}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1) + "\n")
     (out / f"{args.name}.md").write_text(report(results, machine, args.device))

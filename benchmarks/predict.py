@@ -9,8 +9,9 @@
         predictions for the experiment recipes, and a sensitivity table (each machine number halved and
         doubled): predict_studies.json. The dry runs take minutes each; their traces are kept in --cache.
     python benchmarks/predict.py recipes [--out benchmarks/results] [--cache DIR] [--device D] [--name SUFFIX]
+                                         [--only LAYOUT ...]
         every experiment recipe at benchmarks/dry_run.py's world sizes, traced on its recipe's device path (or
-        --device's): predict_recipes<SUFFIX>.json
+        --device's): predict_recipes<SUFFIX>.json (with --only, those layouts' rows replaced, the others kept)
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
         by hand around them)
@@ -195,22 +196,31 @@ def _scaled(machine: MachineModel, key: str, factor: float) -> MachineModel:
     return machine.with_values(**{key: getattr(machine, key) * factor})
 
 
-def run_recipes(out: Path, cache: Path, device: str | None = None, suffix: str = "") -> None:
-    """Every experiment recipe at the world size of benchmarks/dry_run.py's table."""
+def run_recipes(
+    out: Path, cache: Path, device: str | None = None, suffix: str = "", only: list[str] | None = None
+) -> None:
+    """Every experiment recipe at the world size of benchmarks/dry_run.py's table; with `only`, those layouts,
+    their rows replacing their earlier ones in the results file and the other rows kept."""
     from dry_run import LAYOUTS
 
     from optimus.perf.predict import prediction_of
 
+    unknown = sorted(set(only or ()) - {name for name, _, _ in LAYOUTS})
+    if unknown:
+        raise SystemExit(f"--only {' '.join(unknown)}: not a layout of benchmarks/dry_run.py's LAYOUTS.")
     cache.mkdir(parents=True, exist_ok=True)
-    rows = []
+    results = out / f"predict_recipes{suffix}.json"
+    rows = json.loads(results.read_text()) if only and results.exists() else []
     # The studies' points last: `studies` traces them too, and the second to arrive reads them from the cache.
     order = sorted(LAYOUTS, key=lambda layout: layout[0] in ("frontier-175b", "frontier-1t"))
     for name, overrides, nodes in order:
+        if only and name not in only:
+            continue
         recipe = overrides[0].removeprefix("experiment=")
         cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]), device=device)
         pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
-        rows.append({"layout": name, "nodes": nodes, **pred.as_dict()})
-        (out / f"predict_recipes{suffix}.json").write_text(json.dumps(rows, indent=1))
+        rows = [row for row in rows if row["layout"] != name] + [{"layout": name, "nodes": nodes, **pred.as_dict()}]
+        results.write_text(json.dumps(rows, indent=1))
 
 
 def run_studies(out: Path, cache: Path) -> None:
@@ -327,6 +337,7 @@ def main() -> None:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
     parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
+    parser.add_argument("--only", nargs="*", help="recipes: these layouts of dry_run.py's LAYOUTS, their rows replaced")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -335,7 +346,7 @@ def main() -> None:
     elif args.what == "tables":
         print_tables(out)
     elif args.what == "recipes":
-        run_recipes(out, Path(args.cache), args.device, args.name)
+        run_recipes(out, Path(args.cache), args.device, args.name, args.only)
     else:
         run_studies(out, Path(args.cache))
 
