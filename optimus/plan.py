@@ -73,9 +73,11 @@ per group, each with gloo's receive buffer, alive in the backward once the head'
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
 one computed. One more term is added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
 gradient, which accumulates from a step's first backward when it has several micro-batches
-(zero2_accumulated_bytes). The pipeline stages' receive buffers are not a term: Optimus's stages hold one only
-while its micro-batch needs it (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per
-micro-batch of the step, on a torch where they cannot be released). (The tensor-parallel embedding's backward
+(zero2_accumulated_bytes). A pipeline rank also holds its stages' outputs, one per micro-batch in flight
+(torch's schedule keeps each until its backward), but not on the last stage. The pipeline stages' receive
+buffers are not a term: Optimus's stages hold one only while its micro-batch needs it
+(optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
+torch where they cannot be released). (The tensor-parallel embedding's backward
 keeps only its rank's rows: optimus.parallel.tensor_parallel.) The optimizer step comes after the
 backward: with Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32
 update directions, at most) beside the state and the pipeline's receive buffers is the peak where that is more
@@ -221,6 +223,7 @@ class RankShare:
     in_flight: float  # micro-batches' worth of its layers' activations held at the peak
     head_copy: int = 0  # tie_embeddings: the last stage's copy of the embedding, held but not optimised
     tp_split: int = 0  # the part of `dense` that tensor parallelism splits (whole-model count)
+    sent_outputs: float = 0  # stage outputs held at the peak: torch's schedule keeps each until its backward
 
     def local_dense(self, tp: int) -> int:
         """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
@@ -252,9 +255,10 @@ def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[Ran
         split = sum(split_layers[i] for i in ids) + split_embed * first + split_head * last
         head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and last else 0
         chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
+        sending = (p.pp_virtual - last) / p.pp_virtual  # the share of its stages whose output goes to another
         shares.append(
             RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
-                      head_copy, split)
+                      head_copy, split, chunks * sending)
         )  # fmt: skip
     return shares
 
@@ -330,6 +334,7 @@ def activation_bytes(
     head_work: bool = False,
     staging: tuple[int, int] = (0, 0),
     ffn_widths: int = SAVED_FFN_WIDTHS["torch"],
+    sent_outputs: float = 0,
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
@@ -340,7 +345,10 @@ def activation_bytes(
     count the fused cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler
     books it to the head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it
     out. `staging`: ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at
-    its end). `ffn_widths`: as _layer_activations'."""
+    its end). `ffn_widths`: as _layer_activations'. `sent_outputs`: a pipeline rank's stage outputs held at the
+    peak, each the residual stream of a micro-batch ([t, D], its tp share with sequence parallelism): torch's
+    schedule keeps a stage's output in its forward cache until that micro-batch's backward (found by
+    `optimus plan --dry-run`: 0.78 GiB on frontier-1t's first stage, 64 in flight)."""
     part = _layer_activations(m, act_bytes, tp, sp, ffn_widths)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
@@ -351,7 +359,7 @@ def activation_bytes(
     head_logits = vocab * act_bytes if tp == 1 else vocab * 4
     head_kept = part["head_input"] + head_logits + 16 if head else 0
     kept = sum(block_kept for block_kept, _ in blocks) + head_kept
-    waiting = (in_flight - 1) * kept  # the other micro-batches' forwards, waiting for their backward
+    waiting = (in_flight - 1) * kept + sent_outputs * part["block_input"]  # forwards waiting for their backward
     if not recompute:
         return round(micro_batch * seq_len * (waiting + kept))
     # The backward starts with everything kept (the head kept its logits' gradient already); block i is
@@ -428,7 +436,8 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> d
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
-             "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path)}  # fmt: skip
+             "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path),
+             "sent_outputs": share.sent_outputs}  # fmt: skip
     accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
     accumulated = zero2_accumulated_bytes(cfg, share, accum) + pipeline_buffer_bytes(cfg, share, accum)
 
