@@ -220,6 +220,8 @@ def run_recipes(
         cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]), device=device)
         pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
         rows = [row for row in rows if row["layout"] != name] + [{"layout": name, "nodes": nodes, **pred.as_dict()}]
+        place = {layout: i for i, (layout, _, _) in enumerate(LAYOUTS)}  # rows in the table's order
+        rows.sort(key=lambda row: place.get(row["layout"], len(place)))
         results.write_text(json.dumps(rows, indent=1))
 
 
@@ -337,7 +339,7 @@ def main() -> None:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
     parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
-    parser.add_argument("--only", nargs="*", help="recipes: these layouts of dry_run.py's LAYOUTS, their rows replaced")
+    parser.add_argument("--only", nargs="+", help="recipes: these layouts of dry_run.py's LAYOUTS, their rows replaced")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

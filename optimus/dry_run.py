@@ -133,7 +133,7 @@ def sharding_metadata_apart() -> Iterator[None]:
     the whole [ffn, D] w2 of a tensor-parallel layer as a temporary, 3.3 GiB at the peak of frontier-1t's
     stage. Here the propagation runs out of the step's modes, in a fresh fake mode, as it does in a real run.
     Where this torch moved the method, nothing changes and the dry run keeps counting them (torch_private)."""
-    if not tp.found("sharding_metadata"):
+    if not all(tp.found(name) for name in ("sharding_metadata", "dispatch_modes", "FakeTensorMode")):
         yield
         return
     propagator = tp.ShardingPropagator

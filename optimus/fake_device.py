@@ -180,7 +180,7 @@ def stand_in(path: str) -> torch.device:
 def registered() -> bool:
     """Whether this process has registered the stand-in device. Then torch takes it for the process's accelerator,
     and the autograd engine asks it for the streams of a real GPU's backward (an internal assertion in torch's
-    engine): a real GPU's step and a dry run of one never share a process (Trainer refuses it)."""
+    engine): a real GPU's step and a dry run of one never share a process (the Trainer refuses it)."""
     return bool(_LIBRARIES)
 
 

@@ -255,10 +255,12 @@ def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[Ran
         split = sum(split_layers[i] for i in ids) + split_embed * first + split_head * last
         head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and last else 0
         chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
-        sending = (p.pp_virtual - last) / p.pp_virtual  # the share of its stages whose output goes to another
+        # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
+        # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
+        sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
         shares.append(
             RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
-                      head_copy, split, chunks * sending)
+                      head_copy, split, sent)
         )  # fmt: skip
     return shares
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from optimus import fake_device
 from optimus.config import ConfigError, MachineConfig
 from optimus.fake_device import STAND_IN
 from optimus.kernels.dtypes import cpu_has_fast_bf16
@@ -125,11 +124,6 @@ def _cpu_name() -> str:
 def detect_platform(machine: MachineConfig, local_rank: int) -> Platform:
     """Device for `local_rank` (index = local_rank mod visible devices) and its backend."""
     device_type = _pick_device_type(machine)
-    if device_type != "cpu" and fake_device.registered():
-        raise RuntimeError(
-            "this process has registered a dry run's stand-in device, and torch's autograd engine then cannot run "
-            "a backward on a real GPU: run the GPU's step in a fresh process (optimus plan runs in its own)."
-        )
     if device_type == "cpu":
         device, vendor, name = torch.device("cpu"), "cpu", _cpu_name()
     else:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from optimus import fake_device
 from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
@@ -221,6 +222,11 @@ class Trainer:
     def _init_layout(self, spec: RunSpec) -> None:
         """The device, the process groups of the layout, and the micro-batches per rank and step."""
         self.spec, self.cfg, self.platform = spec, spec.cfg, spec.platform
+        if self.platform.device_type != "cpu" and not self.platform.traced and fake_device.registered():
+            raise RuntimeError(
+                "this process has registered a dry run's stand-in device, and torch's autograd engine then cannot "
+                "run a backward on a real GPU: run the GPU's step in a fresh process (optimus plan runs in its own)."
+            )
         p = self.cfg.parallel
         self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp)
         if self.ps.world_size != spec.world_size:
