@@ -271,6 +271,14 @@ def _ignore_stop_signals() -> None:
                 signal.signal(sig, signal.SIG_IGN)
 
 
+def _forget_interrupted_exec() -> None:
+    """CPython (Python/pythonrun.c; met on 3.11) remembers a KeyboardInterrupt that left code run by `exec` of a
+    string (a dataclass's generated __init__, as a module is imported) even where the command caught it, and
+    `python -m optimus` then ends by killing itself with SIGINT instead of returning its exit code. Running a
+    string through `exec` clears that flag; SIGINT is ignored by now, so nothing sets it again."""
+    exec("pass")
+
+
 def _end_child_processes() -> None:
     """Kill the processes this one started through multiprocessing and that still run (a dry run's tracing
     process, the machine's measuring ones): nothing will read their results, and a parent that exits while one
@@ -287,6 +295,7 @@ def _end_child_processes() -> None:
 def _stopped(stop: BaseException) -> int:
     """The command was stopped by a signal: end what it started, say so in one line, 128 + the signal."""
     _ignore_stop_signals()
+    _forget_interrupted_exec()
     _end_child_processes()
     signum = stop.signum if isinstance(stop, StopRequested) else signal.SIGINT
     print(f"optimus: stopped by {str(stop) or signal.Signals(signum).name}.", file=sys.stderr)

@@ -374,3 +374,28 @@ def test_a_closed_output_ends_quietly(tmp_path):
     finally:
         os.close(writer)
     assert done.stderr == "" and done.returncode == 128 + signal.SIGPIPE, done.stderr
+
+
+def test_a_ctrl_c_inside_exec_still_ends_with_the_exit_code(tmp_path):
+    """A Ctrl-C that lands in code run by `exec` of a string (a dataclass's generated __init__ as a module is
+    imported: how the CI met it, one dry run in about twenty) made `python -m optimus` end killed by SIGINT
+    after its one line, not with 130, as CPython remembers that interrupt past the command's `except`."""
+    (tmp_path / "interrupted_in_exec.py").write_text(
+        "import multiprocessing, sys  # imported, as in a real command: a first import would clear the flag\n"
+        "from optimus import cli\n"
+        "cli._command = lambda name, rest: exec('raise KeyboardInterrupt')\n"
+        "sys.exit(cli.main())\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted_in_exec", "plan"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])},
+        timeout=120,
+    )
+    assert done.stderr.strip() == "optimus: stopped by SIGINT." and done.returncode == 128 + signal.SIGINT, (
+        done.returncode,
+        done.stderr,
+    )

@@ -28,8 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from optimus.dry_run import FakeBatches, dry_run_rank
 from optimus.operators import OperatorCounter
 from optimus.platform import detect_platform, max_memory_allocated, reset_peak_memory, synchronize
@@ -108,9 +106,8 @@ def main(argv: list[str]) -> int:
         return trace_main(args.overrides, args.trace, args.out)
     overrides = [*(TINY_STEP if args.tiny else STEP), *COMMON, *args.overrides]
 
-    path = "cuda" if torch.cuda.is_available() or not hasattr(torch, "xpu") or not torch.xpu.is_available() else "xpu"
-    path = "rocm" if path == "cuda" and torch.version.hip else path  # (a CPU's run is compared with a cuda trace)
     device = device_step(load_config(overrides))
+    path = device["device"] if device["device"] != "cpu" else "cuda"  # a CPU's run is compared with a cuda trace
     traced = traced_step(overrides, path)
     diff = differences(device["operators"], traced["operators"])
     result = {"overrides": overrides, "device_run": device, "traced": traced, "differences": diff}
