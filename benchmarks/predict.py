@@ -12,6 +12,9 @@
                                          [--only LAYOUT ...]
         every experiment recipe at benchmarks/dry_run.py's world sizes, traced on its recipe's device path (or
         --device's): predict_recipes<SUFFIX>.json (with --only, those layouts' rows replaced, the others kept)
+    python benchmarks/predict.py mfu [--out benchmarks/results] [--cache DIR]
+        the Frontier study's three MFU points, traced on the recipes' device path, each with its interval
+        (the machine's ranges at both ends): predict_mfu_device.json
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
         by hand around them)
@@ -277,6 +280,19 @@ def run_studies(out: Path, cache: Path) -> None:
         _write_studies(out, result)
 
 
+def run_mfu(out: Path, cache: Path) -> None:
+    """The Frontier study's MFU points (PUBLISHED_MFU) on each recipe's device path, with their intervals."""
+    from optimus.perf.predict import prediction_of
+
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for recipe, nodes, published in PUBLISHED_MFU:
+        cfg, world, traces = traces_for(recipe, nodes, cache)  # the recipe's device path
+        pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
+        rows.append({"recipe": recipe, "nodes": nodes, "published_mfu": published, **pred.as_dict()})
+        (out / "predict_mfu_device.json").write_text(json.dumps(rows, indent=1))
+
+
 def _write_studies(out: Path, result: dict) -> None:
     (out / "predict_studies.json").write_text(json.dumps(result, indent=1))
 
@@ -290,7 +306,7 @@ def print_tables(out: Path) -> None:
     """The markdown tables of predict.md from predict_studies.json and predict_recipes.json."""
     studies = json.loads((out / "predict_studies.json").read_text())
     print("| recipe | nodes (devices) | global batch | predicted step s | predicted TFLOPS/device | predicted MFU | "
-          "published MFU | error | predicted split |")  # fmt: skip
+          "published MFU | point difference | predicted split |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in studies["mfu"]:
         error = r["mfu"] / r["published_mfu"] - 1
@@ -332,9 +348,45 @@ def print_tables(out: Path) -> None:
               f"{r['tflops_per_device']:.1f} | {100 * r['mfu']:.1f}% | {split} |")  # fmt: skip
 
 
+def verdict(published: float, bounds: list[float]) -> str:
+    """Where a published figure lies against a predicted interval: inside, or outside by how much of itself."""
+    low, high = bounds
+    if low <= published <= high:
+        return "inside"
+    edge = high if published > high else low
+    return f"{'above' if published > high else 'below'} by {100 * abs(published / edge - 1):.0f}%"
+
+
+def print_mfu_intervals(out: Path) -> None:
+    """The Frontier study's MFU against the intervals of predict_mfu_device.json."""
+    print("| recipe | nodes (devices) | predicted step s: fast - likely - slow | predicted MFU: low - likely - high | "
+          "published MFU | published against the interval | point difference |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in json.loads((out / "predict_mfu_device.json").read_text()):
+        (fast, slow), (low, high), published = r["step_time_s_range"], r["mfu_range"], r["published_mfu"]
+        print(f"| {r['recipe']} | {r['nodes']:g} ({r['world']}) | {fast:.2f} - {r['step_time_s']:.2f} - {slow:.2f} | "
+              f"{100 * low:.1f} - {100 * r['mfu']:.1f} - {100 * high:.1f}% | {100 * published:.2f}% | "
+              f"{verdict(published, [low, high])} | {100 * (r['mfu'] / published - 1):+.0f}% |")  # fmt: skip
+
+
+def print_interval_table(out: Path, name: str = "_device") -> None:
+    """The recipes' predictions with their intervals (predict_recipes<name>.json), and the published MFU where a
+    study measured that layout's size."""
+    published = {(recipe, nodes): mfu for recipe, nodes, mfu in PUBLISHED_MFU}
+    print("| layout | devices | step s: fast - likely - slow | MFU: low - likely - high | published MFU | "
+          "published against the interval |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
+        (fast, slow), (low, high) = r["step_time_s_range"], r["mfu_range"]
+        mfu = published.get((r["layout"], r["nodes"]))
+        against = "- | -" if mfu is None else f"{100 * mfu:.2f}% | {verdict(mfu, [low, high])}"
+        print(f"| {r['layout']} | {r['world']} | {fast:.2f} - {r['step_time_s']:.2f} - {slow:.2f} | "
+              f"{100 * low:.1f} - {100 * r['mfu']:.1f} - {100 * high:.1f}% | {against} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["local", "studies", "recipes", "tables"])
+    parser.add_argument("what", choices=["local", "studies", "recipes", "mfu", "tables"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
@@ -347,8 +399,14 @@ def main() -> None:
         run_local(out)
     elif args.what == "tables":
         print_tables(out)
+        print()
+        print_mfu_intervals(out)
+        print()
+        print_interval_table(out)
     elif args.what == "recipes":
         run_recipes(out, Path(args.cache), args.device, args.name, args.only)
+    elif args.what == "mfu":
+        run_mfu(out, Path(args.cache))
     else:
         run_studies(out, Path(args.cache))
 

@@ -87,6 +87,16 @@ class MachinePerfConfig:
     nic_gbs: float | None = None  # one NIC
     nics_per_node: int | None = None
     network_latency_us: float | None = None
+    # The range of each number above that is not a count, as {key: [low, high]}, holding its value: a measured
+    # number a narrow one, an assumed one a wide one (the recipe says why beside each). `optimus plan --predict`
+    # reports the step at both ends (optimus.perf.machine). A number without a range is taken as exact.
+    ranges: dict[str, Any] = field(default_factory=dict)
+
+
+# The machine.perf numbers that may carry a range: all but the counts (devices per package, NICs per node).
+RANGED_PERF_KEYS = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth_gbs",
+                    "kernel_floor_us", "package_gbs", "package_latency_us", "node_gbs", "node_latency_us", "nic_gbs",
+                    "network_latency_us")  # fmt: skip
 
 
 @dataclass
@@ -437,6 +447,24 @@ def validate_optim(o: OptimConfig) -> None:
     _positive(o.max_collective_numel, "optim.max_collective_numel")
 
 
+def _check_perf_range(perf: MachinePerfConfig, key: str, bounds: Any) -> None:
+    """machine.perf.ranges.<key>: [low, high], positive, holding the number's value (fractions at most 1)."""
+    name = f"machine.perf.ranges.{key}"
+    if key not in RANGED_PERF_KEYS:
+        raise ConfigError(f"{name}: {key!r} has no range; give ranges to {', '.join(RANGED_PERF_KEYS)}.")
+    numbers = isinstance(bounds, (list, tuple)) and all(isinstance(b, (int, float)) for b in bounds)
+    if not numbers or len(bounds) != 2 or not 0 < bounds[0] <= bounds[1] < float("inf"):
+        raise ConfigError(f"{name}={bounds} must be [low, high] with 0 < low <= high.")
+    if key.endswith("efficiency") and bounds[1] > 1:
+        raise ConfigError(f"{name}={list(bounds)} is a range of fractions of the peak: keep it within (0, 1].")
+    value = getattr(perf, key)
+    if value is not None and not bounds[0] <= value <= bounds[1]:
+        raise ConfigError(
+            f"machine.perf.{key}={value} lies outside its range {name}={list(bounds)}: widen the range to hold it "
+            f"(e.g. {name}=[{min(value, bounds[0])},{max(value, bounds[1])}]) or set the number inside it."
+        )
+
+
 def validate_machine_and_data(cfg: OptimusConfig) -> None:
     """The numbers a machine recipe may leave null (looked up or probed), and the data keys the loaders read."""
     m, d = cfg.machine, cfg.data
@@ -444,10 +472,13 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     _positive_or_null(m.peak_flops, "machine.peak_flops", "to look it up or probe it")
     _positive_or_null(m.memory_gb, "machine.memory_gb", "when unknown")
     for key, value in vars(m.perf).items():
-        _positive_or_null(value, f"machine.perf.{key}", "to measure it here (machine=local)")
+        if key != "ranges":
+            _positive_or_null(value, f"machine.perf.{key}", "to measure it here (machine=local)")
     for key in ("gemm_efficiency", "attention_efficiency"):
         if (getattr(m.perf, key) or 0) > 1:
             raise ConfigError(f"machine.perf.{key}={getattr(m.perf, key)} is a fraction of the peak: use (0, 1].")
+    for key, bounds in m.perf.ranges.items():
+        _check_perf_range(m.perf, key, bounds)
     _positive(d.vocab_size, "data.vocab_size")
     _positive(d.max_chars, "data.max_chars")
     _non_negative(d.prefetch, "data.prefetch", "no background loading")

@@ -125,6 +125,11 @@ def test_machine_yaml_is_a_recipe_of_the_measured_numbers(selftest_dir):
     assert machine.perf.peak_flops_fp32 == four_digits(rates["peak_flops"]) and machine.peak_flops is None
     assert machine.name == "calibrated" and machine.device == "cpu" and machine.ranks_per_node == 1
     assert machine.perf.node_gbs is None and machine.perf.node_latency_us is None  # one process: no link
+    # each measured number's range (for --predict's interval): +-10% around it, at most 1 for a fraction
+    for key in ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us"):
+        value = getattr(machine.perf, key)
+        high = min(1.1 * value, 1.0) if key == "gemm_efficiency" else 1.1 * value
+        assert machine.perf.ranges[key] == pytest.approx([0.9 * value, high], rel=1e-3), key
 
 
 @pytest.mark.parametrize("fault", ["a tile's last row dropped", "a transposed weight"])

@@ -29,13 +29,34 @@ from functools import partial
 
 import torch
 
-from optimus.config import ConfigError, MachineConfig
+from optimus.config import ConfigError, MachineConfig, MachinePerfConfig
 
 
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s per direction
     latency: float  # seconds per message (per step of a ring or tree)
+
+
+LINKS = ("package", "node", "network")
+
+# How each number that can carry a range moves a step: higher is faster for these, slower for the rest (the
+# latencies and the kernel floor). Every operator's and collective's time (optimus.perf.costs) is monotone in
+# each of them, and the replay composes those times in a fixed order with sums and maxima, so a step is too:
+# the two ends of MachineModel.at_end bound the step over every combination of numbers inside their ranges.
+FASTER_WHEN_HIGHER = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth",
+                      "package.bandwidth", "node.bandwidth", "network.bandwidth")  # fmt: skip
+SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency")
+
+# machine.perf.<key> (optimus.config.RANGED_PERF_KEYS) -> (the number's name in the model, the unit's scale).
+_MODEL_NUMBER = {
+    "peak_flops_fp32": ("peak_flops_fp32", 1.0), "gemm_efficiency": ("gemm_efficiency", 1.0),
+    "attention_efficiency": ("attention_efficiency", 1.0), "memory_bandwidth_gbs": ("memory_bandwidth", 1e9),
+    "kernel_floor_us": ("kernel_floor", 1e-6), "package_gbs": ("package.bandwidth", 1e9),
+    "package_latency_us": ("package.latency", 1e-6), "node_gbs": ("node.bandwidth", 1e9),
+    "node_latency_us": ("node.latency", 1e-6), "nic_gbs": ("network.bandwidth", 1e9),
+    "network_latency_us": ("network.latency", 1e-6),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,25 @@ class MachineModel:
     op_threads: int = 0
     op_seconds: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    # The range of each uncertain number, by its name here ("gemm_efficiency", "node.bandwidth", ...), as (low,
+    # high) in the model's units (machine.perf.ranges, optimus.config); empty where every number is taken as exact.
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def at_end(self, end: str) -> MachineModel:
+        """The machine with every ranged number at the end of its range that makes a step `fast` (bandwidths,
+        rates and efficiencies high, latencies and the kernel floor low) or `slow` (the other way)."""
+        if end not in ("fast", "slow"):
+            raise ValueError(f"end={end!r}: use 'fast' or 'slow'.")
+        changes: dict = {}
+        links = {name: getattr(self, name) for name in LINKS}
+        for name, (low, high) in self.ranges.items():
+            value = high if (name in FASTER_WHEN_HIGHER) == (end == "fast") else low
+            link, _, attr = name.partition(".")
+            if attr:
+                links[link] = replace(links[link], **{attr: value})
+            else:
+                changes[name] = value
+        return replace(self, **changes, **links, ranges={})
 
     def bandwidth_at(self, moved: float) -> float:
         """Bytes/s of a kernel that moves `moved` bytes (log-linear between the measured sizes)."""
@@ -84,9 +124,10 @@ class MachineModel:
     @classmethod
     def from_dict(cls, numbers: dict) -> MachineModel:
         """The model from its `dataclasses.asdict` (a prediction's `machine_numbers`)."""
-        links = {key: Link(**numbers[key]) for key in ("package", "node", "network")}
+        links = {key: Link(**numbers[key]) for key in LINKS}
         table = tuple(tuple(row) for row in numbers.get("bandwidth_by_size", ()))
-        return cls(**{**numbers, **links, "bandwidth_by_size": table})
+        ranges = {name: tuple(bounds) for name, bounds in numbers.get("ranges", {}).items()}
+        return cls(**{**numbers, **links, "bandwidth_by_size": table, "ranges": ranges})
 
 
 # The recipe keys every cluster needs, and what to write when one is missing.
@@ -130,7 +171,24 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
         network=Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6),
         nics_per_node=p.nics_per_node,
         sources={"recipe": f"recipes/machine/{machine.name}.yaml"},
+        ranges=model_ranges(p),
     )
+
+
+def model_ranges(perf: MachinePerfConfig) -> dict[str, tuple[float, float]]:
+    """machine.perf.ranges in the model's names and units. A number that stands in for another where the recipe
+    leaves it null takes that one's range too: attention's efficiency the GEMM's, the package link the node's."""
+    ranges = {}
+    for key, (low, high) in perf.ranges.items():
+        name, scale = _MODEL_NUMBER[key]
+        ranges[name] = (low * scale, high * scale)
+    stand_ins = {"attention_efficiency": ("gemm_efficiency", perf.attention_efficiency)}
+    stand_ins |= {"package.latency": ("node.latency", perf.package_latency_us if perf.package_gbs else None)}
+    stand_ins |= {"package.bandwidth": ("node.bandwidth", perf.package_gbs)}
+    for name, (source, own_value) in stand_ins.items():
+        if own_value is None and source in ranges:
+            ranges[name] = ranges[source]
+    return ranges
 
 
 # ---------------------------------------------------------------------------------------------

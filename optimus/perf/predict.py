@@ -53,9 +53,24 @@ class Prediction:
     fits: bool | None = None
     peak_bytes: int = 0
     device_bytes: int | None = None
+    # The step replayed with every ranged machine number at its fast end and at its slow end
+    # (MachineModel.at_end), as [low, high]: bounds over every machine inside the ranges, the point between them.
+    # None where the machine's numbers carry no ranges (machine=local: measured here).
+    step_time_s_range: list[float] | None = None
+    tokens_per_s_range: list[float] | None = None
+    mfu_range: list[float] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def step_at(self, end: str | None) -> float:
+        """The step time at the `fast` or `slow` end of the machine's ranges; the point at None or without ranges."""
+        if end is None or self.step_time_s_range is None:
+            return self.step_time_s
+        return self.step_time_s_range[0 if end == "fast" else 1]
+
+    def tokens_per_s_at(self, end: str | None) -> float:
+        return self.tokens_per_s * self.step_time_s / self.step_at(end)
 
 
 def traced_pp_ranks(pp: int) -> list[int]:
@@ -293,14 +308,22 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
     step, split = predict_from_traces(cfg, world, machine, traces)
     tokens = t.global_batch * t.seq_len
     model_flops = flops_per_token(count_params_of_config(cfg.model), cfg.model, t.seq_len) * tokens
-    tflops = model_flops / step / world
+
+    def mfu(seconds: float) -> float:
+        return model_flops / seconds / world / machine.peak_flops
+
+    ranges = {}
+    if machine.ranges:
+        fast, slow = (predict_from_traces(cfg, world, machine.at_end(end), traces)[0] for end in ("fast", "slow"))
+        ranges = {"step_time_s_range": [fast, slow], "tokens_per_s_range": [tokens / slow, tokens / fast],
+                  "mfu_range": [mfu(slow), mfu(fast)]}  # fmt: skip
     nodes = world / machine.ranks_per_node if machine.ranks_per_node else None
     return Prediction(
         machine=machine.name, world=world, nodes=nodes, global_batch=t.global_batch, step_time_s=step,
-        tokens_per_s=tokens / step, tflops_per_device=tflops / 1e12, mfu=tflops / machine.peak_flops,
+        tokens_per_s=tokens / step, tflops_per_device=model_flops / step / world / 1e12, mfu=mfu(step),
         time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
         machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
-        **planned_fit(cfg, world),
+        **planned_fit(cfg, world), **ranges,
     )  # fmt: skip
 
 
@@ -393,11 +416,27 @@ def scaling(
     base = rows[0]["strong"]
     for row in rows:
         strong, weak = row["strong"], row["weak"]
-        row["strong_efficiency"] = (
-            strong_efficiency(base.step_time_s, base.world, strong.step_time_s, strong.world) if strong else None
+        row["strong_efficiency"], row["strong_efficiency_range"] = (
+            efficiencies("strong", base, strong) if strong else (None, None)
         )
-        row["weak_efficiency"] = weak_efficiency(base.tokens_per_s / base.world, weak.tokens_per_s / weak.world)
+        row["weak_efficiency"], row["weak_efficiency_range"] = efficiencies("weak", base, weak)
     return rows
+
+
+def efficiencies(kind: str, base: Prediction, pred: Prediction) -> tuple[float, list[float] | None]:
+    """The `strong` or `weak` scaling efficiency of `pred` against `base` (optimus.efficiency), and its range: the
+    lower and higher of its values with one machine at both sizes, at the fast end of its ranges and at the slow
+    (None without ranges)."""
+
+    def at(end: str | None) -> float:
+        if kind == "strong":
+            return strong_efficiency(base.step_at(end), base.world, pred.step_at(end), pred.world)
+        return weak_efficiency(base.tokens_per_s_at(end) / base.world, pred.tokens_per_s_at(end) / pred.world)
+
+    if base.step_time_s_range is None or pred.step_time_s_range is None:
+        return at(None), None
+    ends = [at("fast"), at("slow"), at(None)]
+    return at(None), [min(ends), max(ends)]
 
 
 def fit_lines(layouts: list[tuple[OptimusConfig, int]]) -> list[str]:
@@ -423,21 +462,36 @@ def format_prediction(pred: Prediction) -> list[str]:
         "  time split: " + ", ".join(f"{k} {v:.3f} s ({100 * v / pred.step_time_s:.0f}%)"
                                      for k, v in sorted(pred.time_split.items(), key=lambda kv: -kv[1]) if v > 0),
     ]  # fmt: skip
+    if pred.step_time_s_range is None:
+        lines.append(f"  interval: none (machine={pred.machine}'s numbers carry no ranges: machine.perf.ranges)")
+        return lines
+    (fast, slow), (few, many), (low, high) = pred.step_time_s_range, pred.tokens_per_s_range, pred.mfu_range
+    lines.append(
+        f"  interval, low - likely - high (machine.perf.ranges at their fast and slow ends): step {fast:.3f} - "
+        f"{pred.step_time_s:.3f} - {slow:.3f} s, {few:,.0f} - {pred.tokens_per_s:,.0f} - {many:,.0f} tokens/s, "
+        f"MFU {100 * low:.1f} - {100 * pred.mfu:.1f} - {100 * high:.1f}%"
+    )
     return lines
 
 
+def _percent(value: float, bounds: list[float] | None) -> str:
+    """A fraction as a percentage, with its range where it has one: 92.1% (88.0-95.3)."""
+    return f"{100 * value:.1f}%" + (f" ({100 * bounds[0]:.1f}-{100 * bounds[1]:.1f})" if bounds else "")
+
+
 def format_scaling(rows: list[dict]) -> list[str]:
-    lines = ["ranks | strong: step s, tokens/s, MFU, efficiency | weak: batch, step s, MFU, efficiency"]
+    lines = ["ranks | strong: step s, tokens/s, MFU, efficiency (range) | weak: batch, step s, MFU, efficiency (range)"]
     for row in rows:
         s, w = row["strong"], row["weak"]
         strong = (
-            f"{s.step_time_s:.3f}, {s.tokens_per_s:,.0f}, {100 * s.mfu:.1f}%, {100 * row['strong_efficiency']:.1f}%"
+            f"{s.step_time_s:.3f}, {s.tokens_per_s:,.0f}, {100 * s.mfu:.1f}%, "
+            f"{_percent(row['strong_efficiency'], row['strong_efficiency_range'])}"
             if s
             else "(the batch does not divide)"
         )
         lines.append(
             f"{row['world']:>5} | {strong} | {w.global_batch}, {w.step_time_s:.3f}, {100 * w.mfu:.1f}%, "
-            f"{100 * row['weak_efficiency']:.1f}%"
+            f"{_percent(row['weak_efficiency'], row['weak_efficiency_range'])}"
         )
     return lines
 
@@ -449,7 +503,8 @@ def scaling_json(rows: list[dict]) -> dict:
         "scaling": [
             {"world": r["world"], "nodes": r["weak"].nodes, "strong": r["strong"] and r["strong"].as_dict(),
              "weak": r["weak"].as_dict(), "strong_efficiency": r["strong_efficiency"],
-             "weak_efficiency": r["weak_efficiency"]}
+             "strong_efficiency_range": r["strong_efficiency_range"], "weak_efficiency": r["weak_efficiency"],
+             "weak_efficiency_range": r["weak_efficiency_range"]}
             for r in rows
         ],
     }  # fmt: skip

@@ -27,9 +27,10 @@ def run_config(run: Run) -> OptimusConfig:
 
 
 def add_predictions(rows: list[dict], runs: dict[str, Run], mode: str, log=print) -> None:
-    """Add `predicted_step_s`, `predicted_error` (measured / predicted - 1 of the mean step time) and
-    `predicted_efficiency` (the predictions' own scaling efficiency, as the report computes the measured one)
-    to each row. A run the model cannot predict gets None in each, and `predicted_refused` says why: the
+    """Add `predicted_step_s`, `predicted_step_s_range` (the interval of a machine whose numbers have ranges, else
+    None), `predicted_error` (measured / predicted - 1 of the mean step time) and `predicted_efficiency` (the
+    predictions' own scaling efficiency, as the report computes the measured one) to each row. A run the model
+    cannot predict gets None in each, and `predicted_refused` says why: the
     other runs' predictions stand (the efficiencies need the base run's)."""
     from optimus.perf.predict import predict
 
@@ -37,13 +38,15 @@ def add_predictions(rows: list[dict], runs: dict[str, Run], mode: str, log=print
         run = runs[row["path"]]
         log(f"predicting {run.name} ({run.world} ranks) ...")
         try:
-            step = predict(run_config(run), run.world, progress="none").step_time_s
+            prediction = predict(run_config(run), run.world, progress="none")
         except ConfigError as refused:  # e.g. a capacity factor or zero bubble, which the model cannot trace
             log(f"no prediction for {run.name}: {refused}")
-            row.update(predicted_step_s=None, predicted_error=None, predicted_refused=str(refused))
+            row.update(predicted_step_s=None, predicted_step_s_range=None, predicted_error=None,
+                       predicted_refused=str(refused))  # fmt: skip
             continue
-        row["predicted_step_s"] = step
-        row["predicted_error"] = row["step_time_mean_s"] / step - 1
+        row["predicted_step_s"] = prediction.step_time_s
+        row["predicted_step_s_range"] = prediction.step_time_s_range
+        row["predicted_error"] = row["step_time_mean_s"] / prediction.step_time_s - 1
     for row in rows:
         row["predicted_efficiency"] = predicted_efficiency(rows[0], row, mode)
 

@@ -60,9 +60,12 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             _fmt(r["speedup"]), _efficiency_cell(r),
         ])  # fmt: skip
     if rows and "predicted_step_s" in rows[0]:
-        header += ["predicted step ms", "measured vs predicted", "predicted efficiency"]
+        header += ["predicted step ms (interval)", "measured vs predicted", "predicted efficiency"]
         for r, row_cells in zip(rows, cells):
-            row_cells += [_scaled(r["predicted_step_s"], 1e3, ".1f"), _scaled(r["predicted_error"], 100, "+.1f", "%"),
+            step = _scaled(r["predicted_step_s"], 1e3, ".1f")
+            if r.get("predicted_step_s_range"):
+                step += " ({:.1f}-{:.1f})".format(*(1e3 * s for s in r["predicted_step_s_range"]))
+            row_cells += [step, _scaled(r["predicted_error"], 100, "+.1f", "%"),
                           _scaled(r["predicted_efficiency"], 100, ".1f", "%")]  # fmt: skip
     return header, cells
 

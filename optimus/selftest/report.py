@@ -13,7 +13,7 @@ import math
 import re
 import statistics
 
-from optimus.config import MachineConfig, MachinePerfConfig
+from optimus.config import RANGED_PERF_KEYS, MachineConfig, MachinePerfConfig
 
 CALIBRATED = "calibrated"  # machine.yaml's name where the recipe was `local`, which would measure on the spot
 COLUMN = 34
@@ -249,11 +249,29 @@ def machine_yaml(machine: MachineConfig, report: dict, command: str) -> str:
         f"# To use it: save it as recipes/machine/{recipe['name']}.yaml and run with machine={recipe['name']}",
         '# (docs/ARCHITECTURE.md, "The selftest").',
     ]
+    ranges = recipe.pop("perf.ranges")
     for key, value in recipe.items():
         if key.startswith("perf.") and lines[-1] != "perf:" and not lines[-1].startswith("  "):
             lines.append("perf:")
         lines.append(_entry(key, value, values.get(key), where))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _range_lines(ranges, values, where)) + "\n"
+
+
+MEASURED_SPREAD = 0.1  # the range of a number measured here: +-10% (ASSUMED: runs and nodes differ)
+
+
+def _range_lines(ranges: dict, values: dict, where: str) -> list[str]:
+    """machine.perf.ranges: a measured number's narrow one around it (MEASURED_SPREAD), the recipe's elsewhere."""
+    lines = []
+    for key in RANGED_PERF_KEYS:
+        found = values.get(f"perf.{key}")
+        if found is not None and found[2]:
+            cap = 1.0 if key.endswith("efficiency") else float("inf")
+            low, high = found[0] * (1 - MEASURED_SPREAD), min(found[0] * (1 + MEASURED_SPREAD), cap)
+            lines.append(f"    {key}: [{low:.4g}, {high:.4g}]  # measured by {where}, +-{MEASURED_SPREAD:.0%}")
+        elif key in ranges:
+            lines.append(f"    {key}: [{ranges[key][0]!r}, {ranges[key][1]!r}]  # the recipe's")
+    return ["  ranges:", *lines] if lines else []
 
 
 def _entry(key: str, value: object, found: tuple[object, str, bool] | None, where: str) -> str:

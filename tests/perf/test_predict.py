@@ -49,6 +49,16 @@ def test_scaling_across_node_counts(capsys):
     assert two["weak_efficiency"] == pytest.approx(t1 / t2w)
     assert one["strong_efficiency"] == one["weak_efficiency"] == pytest.approx(1.0)
     assert out["step_time_s"] == t1
+    # Each efficiency's range: its values with frontier at the fast and at the slow end of its ranges at both sizes.
+    for row, kind, base, other, world in [(two, "strong", one["strong"], two["strong"], 16),
+                                          (two, "weak", one["strong"], two["weak"], 16)]:  # fmt: skip
+        (b_fast, b_slow), (fast, slow) = base["step_time_s_range"], other["step_time_s_range"]
+        if kind == "strong":
+            ends = [b_fast * 8 / (fast * world), b_slow * 8 / (slow * world)]
+        else:
+            ends = [b_fast / fast, b_slow / slow]
+        ends.append(row[f"{kind}_efficiency"])
+        assert row[f"{kind}_efficiency_range"] == pytest.approx([min(ends), max(ends)])
     # The data-parallel reductions cross the network at 2 nodes: more exposed data-parallel time per step.
     assert two["weak"]["time_split"].get("exposed_data_parallel", 0) > one["weak"]["time_split"].get(
         "exposed_data_parallel", 0
@@ -85,7 +95,8 @@ def test_a_layout_that_does_not_fit_is_said_first_and_predicted_all_the_same(cap
     # in the text, the first line
     assert main(["plan", "--predict", "--world", "1", *layout[:-3], "machine.memory_gb=0.001"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-2].startswith("predicted step on frontier")
+    assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-3].startswith("predicted step on frontier")
+    assert lines[-1].startswith("  interval, low - likely - high (machine.perf.ranges at their fast and slow ends)")
 
 
 def test_predictions_order_the_measured_layouts():
@@ -130,12 +141,16 @@ def test_report_puts_the_prediction_beside_each_run(tmp_path):
         (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(cfg))))
         runs.append((run, cfg, world, step))
     rows = build_report([r[0] for r in runs], tmp_path / "report", warmup_steps=1, predict=True)
-    expected = [predict(cfg, world, progress="none").step_time_s for _, cfg, world, _ in runs]
+    predictions = [predict(cfg, world, progress="none") for _, cfg, world, _ in runs]
+    expected = [p.step_time_s for p in predictions]
     assert [r["predicted_step_s"] for r in rows] == pytest.approx(expected)
+    for row, prediction in zip(rows, predictions):  # frontier's ranges: each run's interval beside its point
+        assert row["predicted_step_s_range"] == pytest.approx(prediction.step_time_s_range)
     assert rows[1]["predicted_error"] == pytest.approx(0.3 / expected[1] - 1)
     assert rows[1]["predicted_efficiency"] == pytest.approx(expected[0] * 8 / (expected[1] * 16))
     report = (tmp_path / "report" / "report.md").read_text()
-    assert "predicted step ms" in report
+    low, high = (1e3 * s for s in rows[1]["predicted_step_s_range"])
+    assert "predicted step ms (interval)" in report and f"{1e3 * expected[1]:.1f} ({low:.1f}-{high:.1f})" in report
 
 
 def test_stage_costs_are_the_traced_actions_own():
