@@ -11,10 +11,14 @@
     python benchmarks/predict.py recipes [--out benchmarks/results] [--cache DIR] [--device D] [--name SUFFIX]
                                          [--only LAYOUT ...]
         every experiment recipe at benchmarks/dry_run.py's world sizes, traced on its recipe's device path (or
-        --device's): predict_recipes<SUFFIX>.json (with --only, those layouts' rows replaced, the others kept)
+        --device's), with its interval and what each ranged machine number does to it alone:
+        predict_recipes<SUFFIX>.json (with --only, those layouts' rows replaced, the others kept)
     python benchmarks/predict.py mfu [--out benchmarks/results] [--cache DIR]
         the Frontier study's three MFU points, traced on the recipes' device path, each with its interval
         (the machine's ranges at both ends): predict_mfu_device.json
+    python benchmarks/predict.py scaling --only RECIPE ... [--out benchmarks/results] [--cache DIR]
+        the published scaling series of those recipes (PUBLISHED_SCALING), traced on the recipes' device path,
+        with each efficiency's range: predict_scaling_device.json
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
         by hand around them)
@@ -42,7 +46,6 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from memory import ADAMW, cpu_flags  # noqa: E402  benchmarks/ is first on sys.path
 
 from optimus.config import ConfigError  # noqa: E402
-from optimus.efficiency import strong_efficiency, weak_efficiency  # noqa: E402
 from optimus.perf.machine import MachineModel, machine_model  # noqa: E402
 
 # Layouts of the default tiny model this machine can run, each with its process count.
@@ -186,7 +189,9 @@ SENSITIVITY = [
 
 
 def _scaled(machine: MachineModel, key: str, factor: float) -> MachineModel:
-    """The machine with one number scaled (`link.field` for a link's; efficiencies stay at most 1)."""
+    """The machine with one number scaled (`link.field` for a link's; efficiencies stay at most 1), without
+    ranges: a sensitivity point needs the step, not its interval."""
+    machine = machine.with_values(ranges={})
     if "." in key:
         link, field = key.split(".")
         value = getattr(machine, link)
@@ -221,11 +226,28 @@ def run_recipes(
             continue
         recipe = overrides[0].removeprefix("experiment=")
         cfg, world, traces = traces_for(recipe, nodes, cache, tuple(overrides[1:]), device=device)
-        pred = prediction_of(cfg, world, machine_model(cfg.machine), traces)
-        rows = [row for row in rows if row["layout"] != name] + [{"layout": name, "nodes": nodes, **pred.as_dict()}]
+        machine = machine_model(cfg.machine)
+        pred = prediction_of(cfg, world, machine, traces)
+        effects = range_effects(cfg, world, machine, traces)
+        new_row = {"layout": name, "nodes": nodes, **pred.as_dict(), "range_effects": effects}
+        rows = [row for row in rows if row["layout"] != name] + [new_row]
         place = {layout: i for i, (layout, _, _) in enumerate(LAYOUTS)}  # rows in the table's order
         rows.sort(key=lambda row: place.get(row["layout"], len(place)))
         results.write_text(json.dumps(rows, indent=1))
+
+
+def range_effects(cfg, world: int, machine: MachineModel, traces: dict) -> dict[str, list[float]]:
+    """What each ranged machine number does to the step alone: {number: [change at its fast end, at its slow
+    end]} as fractions of the point, the other numbers at their recipe values."""
+    from optimus.perf.predict import predict_from_traces
+
+    point = predict_from_traces(cfg, world, machine.with_values(ranges={}), traces)[0]
+    effects = {}
+    for name, bounds in machine.ranges.items():
+        alone = machine.with_values(ranges={name: bounds})
+        ends = [predict_from_traces(cfg, world, alone.at_end(end), traces)[0] for end in ("fast", "slow")]
+        effects[name] = [t / point - 1 for t in ends]
+    return effects
 
 
 def run_studies(out: Path, cache: Path) -> None:
@@ -248,36 +270,52 @@ def run_studies(out: Path, cache: Path) -> None:
             result["sensitivity"].append({"recipe": recipe, "parameter": key, "x0.5": moved[0.5], "x2": moved[2.0]})
         _write_studies(out, result)
     for recipe, node_counts, published, source, extra in PUBLISHED_SCALING:
-        rows = []
-        for nodes in node_counts:
-            row = {"nodes": nodes}
-            for mode, weak_from in (("strong", 0), ("weak", node_counts[0])):
-                if mode == "strong" and "strong" not in published:
-                    continue
-                try:
-                    cfg, world, traces = traces_for(recipe, nodes, cache, extra, weak_from)
-                except ConfigError as refused:  # a layout that does not divide the batch
-                    row[mode] = {"refused": str(refused)}
-                    continue
-                row[mode] = prediction_of(cfg, world, machine_model(cfg.machine), traces).as_dict()
-            rows.append(row)
-        for row in rows:
-            for mode in ("strong", "weak"):
-                base, here = rows[0].get(mode), row.get(mode)
-                if base and here and "step_time_s" in base and "step_time_s" in here:
-                    if mode == "strong":
-                        efficiency = strong_efficiency(
-                            base["step_time_s"], base["world"], here["step_time_s"], here["world"]
-                        )
-                    else:
-                        efficiency = weak_efficiency(
-                            base["tokens_per_s"] / base["world"], here["tokens_per_s"] / here["world"]
-                        )
-                    row[f"{mode}_efficiency"] = efficiency
-        result["scaling"].append(
-            {"recipe": recipe, "overrides": list(extra), "source": source, "published": published, "rows": rows}
-        )
+        result["scaling"].append(scaling_series(recipe, node_counts, published, source, extra, cache))
         _write_studies(out, result)
+
+
+def scaling_series(recipe: str, node_counts: list[int], published: dict, source: str, extra: tuple, cache: Path):
+    """One of PUBLISHED_SCALING's series: per node count the strong (where published) and weak predictions, each
+    with its efficiency against the first count and the efficiency's range (optimus.perf.predict.efficiencies)."""
+    from optimus.perf.predict import efficiencies, prediction_of
+
+    predictions = []
+    for nodes in node_counts:
+        point = {"nodes": nodes}
+        for mode, weak_from in (("strong", 0), ("weak", node_counts[0])):
+            if mode == "strong" and "strong" not in published:
+                continue
+            try:
+                cfg, world, traces = traces_for(recipe, nodes, cache, extra, weak_from)
+            except ConfigError as refused:  # a layout that does not divide the batch
+                point[mode] = str(refused)
+                continue
+            point[mode] = prediction_of(cfg, world, machine_model(cfg.machine), traces)
+        predictions.append(point)
+    rows = []
+    for point in predictions:
+        row = {"nodes": point["nodes"]}
+        for mode in ("strong", "weak"):
+            base, here = predictions[0].get(mode), point.get(mode)
+            if isinstance(here, str):
+                row[mode] = {"refused": here}
+            elif here is not None:
+                row[mode] = here.as_dict()
+                if base is not None and not isinstance(base, str):
+                    row[f"{mode}_efficiency"], row[f"{mode}_efficiency_range"] = efficiencies(mode, base, here)
+        rows.append(row)
+    return {"recipe": recipe, "overrides": list(extra), "source": source, "published": published, "rows": rows}
+
+
+def run_scaling(out: Path, cache: Path, only: list[str]) -> None:
+    """PUBLISHED_SCALING's series of the recipes in `only`, traced on each recipe's device path:
+    predict_scaling_device.json."""
+    unknown = sorted(set(only) - {series[0] for series in PUBLISHED_SCALING})
+    if unknown:
+        raise SystemExit(f"--only {' '.join(unknown)}: not a recipe of PUBLISHED_SCALING.")
+    cache.mkdir(parents=True, exist_ok=True)
+    series = [scaling_series(*s, cache) for s in PUBLISHED_SCALING if s[0] in only]
+    (out / "predict_scaling_device.json").write_text(json.dumps(series, indent=1))
 
 
 def run_mfu(out: Path, cache: Path) -> None:
@@ -384,14 +422,26 @@ def print_interval_table(out: Path, name: str = "_device") -> None:
               f"{100 * low:.1f} - {100 * r['mfu']:.1f} - {100 * high:.1f}% | {against} |")  # fmt: skip
 
 
+def print_width_table(out: Path, name: str = "_device") -> None:
+    """Per recipe, the three ranged numbers that move its step most alone (predict_recipes<name>.json)."""
+    print("| layout | first | second | third |")
+    print("|---|---|---|---|")
+    for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
+        top = sorted(r["range_effects"].items(), key=lambda kv: kv[1][0] - kv[1][1])[:3]
+        cells = [f"{number} {100 * fast:+.0f}% / {100 * slow:+.0f}%" for number, (fast, slow) in top]
+        print(f"| {r['layout']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["local", "studies", "recipes", "mfu", "tables"])
+    parser.add_argument("what", choices=["local", "studies", "recipes", "mfu", "scaling", "tables"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
     parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
-    parser.add_argument("--only", nargs="+", help="recipes: these layouts of dry_run.py's LAYOUTS, their rows replaced")
+    parser.add_argument(
+        "--only", nargs="+", help="recipes: these layouts of dry_run.py's LAYOUTS; scaling: these recipes' series"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -403,10 +453,14 @@ def main() -> None:
         print_mfu_intervals(out)
         print()
         print_interval_table(out)
+        print()
+        print_width_table(out)
     elif args.what == "recipes":
         run_recipes(out, Path(args.cache), args.device, args.name, args.only)
     elif args.what == "mfu":
         run_mfu(out, Path(args.cache))
+    elif args.what == "scaling":
+        run_scaling(out, Path(args.cache), args.only or [])
     else:
         run_studies(out, Path(args.cache))
 

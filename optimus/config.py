@@ -447,18 +447,37 @@ def validate_optim(o: OptimConfig) -> None:
     _positive(o.max_collective_numel, "optim.max_collective_numel")
 
 
+# What a machine.perf number left null takes instead (optimus.perf.machine.machine_model), range included.
+_PERF_STAND_INS = {
+    "attention_efficiency": "gemm_efficiency's value and range",
+    "peak_flops_fp32": "a quarter of machine.peak_flops",
+    "package_gbs": "the node link's, node_gbs and its range",
+    "package_latency_us": "node_latency_us and its range",
+}
+
+
 def _check_perf_range(perf: MachinePerfConfig, key: str, bounds: Any) -> None:
     """machine.perf.ranges.<key>: [low, high], positive, holding the number's value (fractions at most 1)."""
     name = f"machine.perf.ranges.{key}"
     if key not in RANGED_PERF_KEYS:
         raise ConfigError(f"{name}: {key!r} has no range; give ranges to {', '.join(RANGED_PERF_KEYS)}.")
-    numbers = isinstance(bounds, (list, tuple)) and all(isinstance(b, (int, float)) for b in bounds)
+    numbers = isinstance(bounds, (list, tuple)) and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds
+    )
     if not numbers or len(bounds) != 2 or not 0 < bounds[0] <= bounds[1] < float("inf"):
         raise ConfigError(f"{name}={bounds} must be [low, high] with 0 < low <= high.")
     if key.endswith("efficiency") and bounds[1] > 1:
         raise ConfigError(f"{name}={list(bounds)} is a range of fractions of the peak: keep it within (0, 1].")
     value = getattr(perf, key)
-    if value is not None and not bounds[0] <= value <= bounds[1]:
+    if key == "package_latency_us" and perf.package_gbs is None:
+        value = None  # no package link of its own: the node link, latency included
+    if value is None:
+        stands_in = _PERF_STAND_INS.get(key, "nothing")
+        raise ConfigError(
+            f"{name} ranges a number the model does not read (machine.perf.{key} is null or, without package_gbs, "
+            f"unused; it takes {stands_in}): set it inside the range, or remove the range (~{name})."
+        )
+    if not bounds[0] <= value <= bounds[1]:
         raise ConfigError(
             f"machine.perf.{key}={value} lies outside its range {name}={list(bounds)}: widen the range to hold it "
             f"(e.g. {name}=[{min(value, bounds[0])},{max(value, bounds[1])}]) or set the number inside it."
@@ -477,6 +496,11 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     for key in ("gemm_efficiency", "attention_efficiency"):
         if (getattr(m.perf, key) or 0) > 1:
             raise ConfigError(f"machine.perf.{key}={getattr(m.perf, key)} is a fraction of the peak: use (0, 1].")
+    if m.name == "local" and m.perf.ranges:
+        raise ConfigError(
+            "machine=local measures its numbers here and takes no machine.perf.ranges: remove them, or predict "
+            "with a machine file that `optimus plan --calibrate` wrote (its measured numbers carry ranges)."
+        )
     for key, bounds in m.perf.ranges.items():
         _check_perf_range(m.perf, key, bounds)
     _positive(d.vocab_size, "data.vocab_size")

@@ -42,8 +42,8 @@ LINKS = ("package", "node", "network")
 
 # How each number that can carry a range moves a step: higher is faster for these, slower for the rest (the
 # latencies and the kernel floor). Every operator's and collective's time (optimus.perf.costs) is monotone in
-# each of them, and the replay composes those times in a fixed order with sums and maxima, so a step is too:
-# the two ends of MachineModel.at_end bound the step over every combination of numbers inside their ranges.
+# each of them, and a replay without a pipeline composes those times in a fixed order with sums and maxima, so
+# its step is too: the two ends of MachineModel.at_end bound it over every combination inside the ranges.
 FASTER_WHEN_HIGHER = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth",
                       "package.bandwidth", "node.bandwidth", "network.bandwidth")  # fmt: skip
 SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency")

@@ -54,23 +54,15 @@ class Prediction:
     peak_bytes: int = 0
     device_bytes: int | None = None
     # The step replayed with every ranged machine number at its fast end and at its slow end
-    # (MachineModel.at_end), as [low, high]: bounds over every machine inside the ranges, the point between them.
-    # None where the machine's numbers carry no ranges (machine=local: measured here).
+    # (MachineModel.at_end), as [low, high] with the point between them: without a pipeline, bounds over every
+    # machine inside the ranges. None where the machine's numbers carry no ranges (machine=local: measured here).
     step_time_s_range: list[float] | None = None
     tokens_per_s_range: list[float] | None = None
     mfu_range: list[float] | None = None
+    corner_steps: list[float] | None = None  # [the step at the fast corner, at the slow corner]
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-    def step_at(self, end: str | None) -> float:
-        """The step time at the `fast` or `slow` end of the machine's ranges; the point at None or without ranges."""
-        if end is None or self.step_time_s_range is None:
-            return self.step_time_s
-        return self.step_time_s_range[0 if end == "fast" else 1]
-
-    def tokens_per_s_at(self, end: str | None) -> float:
-        return self.tokens_per_s * self.step_time_s / self.step_at(end)
 
 
 def traced_pp_ranks(pp: int) -> list[int]:
@@ -314,9 +306,12 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
 
     ranges = {}
     if machine.ranges:
-        fast, slow = (predict_from_traces(cfg, world, machine.at_end(end), traces)[0] for end in ("fast", "slow"))
+        # Without a pipeline the replay is monotone in every number and the two ends bound the step; with one, the
+        # stages' costs are composed from per-layer means, which need not be, so the interval spans all three.
+        ends = [predict_from_traces(cfg, world, machine.at_end(end), traces)[0] for end in ("fast", "slow")]
+        fast, slow = min(*ends, step), max(*ends, step)
         ranges = {"step_time_s_range": [fast, slow], "tokens_per_s_range": [tokens / slow, tokens / fast],
-                  "mfu_range": [mfu(slow), mfu(fast)]}  # fmt: skip
+                  "mfu_range": [mfu(slow), mfu(fast)], "corner_steps": ends}  # fmt: skip
     nodes = world / machine.ranks_per_node if machine.ranks_per_node else None
     return Prediction(
         machine=machine.name, world=world, nodes=nodes, global_batch=t.global_batch, step_time_s=step,
@@ -425,18 +420,21 @@ def scaling(
 
 def efficiencies(kind: str, base: Prediction, pred: Prediction) -> tuple[float, list[float] | None]:
     """The `strong` or `weak` scaling efficiency of `pred` against `base` (optimus.efficiency), and its range: the
-    lower and higher of its values with one machine at both sizes, at the fast end of its ranges and at the slow
-    (None without ranges)."""
+    lower and higher of its values with one machine at both sizes, at the fast corner of its ranges, at the slow
+    one and at the recipe's numbers (None without ranges). Not a bound: a machine inside the ranges with a fast
+    device and a slow network scales worse than either corner."""
 
-    def at(end: str | None) -> float:
+    def efficiency(base_step: float, step: float) -> float:
         if kind == "strong":
-            return strong_efficiency(base.step_at(end), base.world, pred.step_at(end), pred.world)
-        return weak_efficiency(base.tokens_per_s_at(end) / base.world, pred.tokens_per_s_at(end) / pred.world)
+            return strong_efficiency(base_step, base.world, step, pred.world)
+        base_tokens, tokens = (p.tokens_per_s * p.step_time_s for p in (base, pred))
+        return weak_efficiency(base_tokens / base_step / base.world, tokens / step / pred.world)
 
-    if base.step_time_s_range is None or pred.step_time_s_range is None:
-        return at(None), None
-    ends = [at("fast"), at("slow"), at(None)]
-    return at(None), [min(ends), max(ends)]
+    point = efficiency(base.step_time_s, pred.step_time_s)
+    if base.corner_steps is None or pred.corner_steps is None:
+        return point, None
+    values = [point, *(efficiency(b, p) for b, p in zip(base.corner_steps, pred.corner_steps))]
+    return point, [min(values), max(values)]
 
 
 def fit_lines(layouts: list[tuple[OptimusConfig, int]]) -> list[str]:
@@ -480,7 +478,10 @@ def _percent(value: float, bounds: list[float] | None) -> str:
 
 
 def format_scaling(rows: list[dict]) -> list[str]:
-    lines = ["ranks | strong: step s, tokens/s, MFU, efficiency (range) | weak: batch, step s, MFU, efficiency (range)"]
+    lines = [
+        "ranks | strong: step s, tokens/s, MFU, efficiency (its fast - slow corners) | weak: batch, step s, MFU, "
+        "efficiency (corners)"
+    ]
     for row in rows:
         s, w = row["strong"], row["weak"]
         strong = (

@@ -49,16 +49,14 @@ def test_scaling_across_node_counts(capsys):
     assert two["weak_efficiency"] == pytest.approx(t1 / t2w)
     assert one["strong_efficiency"] == one["weak_efficiency"] == pytest.approx(1.0)
     assert out["step_time_s"] == t1
-    # Each efficiency's range: its values with frontier at the fast and at the slow end of its ranges at both sizes.
-    for row, kind, base, other, world in [(two, "strong", one["strong"], two["strong"], 16),
-                                          (two, "weak", one["strong"], two["weak"], 16)]:  # fmt: skip
-        (b_fast, b_slow), (fast, slow) = base["step_time_s_range"], other["step_time_s_range"]
-        if kind == "strong":
-            ends = [b_fast * 8 / (fast * world), b_slow * 8 / (slow * world)]
-        else:
-            ends = [b_fast / fast, b_slow / slow]
-        ends.append(row[f"{kind}_efficiency"])
-        assert row[f"{kind}_efficiency_range"] == pytest.approx([min(ends), max(ends)])
+    # Each efficiency's range: its values with frontier at the fast and at the slow corner of its ranges at both
+    # sizes, and at the recipe's numbers.
+    for kind, base, other in [("strong", one["strong"], two["strong"]), ("weak", one["strong"], two["weak"])]:
+        (b_fast, b_slow), (fast, slow) = base["corner_steps"], other["corner_steps"]
+        worlds = 8 / 16 if kind == "strong" else 1.0  # weak: the batch doubles with the world
+        ends = [worlds * b_fast / fast, worlds * b_slow / slow]
+        ends.append(two[f"{kind}_efficiency"])
+        assert two[f"{kind}_efficiency_range"] == pytest.approx([min(ends), max(ends)])
     # The data-parallel reductions cross the network at 2 nodes: more exposed data-parallel time per step.
     assert two["weak"]["time_split"].get("exposed_data_parallel", 0) > one["weak"]["time_split"].get(
         "exposed_data_parallel", 0

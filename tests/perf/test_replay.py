@@ -106,6 +106,27 @@ def test_two_stage_pipeline_bubble(schedule):
     assert sent.end[0] == pytest.approx({"gpipe": 15.5, "1f1b": 16.0}[schedule])
 
 
+def test_one_f_one_b_with_a_slower_last_stage():
+    # Four stages, the last one slower (it holds the head and the loss): forward 1 s and backward 2 s on the
+    # first three, 1.5 s and 2.5 s on the last, 8 micro-batches. Worked by hand: the last stage never waits once
+    # its first input is there (its upstream hands it the next forward before it needs it), so it ends at
+    # (p-1) f + n (f_L + b_L) and the last backward walks back through the p-1 others: rank 0 ends at
+    # (p-1)(f + b) + n (f_L + b_L) = 9 + 32 = 41 s, idle 17 s of it: the textbook (p-1)(f+b) = 9 s plus the
+    # slower stage's surplus for every micro-batch, n (f_L + b_L - f - b) = 8 s. (benchmarks/results/predict.md,
+    # "Anomalies": frontier-175b's replayed bubble, 9.0 s against 5.9 s, is this.)
+    f, b, f_last, b_last, n, p = 1.0, 2.0, 1.5, 2.5, 8, 4
+    order = single_stage_order("1f1b", p, n)
+
+    def cost(kind, stage):
+        last = stage == p - 1
+        return ({"F": f_last if last else f, "B": b_last if last else b}[kind], 0.0)
+
+    played = play_schedule(order, p, cost, lambda a, c: 0.0)
+    assert played.end[0] == pytest.approx((p - 1) * (f + b) + n * (f_last + b_last))
+    assert played.bubble(0) == pytest.approx((p - 1) * (f + b) + n * (f_last + b_last - f - b))
+    assert played.end[p - 1] == pytest.approx((p - 1) * f + n * (f_last + b_last))
+
+
 def test_one_f_one_b_order():
     # torch's Schedule1F1B: the first of two ranks runs two forwards before its first backward, the last one.
     order = single_stage_order("1f1b", 2, 3)
