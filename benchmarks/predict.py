@@ -20,8 +20,8 @@
         the published scaling series of those recipes (PUBLISHED_SCALING), traced on the recipes' device path,
         with each efficiency's range: predict_scaling_device.json
     python benchmarks/predict.py tables
-        the markdown tables of benchmarks/results/predict.md from the two JSON files (its text is written
-        by hand around them)
+        the markdown tables of benchmarks/results/predict.md from its JSON files (its text is written by hand
+        around them)
 
 The local runs are timed one after another on an otherwise idle machine; each `optimus train` step time is the
 median of its steps after the first three.
@@ -237,16 +237,20 @@ def run_recipes(
 
 
 def range_effects(cfg, world: int, machine: MachineModel, traces: dict) -> dict[str, list[float]]:
-    """What each ranged machine number does to the step alone: {number: [change at its fast end, at its slow
-    end]} as fractions of the point, the other numbers at their recipe values."""
+    """What each ranged number of the recipe (machine.perf.ranges) does to the step alone: {number: [change at
+    its fast end, at its slow end]} as fractions of the point, the other numbers at their recipe values. A
+    number stands for those that take its value where the recipe leaves them null (attention's efficiency the
+    GEMM's, the package link the node's): they move with it."""
+    from optimus.perf.machine import model_ranges
     from optimus.perf.predict import predict_from_traces
 
+    perf = cfg.machine.perf
     point = predict_from_traces(cfg, world, machine.with_values(ranges={}), traces)[0]
     effects = {}
-    for name, bounds in machine.ranges.items():
-        alone = machine.with_values(ranges={name: bounds})
+    for key, bounds in perf.ranges.items():
+        alone = machine.with_values(ranges=model_ranges(dataclasses.replace(perf, ranges={key: bounds})))
         ends = [predict_from_traces(cfg, world, alone.at_end(end), traces)[0] for end in ("fast", "slow")]
-        effects[name] = [t / point - 1 for t in ends]
+        effects[key] = [t / point - 1 for t in ends]
     return effects
 
 
@@ -307,15 +311,22 @@ def scaling_series(recipe: str, node_counts: list[int], published: dict, source:
     return {"recipe": recipe, "overrides": list(extra), "source": source, "published": published, "rows": rows}
 
 
-def run_scaling(out: Path, cache: Path, only: list[str]) -> None:
-    """PUBLISHED_SCALING's series of the recipes in `only`, traced on each recipe's device path:
-    predict_scaling_device.json."""
+def run_scaling(out: Path, cache: Path, only: list[str] | None) -> None:
+    """PUBLISHED_SCALING's series of the recipes in `only`, traced on each recipe's device path, replacing those
+    recipes' series in predict_scaling_device.json and keeping the others."""
+    if not only:
+        raise SystemExit(
+            "scaling needs --only RECIPE ...: one or more of " + ", ".join(s[0] for s in PUBLISHED_SCALING)
+        )
     unknown = sorted(set(only) - {series[0] for series in PUBLISHED_SCALING})
     if unknown:
         raise SystemExit(f"--only {' '.join(unknown)}: not a recipe of PUBLISHED_SCALING.")
     cache.mkdir(parents=True, exist_ok=True)
-    series = [scaling_series(*s, cache) for s in PUBLISHED_SCALING if s[0] in only]
-    (out / "predict_scaling_device.json").write_text(json.dumps(series, indent=1))
+    results = out / "predict_scaling_device.json"
+    kept = [s for s in json.loads(results.read_text()) if s["recipe"] not in only] if results.exists() else []
+    new = [scaling_series(*s, cache) for s in PUBLISHED_SCALING if s[0] in only]
+    order = [s[0] for s in PUBLISHED_SCALING]
+    results.write_text(json.dumps(sorted(kept + new, key=lambda s: order.index(s["recipe"])), indent=1))
 
 
 def run_mfu(out: Path, cache: Path) -> None:
@@ -427,9 +438,31 @@ def print_width_table(out: Path, name: str = "_device") -> None:
     print("| layout | first | second | third |")
     print("|---|---|---|---|")
     for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
-        top = sorted(r["range_effects"].items(), key=lambda kv: kv[1][0] - kv[1][1])[:3]
-        cells = [f"{number} {100 * fast:+.0f}% / {100 * slow:+.0f}%" for number, (fast, slow) in top]
+        top = sorted(r.get("range_effects", {}).items(), key=lambda kv: kv[1][0] - kv[1][1])[:3]
+        cells = [f"{number} {round(100 * fast):+d}% / {round(100 * slow):+d}%" for number, (fast, slow) in top]
         print(f"| {r['layout']} | " + " | ".join(cells) + " |")
+
+
+def print_scaling_device_table(out: Path) -> None:
+    """The published scaling series traced on the device path (predict_scaling_device.json), with each
+    efficiency's range over both corners and the point."""
+    print("| recipe | nodes (devices) | mode | global batch | predicted step s: fast - likely - slow | MFU | "
+          "efficiency (range) | published |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for series in json.loads((out / "predict_scaling_device.json").read_text()):
+        for row in series["rows"]:
+            for mode in ("strong", "weak"):
+                pred = row.get(mode)
+                if pred is None or "refused" in pred:
+                    continue
+                (fast, slow), eff = pred["step_time_s_range"], row.get(f"{mode}_efficiency")
+                bounds = row.get(f"{mode}_efficiency_range")
+                cell = "-" if eff is None else f"{100 * eff:.1f}% ({100 * bounds[0]:.1f}-{100 * bounds[1]:.1f})"
+                published = series["published"].get(mode)
+                against = "-" if published is None else f"{100 * published:.0f}%"
+                print(f"| {series['recipe']} | {row['nodes']} ({pred['world']:,}) | {mode} | "
+                      f"{pred['global_batch']:,} | {fast:.2f} - {pred['step_time_s']:.2f} - {slow:.2f} | "
+                      f"{100 * pred['mfu']:.1f}% | {cell} | {against} |")  # fmt: skip
 
 
 def main() -> None:
@@ -455,12 +488,14 @@ def main() -> None:
         print_interval_table(out)
         print()
         print_width_table(out)
+        print()
+        print_scaling_device_table(out)
     elif args.what == "recipes":
         run_recipes(out, Path(args.cache), args.device, args.name, args.only)
     elif args.what == "mfu":
         run_mfu(out, Path(args.cache))
     elif args.what == "scaling":
-        run_scaling(out, Path(args.cache), args.only or [])
+        run_scaling(out, Path(args.cache), args.only)
     else:
         run_studies(out, Path(args.cache))
 

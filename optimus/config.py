@@ -470,12 +470,15 @@ def _check_perf_range(perf: MachinePerfConfig, key: str, bounds: Any) -> None:
         raise ConfigError(f"{name}={list(bounds)} is a range of fractions of the peak: keep it within (0, 1].")
     value = getattr(perf, key)
     if key == "package_latency_us" and perf.package_gbs is None:
-        value = None  # no package link of its own: the node link, latency included
-    if value is None:
-        stands_in = _PERF_STAND_INS.get(key, "nothing")
         raise ConfigError(
-            f"{name} ranges a number the model does not read (machine.perf.{key} is null or, without package_gbs, "
-            f"unused; it takes {stands_in}): set it inside the range, or remove the range (~{name})."
+            f"{name} ranges a latency the model does not read (without machine.perf.package_gbs the package link "
+            f"is the node link, node_latency_us included): set machine.perf.package_gbs, or remove the range (~{name})."
+        )
+    if value is None:
+        takes = f", which is null and takes {_PERF_STAND_INS[key]}" if key in _PERF_STAND_INS else ", which is null"
+        raise ConfigError(
+            f"{name} ranges machine.perf.{key}{takes}: set machine.perf.{key} inside the range, or remove the "
+            f"range (~{name})."
         )
     if not bounds[0] <= value <= bounds[1]:
         raise ConfigError(

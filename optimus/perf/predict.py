@@ -465,7 +465,7 @@ def format_prediction(pred: Prediction) -> list[str]:
         return lines
     (fast, slow), (few, many), (low, high) = pred.step_time_s_range, pred.tokens_per_s_range, pred.mfu_range
     lines.append(
-        f"  interval, low - likely - high (machine.perf.ranges at their fast and slow ends): step {fast:.3f} - "
+        f"  interval, low - likely - high (machine.perf.ranges at both ends, and the point): step {fast:.3f} - "
         f"{pred.step_time_s:.3f} - {slow:.3f} s, {few:,.0f} - {pred.tokens_per_s:,.0f} - {many:,.0f} tokens/s, "
         f"MFU {100 * low:.1f} - {100 * pred.mfu:.1f} - {100 * high:.1f}%"
     )
@@ -479,8 +479,8 @@ def _percent(value: float, bounds: list[float] | None) -> str:
 
 def format_scaling(rows: list[dict]) -> list[str]:
     lines = [
-        "ranks | strong: step s, tokens/s, MFU, efficiency (its fast - slow corners) | weak: batch, step s, MFU, "
-        "efficiency (corners)"
+        "ranks | strong: step s, tokens/s, MFU, efficiency (over both corners and the point) | weak: batch, step s, "
+        "MFU, efficiency (over both corners and the point)"
     ]
     for row in rows:
         s, w = row["strong"], row["weak"]

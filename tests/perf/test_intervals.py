@@ -115,7 +115,8 @@ def test_the_interval_holds_every_machine_inside_the_ranges(pp):
         ("+machine.perf.ranges.nics_per_node=[4,8]", "has no range"),
         ("machine.perf.ranges.node_gbs=[true,100]", "[low, high]"),
         ("machine.perf.attention_efficiency=null +machine.perf.ranges.attention_efficiency=[0.1,0.2]", "null"),
-        ("machine=nvidia +machine.perf.ranges.package_latency_us=[30,40]", "node_latency_us and its range"),
+        ("machine=nvidia +machine.perf.ranges.package_latency_us=[30,40]", "without machine.perf.package_gbs"),
+        ("machine.perf.peak_flops_fp32=null +machine.perf.ranges.peak_flops_fp32=[1e13,5e13]", "a quarter of"),
         ("machine=local +machine.perf.ranges.gemm_efficiency=[0.1,0.2]", "machine=local measures its numbers"),
     ],
 )

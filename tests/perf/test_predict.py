@@ -94,7 +94,7 @@ def test_a_layout_that_does_not_fit_is_said_first_and_predicted_all_the_same(cap
     assert main(["plan", "--predict", "--world", "1", *layout[:-3], "machine.memory_gb=0.001"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-3].startswith("predicted step on frontier")
-    assert lines[-1].startswith("  interval, low - likely - high (machine.perf.ranges at their fast and slow ends)")
+    assert lines[-1].startswith("  interval, low - likely - high (machine.perf.ranges at both ends, and the point)")
 
 
 def test_predictions_order_the_measured_layouts():
