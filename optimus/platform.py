@@ -33,6 +33,7 @@ class Platform:
     device: torch.device  # cuda:i / xpu:i / cpu, for the local rank
     backend: str  # nccl | xccl | ccl | gloo
     device_name: str
+    engines: int | None = None  # the device's active vector engines, where its driver says (XPU: gpu_eu_count)
 
     @property
     def path(self) -> str:
@@ -125,13 +126,14 @@ def detect_platform(machine: MachineConfig, local_rank: int) -> Platform:
     """Device for `local_rank` (index = local_rank mod visible devices) and its backend."""
     device_type = _pick_device_type(machine)
     if device_type == "cpu":
-        device, vendor, name = torch.device("cpu"), "cpu", _cpu_name()
+        device, vendor, name, engines = torch.device("cpu"), "cpu", _cpu_name(), None
     else:
         api = torch.xpu if device_type == "xpu" else torch.cuda
         # Launchers that mask devices per rank (ZE_AFFINITY_MASK, ROCR/CUDA_VISIBLE_DEVICES) leave one visible.
         index = local_rank % api.device_count()
         device, name = torch.device(device_type, index), api.get_device_name(index)
         vendor = "intel" if device_type == "xpu" else ("amd" if torch.version.hip else "nvidia")
+        engines = getattr(api.get_device_properties(index), "gpu_eu_count", None) if device_type == "xpu" else None
     backend = machine.backend or _default_backend(device_type)
     if backend not in _BACKENDS[device_type]:
         raise ConfigError(
@@ -142,7 +144,7 @@ def detect_platform(machine: MachineConfig, local_rank: int) -> Platform:
         raise ConfigError(
             "machine.backend=ccl needs oneccl_bindings_for_pytorch: install it or set machine.backend=xccl."
         )
-    return Platform(device_type, vendor, device, backend, name)
+    return Platform(device_type, vendor, device, backend, name, engines)
 
 
 _VENDOR_OF_PATH = {path: vendor for vendor, path in PATH_OF_VENDOR.items()}
@@ -180,6 +182,11 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     # (ALCF measures ~273 TFLOPS for a bf16 GEMM on one tile; MFU is against the spec peak.)
     ("Max 1550", 419.4e12),
 )
+# The vector engines (EUs) a figure above counts, for parts that ship with some of them off: the peak scales with
+# the engines the device reports (Platform.engines). Aurora's 1550 tiles have 448 of 512 active (ALCF's machine
+# overview): 419.4 x 448 / 512 = 367.0 TFLOPS per tile, recipes/machine/aurora.yaml's peak; a whole card
+# (ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE) reports both tiles' engines and gets both tiles' peak.
+PEAK_ENGINES = {"Max 1550": 512}
 
 _warned_unknown: set[str] = set()
 
@@ -198,10 +205,12 @@ def resolve_dtype(requested: str, device_type: str, cpuinfo: str | None = None) 
     return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
 
 
-def lookup_peak_flops(device_name: str) -> float | None:
+def lookup_peak_flops(device_name: str, engines: int | None = None) -> float | None:
+    """The table's bf16 peak of a device, by name; scaled to `engines` active ones where the figure counts them."""
     for key, flops in PEAK_BF16_FLOPS:
         if key.lower() in device_name.lower():
-            return flops
+            basis = PEAK_ENGINES.get(key)
+            return flops * engines / basis if basis and engines else flops
     return None
 
 
@@ -261,7 +270,7 @@ def peak_flops_per_device(
         if dtype not in _probe_cache:
             _probe_cache[dtype] = cpu_matmul_probe(dtype)
         return _probe_cache[dtype], "cpu-probe"
-    flops = lookup_peak_flops(platform.device_name)
+    flops = lookup_peak_flops(platform.device_name, platform.engines)
     if flops is not None:
         return flops, "table"
     if platform.device_name not in _warned_unknown:

@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def devices(monkeypatch):
     """Pretend torch sees `kind` devices: call it with kind in xpu | nvidia | rocm | cpu."""
 
-    def install(kind: str, count: int = 4, name: str = "", oneccl: bool = False):
+    def install(kind: str, count: int = 4, name: str = "", oneccl: bool = False, engines: int = 448):
         monkeypatch.setattr(torch.xpu, "is_available", lambda: kind == "xpu")
         monkeypatch.setattr(torch.xpu, "device_count", lambda: count if kind == "xpu" else 0)
         monkeypatch.setattr(torch.xpu, "get_device_name", lambda i=0: name)
+        properties = types.SimpleNamespace(name=name, gpu_eu_count=engines)  # what torch.xpu's properties hold
+        monkeypatch.setattr(torch.xpu, "get_device_properties", lambda i=0: properties)
         gpu = kind in ("nvidia", "rocm")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count if gpu else 0)
@@ -41,6 +43,7 @@ def test_auto_prefers_xpu_and_uses_xccl_without_oneccl(devices):
     p = plat.detect_platform(MachineConfig(), local_rank=7)
     assert (p.device_type, p.vendor, p.backend) == ("xpu", "intel", "xccl")
     assert p.device == torch.device("xpu", 7)
+    assert p.engines == 448 and plat.peak_flops_per_device(p, MachineConfig())[0] == pytest.approx(367.0e12, rel=1e-3)
 
 
 def test_xpu_uses_ccl_when_oneccl_bindings_import(devices):
@@ -114,6 +117,17 @@ def test_peak_table(name, flops):
     assert plat.peak_flops_per_device(p, MachineConfig()) == (flops, "table")
 
 
+@pytest.mark.parametrize(
+    "engines, flops",
+    [(448, 419.4e12 * 448 / 512), (512, 419.4e12), (896, 2 * 419.4e12 * 448 / 512), (None, 419.4e12)],
+    ids=["Aurora tile", "full tile", "Aurora card (COMPOSITE)", "engines unknown"],
+)
+def test_the_peak_counts_the_engines_the_device_has(engines, flops):
+    # Intel's figure is for a tile with all 512 engines; Aurora's have 448 active (ALCF's machine overview).
+    p = plat.Platform("xpu", "intel", torch.device("cpu"), "xccl", "Intel(R) Data Center GPU Max 1550", engines)
+    assert plat.peak_flops_per_device(p, MachineConfig()) == (pytest.approx(flops), "table")
+
+
 def test_peak_config_wins_and_unknown_is_zero(caplog):
     p = plat.Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "NVIDIA Mystery 9000")
     assert plat.peak_flops_per_device(p, MachineConfig(peak_flops=123e12)) == (123e12, "config")
@@ -147,7 +161,8 @@ def test_machine_recipes_match_the_schema(name):
     assert machine.ranks_per_node == expected
     if name in ("aurora", "frontier"):  # their peak is per device (tile / GCD), as in the table
         device_name = {"aurora": "Intel(R) Data Center GPU Max 1550", "frontier": "AMD Instinct MI250X"}[name]
-        assert machine.peak_flops == plat.lookup_peak_flops(device_name)
+        engines = {"aurora": 448, "frontier": None}[name]  # Aurora's tiles: 448 of 512 engines active
+        assert machine.peak_flops == pytest.approx(plat.lookup_peak_flops(device_name, engines), rel=1e-3)
         assert machine.memory_gb == 64
 
 

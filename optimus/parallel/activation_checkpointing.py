@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from optimus.config import ACTIVATION_CHECKPOINTING, ConfigError
+from optimus.config import ACTIVATION_CHECKPOINTING, ConfigError, ModelConfig
 from optimus.model import Transformer
 
 
@@ -44,22 +45,48 @@ def checkpoint_module(module: nn.Module) -> None:
     module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
+def recomputed_modules(block: nn.Module, mode: str) -> list[nn.Module]:
+    """The parts of one block whose forward the backward runs again under `mode` (see the module docstring)."""
+    if mode == "none":
+        return []
+    if mode == "full" and not block.is_moe:
+        return [block]
+    if mode == "selective":
+        return [block.attn]
+    return [m for m in (block.attn, block.ffn.experts, block.ffn.shared) if m is not None]
+
+
 def apply_activation_checkpointing(model: Transformer, mode: str) -> Transformer:
-    """Checkpoint the parts of every block that `mode` names (see the module docstring); in place."""
+    """Checkpoint the parts of every block that `mode` names (recomputed_modules); in place."""
+    check_mode(mode)
+    for block in model.layers.values():
+        for module in recomputed_modules(block, mode):
+            checkpoint_module(module)
+    return model
+
+
+def check_mode(mode: str) -> None:
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(
             f"train.activation_checkpointing={mode!r} is not supported: "
             f"set it to one of {', '.join(ACTIVATION_CHECKPOINTING)}."
         )
-    if mode == "none":
-        return model
+
+
+def recompute_flops_per_token(cfg: ModelConfig, mode: str, seq_len: int) -> float:
+    """The FLOPs per token the backward spends running forwards again under `mode`: 2 x the active matmul
+    parameters of recomputed_modules (a routed expert's share is top_k / n_experts of them) plus, where attention
+    is recomputed, its scores, 4 D S per layer (a third of flops_per_token's 12 L D S).
+
+    Added to flops_per_token it gives the hardware FLOPs of a step (HFU); optimus.perf.predict reports both."""
+    check_mode(mode)
+    with torch.device("meta"):
+        model = Transformer(cfg, kernels="torch")
+    flops = 0.0
     for block in model.layers.values():
-        if mode == "full" and not block.is_moe:
-            checkpoint_module(block)
-            continue
-        checkpoint_module(block.attn)
-        if mode == "full":
-            checkpoint_module(block.ffn.experts)
-            if block.ffn.shared is not None:
-                checkpoint_module(block.ffn.shared)
-    return model
+        for module in recomputed_modules(block, mode):
+            share = cfg.moe.top_k / cfg.moe.n_experts if module is getattr(block.ffn, "experts", None) else 1.0
+            flops += 2.0 * share * sum(p.numel() for p in module.parameters())
+            if module is block or module is block.attn:
+                flops += 4.0 * cfg.dim * seq_len
+    return flops

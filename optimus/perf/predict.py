@@ -13,7 +13,8 @@ first rank of the first, second and last pipeline ranks (the second stands for t
 
 Time split: compute, optimizer (its kernels), exposed communication by kind, pipeline bubble. Its parts add up
 to the step time of the rank that ends last. MFU counts the model's FLOPs (optimus.model.flops_per_token, as
-`optimus train` reports it) over the step time and the devices' bf16 peak.
+`optimus train` reports it) over the step time and the devices' bf16 peak; HFU adds the forward that activation
+checkpointing runs again (optimus.parallel.activation_checkpointing.recompute_flops_per_token).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from optimus.config import ConfigError, OptimusConfig
 from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
+from optimus.parallel.activation_checkpointing import recompute_flops_per_token
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
 from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
@@ -42,8 +44,11 @@ class Prediction:
     global_batch: int
     step_time_s: float
     tokens_per_s: float
-    tflops_per_device: float
-    mfu: float
+    tflops_per_device: float  # the model's FLOPs (flops_per_token) per second and device
+    mfu: float  # model FLOPs utilisation: flops_per_token, 6 N + 12 L D S, over the step and the devices' peak
+    # Hardware FLOPs utilisation: the model's FLOPs and the forward the backward runs again under
+    # train.activation_checkpointing (recompute_flops_per_token; Megatron's convention); = mfu without it.
+    hfu: float
     time_split: dict[str, float]  # seconds by part: compute, optimizer, exposed_<kind>, pipeline_bubble
     traced_ranks: list[int] = field(default_factory=list)
     # The machine model it was replayed on; without its operator times (their count is in its sources).
@@ -59,6 +64,7 @@ class Prediction:
     step_time_s_range: list[float] | None = None
     tokens_per_s_range: list[float] | None = None
     mfu_range: list[float] | None = None
+    hfu_range: list[float] | None = None
     corner_steps: list[float] | None = None  # [the step at the fast corner, at the slow corner]
 
     def as_dict(self) -> dict:
@@ -300,9 +306,10 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
     step, split = predict_from_traces(cfg, world, machine, traces)
     tokens = t.global_batch * t.seq_len
     model_flops = flops_per_token(count_params_of_config(cfg.model), cfg.model, t.seq_len) * tokens
+    hardware_flops = model_flops + recompute_flops_per_token(cfg.model, t.activation_checkpointing, t.seq_len) * tokens
 
-    def mfu(seconds: float) -> float:
-        return model_flops / seconds / world / machine.peak_flops
+    def utilisation(seconds: float, flops: float) -> float:
+        return flops / seconds / world / machine.peak_flops
 
     ranges = {}
     if machine.ranges:
@@ -310,12 +317,16 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
         # stages' costs are composed from per-layer means, which need not be, so the interval spans all three.
         ends = [predict_from_traces(cfg, world, machine.at_end(end), traces)[0] for end in ("fast", "slow")]
         fast, slow = min(*ends, step), max(*ends, step)
-        ranges = {"step_time_s_range": [fast, slow], "tokens_per_s_range": [tokens / slow, tokens / fast],
-                  "mfu_range": [mfu(slow), mfu(fast)], "corner_steps": ends}  # fmt: skip
+        ranges = {
+            "step_time_s_range": [fast, slow], "tokens_per_s_range": [tokens / slow, tokens / fast],
+            "mfu_range": [utilisation(slow, model_flops), utilisation(fast, model_flops)],
+            "hfu_range": [utilisation(slow, hardware_flops), utilisation(fast, hardware_flops)], "corner_steps": ends,
+        }  # fmt: skip
     nodes = world / machine.ranks_per_node if machine.ranks_per_node else None
     return Prediction(
         machine=machine.name, world=world, nodes=nodes, global_batch=t.global_batch, step_time_s=step,
-        tokens_per_s=tokens / step, tflops_per_device=model_flops / step / world / 1e12, mfu=mfu(step),
+        tokens_per_s=tokens / step, tflops_per_device=model_flops / step / world / 1e12,
+        mfu=utilisation(step, model_flops), hfu=utilisation(step, hardware_flops),
         time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
         machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
         **planned_fit(cfg, world), **ranges,
@@ -457,19 +468,30 @@ def format_prediction(pred: Prediction) -> list[str]:
         f"predicted step on {pred.machine} ({where}{pred.world} ranks, global batch {pred.global_batch}): "
         f"{pred.step_time_s:.3f} s, {pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_device:.1f} TFLOPS per "
         f"device, MFU {100 * pred.mfu:.1f}%",
+        f"  {utilisation_line(pred.mfu, pred.hfu)}",
         "  time split: " + ", ".join(f"{k} {v:.3f} s ({100 * v / pred.step_time_s:.0f}%)"
                                      for k, v in sorted(pred.time_split.items(), key=lambda kv: -kv[1]) if v > 0),
     ]  # fmt: skip
     if pred.step_time_s_range is None:
         lines.append(f"  interval: none (machine={pred.machine}'s numbers carry no ranges: machine.perf.ranges)")
         return lines
-    (fast, slow), (few, many), (low, high) = pred.step_time_s_range, pred.tokens_per_s_range, pred.mfu_range
+    (fast, slow), (few, many) = pred.step_time_s_range, pred.tokens_per_s_range
+    (low, high), (hw_low, hw_high) = pred.mfu_range, pred.hfu_range
     lines.append(
         f"  interval, low - likely - high (machine.perf.ranges at both ends, and the point): step {fast:.3f} - "
         f"{pred.step_time_s:.3f} - {slow:.3f} s, {few:,.0f} - {pred.tokens_per_s:,.0f} - {many:,.0f} tokens/s, "
         f"MFU {100 * low:.1f} - {100 * pred.mfu:.1f} - {100 * high:.1f}%"
+        + (f", HFU {100 * hw_low:.1f} - {100 * pred.hfu:.1f} - {100 * hw_high:.1f}%" if pred.hfu != pred.mfu else "")
     )
     return lines
+
+
+def utilisation_line(mfu: float, hfu: float) -> str:
+    """The two conventions, named: MFU counts the model's FLOPs, HFU those the hardware runs, recomputation too."""
+    model = f"MFU {100 * mfu:.1f}% counts the model's FLOPs (6 N + 12 L D S per token)"
+    if hfu == mfu:
+        return f"{model}; HFU, which adds the recomputed forward, is the same: nothing is recomputed"
+    return f"{model}; HFU {100 * hfu:.1f}% adds the forward that activation checkpointing runs again (Megatron's count)"
 
 
 def _percent(value: float, bounds: list[float] | None) -> str:

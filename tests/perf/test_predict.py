@@ -63,6 +63,28 @@ def test_scaling_across_node_counts(capsys):
     )
 
 
+def test_both_utilisation_conventions(capsys):
+    # MFU counts the model's FLOPs; HFU adds the forward the backward runs again (recompute_flops_per_token, checked
+    # against torch's FLOP counter in tests/train/test_activation_checkpointing.py). Same step, same denominators.
+    from optimus.model import count_params_of_config, flops_per_token
+    from optimus.parallel.activation_checkpointing import recompute_flops_per_token
+
+    base = ["--world", "8", "machine=frontier", *SMALL, "train.global_batch=16", "parallel.ep=4"]
+    plain = predict_json(capsys, *base)
+    assert plain["hfu"] == plain["mfu"] and plain["hfu_range"] == plain["mfu_range"]
+    full = predict_json(capsys, *base, "train.activation_checkpointing=full")
+    cfg = load_config([*SMALL, "train.activation_checkpointing=full"])
+    model = flops_per_token(count_params_of_config(cfg.model), cfg.model, 32)
+    ratio = 1 + recompute_flops_per_token(cfg.model, "full", 32) / model
+    assert ratio > 1.2
+    assert full["hfu"] == pytest.approx(full["mfu"] * ratio)
+    assert full["hfu_range"] == pytest.approx([m * ratio for m in full["mfu_range"]])
+    assert main(["plan", "--predict", *base, "train.activation_checkpointing=full"]) == 0
+    text = capsys.readouterr().out
+    assert f"HFU {100 * full['hfu']:.1f}% adds the forward that activation checkpointing runs again" in text
+    assert "MFU" in text and "counts the model's FLOPs" in text
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -93,7 +115,7 @@ def test_a_layout_that_does_not_fit_is_said_first_and_predicted_all_the_same(cap
     # in the text, the first line
     assert main(["plan", "--predict", "--world", "1", *layout[:-3], "machine.memory_gb=0.001"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-3].startswith("predicted step on frontier")
+    assert lines[0].startswith("DOES NOT FIT: world 1") and lines[-4].startswith("predicted step on frontier")
     assert lines[-1].startswith("  interval, low - likely - high (machine.perf.ranges at both ends, and the point)")
 
 

@@ -145,3 +145,41 @@ def test_expert_parallel_trajectory_is_unchanged(tmp_path, corpus_file):
     results = run_distributed(train_modes, 2, overrides, str(tmp_path), cache, timeout_s=300)
     assert results[1] is None
     assert_same_trajectory(results[0])
+
+
+def _step_flops(cfg: ModelConfig, mode: str, batch: int, seq_len: int) -> int:
+    """Matrix-product and attention FLOPs of one forward and backward, counted by torch's FLOP counter (the CPU's
+    attention and grouped GEMM priced by shape here: the counter has no formula for them), with torch's early
+    stop off so that a checkpointed module's whole forward runs again, as Megatron's convention counts it."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    aten = torch.ops.aten
+    by_shape = {
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *_, **__: sdpa_flop_count(q, k, v),
+        aten._grouped_mm: lambda a, b, *_, **__: 2 * a[0] * a[-1] * b[-1],  # [rows, K] x [experts, K, N]
+    }
+    model = rank_model(cfg, seed=0, activation_checkpointing=mode)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with set_checkpoint_early_stop(False), FlopCounterMode(display=False, custom_mapping=by_shape) as counter:
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return counter.get_total_flops()
+
+
+def test_recompute_flops_are_what_the_backward_runs_again():
+    """recompute_flops_per_token (the HFU's extra FLOPs) against the FLOPs a checkpointed step runs beyond an
+    uncheckpointed one: a dense block, MoE blocks with routed and shared experts, attention in each."""
+    from optimus.parallel.activation_checkpointing import recompute_flops_per_token
+
+    cfg = ModelConfig(
+        n_layers=3, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256, first_k_dense=1, qk_norm="none",
+        moe=MoEConfig(n_experts=8, top_k=2, expert_dim=96, n_shared_experts=1),
+    )  # fmt: skip
+    batch, seq_len = 2, 64
+    flops = {mode: _step_flops(cfg, mode, batch, seq_len) for mode in MODES}
+    for mode in MODES:
+        extra = flops[mode] - flops["none"]
+        # The formula counts the norms' weights as the model's FLOPs do (6 N): 2 x 2 D per token in the dense
+        # block under `full`, which the counter does not see (they multiply elementwise).
+        assert recompute_flops_per_token(cfg, mode, seq_len) * batch * seq_len == pytest.approx(extra, rel=1e-3), mode
+    assert flops["full"] > flops["selective"] > flops["none"]
