@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,11 +230,39 @@ def run_recipes(
         machine = machine_model(cfg.machine)
         pred = prediction_of(cfg, world, machine, traces)
         effects = range_effects(cfg, world, machine, traces)
-        new_row = {"layout": name, "nodes": nodes, **pred.as_dict(), "range_effects": effects}
+        algorithms = collective_algorithms(machine, traces)
+        without = steps_without(cfg, world, machine, traces)
+        new_row = {"layout": name, "nodes": nodes, **pred.as_dict(), "range_effects": effects,
+                   "collective_algorithms": algorithms, "step_time_s_without": without}  # fmt: skip
         rows = [row for row in rows if row["layout"] != name] + [new_row]
         place = {layout: i for i, (layout, _, _) in enumerate(LAYOUTS)}  # rows in the table's order
         rows.sort(key=lambda row: place.get(row["layout"], len(place)))
         results.write_text(json.dumps(rows, indent=1))
+
+
+def steps_without(cfg, world: int, machine: MachineModel, traces: dict) -> dict[str, float]:
+    """The step at the recipe's numbers without one of the model's parts: the library's algorithms (every
+    collective a flat ring, as gloo runs them) or the wait for the slowest rank."""
+    from optimus.perf.predict import predict_from_traces
+
+    plain = machine.with_values(ranges={})
+    return {
+        "vendor_algorithms": predict_from_traces(cfg, world, plain.with_values(library="ring"), traces)[0],
+        "stragglers": predict_from_traces(cfg, world, plain.with_values(rank_variability=0.0), traces)[0],
+    }
+
+
+def collective_algorithms(machine: MachineModel, traces: dict) -> dict[str, dict[str, int]]:
+    """Per collective operation of the traced ranks, how many calls each algorithm takes: the choice of the
+    machine's library (optimus.perf.collectives), at the recipe's numbers."""
+    from optimus.perf.costs import collective_cost
+
+    tally = defaultdict(Counter)
+    for trace in traces.values():
+        for event in trace["events"]:
+            if event["e"] == "comm":
+                tally[event["call"]["op"]][collective_cost(machine, event["call"], trace["rank"])[0]] += 1
+    return {op: dict(sorted(counts.items())) for op, counts in sorted(tally.items())}
 
 
 def range_effects(cfg, world: int, machine: MachineModel, traces: dict) -> dict[str, list[float]]:
@@ -426,18 +455,38 @@ def print_mfu_intervals(out: Path) -> None:
 
 
 def print_interval_table(out: Path, name: str = "_device") -> None:
-    """The recipes' predictions with their intervals (predict_recipes<name>.json), and the published MFU where a
-    study measured that layout's size."""
+    """The recipes' predictions with their intervals (predict_recipes<name>.json), and the published figure where
+    a study measured that layout's size, against the HFU interval (the study's count, print_mfu_intervals)."""
     published = {(recipe, nodes): mfu for recipe, nodes, mfu in PUBLISHED_MFU}
-    print("| layout | devices | step s: fast - likely - slow | MFU: low - likely - high | published MFU | "
-          "published against the interval |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| layout | devices | step s: fast - likely - slow | MFU: low - likely - high | HFU: low - likely - high | "
+          "published | published against the HFU interval |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
-        (fast, slow), (low, high) = r["step_time_s_range"], r["mfu_range"]
+        (fast, slow), (low, high), (hw_low, hw_high) = r["step_time_s_range"], r["mfu_range"], r["hfu_range"]
         mfu = published.get((r["layout"], r["nodes"]))
-        against = "- | -" if mfu is None else f"{100 * mfu:.2f}% | {verdict(mfu, [low, high])}"
+        against = "- | -" if mfu is None else f"{100 * mfu:.2f}% | {verdict(mfu, [hw_low, hw_high])}"
         print(f"| {r['layout']} | {r['world']} | {fast:.2f} - {r['step_time_s']:.2f} - {slow:.2f} | "
-              f"{100 * low:.1f} - {100 * r['mfu']:.1f} - {100 * high:.1f}% | {against} |")  # fmt: skip
+              f"{100 * low:.1f} - {100 * r['mfu']:.1f} - {100 * high:.1f}% | "
+              f"{100 * hw_low:.1f} - {100 * r['hfu']:.1f} - {100 * hw_high:.1f}% | {against} |")  # fmt: skip
+
+
+def print_algorithm_table(out: Path, name: str = "_device") -> None:
+    """Per recipe, the step with every collective a flat ring against the library's algorithms, which ones its
+    collectives take, and the wait for the slowest rank (predict_recipes<name>.json)."""
+    print("| layout | library | step s, flat rings | step s, the library's algorithms | change | algorithms taken "
+          "(calls of the traced ranks) | stragglers' wait |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
+        without, step = r["step_time_s_without"], r["step_time_s"]
+        flat, library = without["vendor_algorithms"], r["machine_numbers"]["library"]
+        taken = "; ".join(
+            f"{op.replace('_', '-')} " + ", ".join(f"{algo} {n}" for algo, n in counts.items())
+            for op, counts in r["collective_algorithms"].items()
+            if op in ("all_reduce", "all_gather", "reduce_scatter")
+        )
+        wait = step - without["stragglers"]
+        print(f"| {r['layout']} | {library} | {flat:.2f} | {step:.2f} | {100 * (step / flat - 1):+.1f}% | {taken} | "
+              f"{wait:.3f} s ({100 * wait / step:.1f}%) |")  # fmt: skip
 
 
 def print_width_table(out: Path, name: str = "_device") -> None:
@@ -495,6 +544,8 @@ def main() -> None:
         print_interval_table(out)
         print()
         print_width_table(out)
+        print()
+        print_algorithm_table(out)
         print()
         print_scaling_device_table(out)
     elif args.what == "recipes":

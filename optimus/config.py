@@ -87,6 +87,9 @@ class MachinePerfConfig:
     nic_gbs: float | None = None  # one NIC
     nics_per_node: int | None = None
     network_latency_us: float | None = None
+    # A rank's step time varies about its mean by this fraction (a coefficient of variation), independently of
+    # the others'; a synchronous step waits for the slowest rank (optimus.perf.stragglers). Null: none.
+    rank_variability: float | None = None
     # The range of each number above that is not a count, as {key: [low, high]}, holding its value: a measured
     # number a narrow one, an assumed one a wide one (the recipe says why beside each). `optimus plan --predict`
     # reports the step at both ends (optimus.perf.machine). A number without a range is taken as exact.
@@ -96,7 +99,7 @@ class MachinePerfConfig:
 # The machine.perf numbers that may carry a range: all but the counts (devices per package, NICs per node).
 RANGED_PERF_KEYS = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth_gbs",
                     "kernel_floor_us", "package_gbs", "package_latency_us", "node_gbs", "node_latency_us", "nic_gbs",
-                    "network_latency_us")  # fmt: skip
+                    "network_latency_us", "rank_variability")  # fmt: skip
 
 
 @dataclass
@@ -468,6 +471,8 @@ def _check_perf_range(perf: MachinePerfConfig, key: str, bounds: Any) -> None:
         raise ConfigError(f"{name}={bounds} must be [low, high] with 0 < low <= high.")
     if key.endswith("efficiency") and bounds[1] > 1:
         raise ConfigError(f"{name}={list(bounds)} is a range of fractions of the peak: keep it within (0, 1].")
+    if key == "rank_variability" and bounds[1] >= 1:
+        raise ConfigError(f"{name}={list(bounds)} is a range of fractions of a step: keep it below 1.")
     value = getattr(perf, key)
     if key == "package_latency_us" and perf.package_gbs is None:
         raise ConfigError(
@@ -499,6 +504,11 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     for key in ("gemm_efficiency", "attention_efficiency"):
         if (getattr(m.perf, key) or 0) > 1:
             raise ConfigError(f"machine.perf.{key}={getattr(m.perf, key)} is a fraction of the peak: use (0, 1].")
+    if (m.perf.rank_variability or 0) >= 1:
+        raise ConfigError(
+            f"machine.perf.rank_variability={m.perf.rank_variability} is a fraction of a rank's step time: use one "
+            "below 1 (0.01 for 1%), or null for none."
+        )
     if m.name == "local" and m.perf.ranges:
         raise ConfigError(
             "machine=local measures its numbers here and takes no machine.perf.ranges: remove them, or predict "

@@ -74,11 +74,13 @@ def check_mode(mode: str) -> None:
 
 
 def recompute_flops_per_token(cfg: ModelConfig, mode: str, seq_len: int) -> float:
-    """The FLOPs per token the backward spends running forwards again under `mode`: 2 x the active matmul
+    """The FLOPs per token of the forwards the backward runs again under `mode`: 2 x the active matmul
     parameters of recomputed_modules (a routed expert's share is top_k / n_experts of them) plus, where attention
     is recomputed, its scores, 4 D S per layer (a third of flops_per_token's 12 L D S).
 
-    Added to flops_per_token it gives the hardware FLOPs of a step (HFU); optimus.perf.predict reports both."""
+    Added to flops_per_token it gives a step's hardware FLOPs (HFU) as Megatron-DeepSpeed counts them: each
+    recomputed module's whole forward. torch's non-reentrant checkpoint stops once the backward has what it needs
+    (its early stop), so a module's last product may not run again and the hardware does a little less."""
     check_mode(mode)
     with torch.device("meta"):
         model = Transformer(cfg, kernels="torch")

@@ -7,20 +7,20 @@ machine's kernel floor (launch). Where the host runs in series with the kernels 
 costs the host's time per operator. An operator timed on the machine itself (machine=local times every
 operator of the traced step, optimus.perf.op_timing) takes its measured time instead, host time included.
 
-A collective: the algorithm the vendor libraries use at large sizes, on the slowest link class its group
-spans. Rings for all-reduce, all-gather and reduce-scatter move (n - 1) / n of the buffer per rank (twice for
-all-reduce); an all-to-all sends every peer its rows at once; a send is one message. A group that spans nodes
-shares the node's NICs with the other groups of the node doing the same collective at the same time (every
-data-parallel group of a step reduces at once), so it gets `nics x nic bandwidth x (its members on the node) /
-(ranks on the node)`. Latency: the ring's steps for all-gather and reduce-scatter, a tree's for all-reduce
-(2 log2 n: the libraries switch to trees where latency dominates), one message for the rest.
+A collective: all-reduce, all-gather and reduce-scatter as the machine's library runs them
+(optimus.perf.collectives: NCCL's and RCCL's ring, tree and PAT, oneCCL's hierarchical phases, gloo's
+ring), on the links the group's placement gives. A group that spans nodes shares the node's NICs with the
+other groups of the node doing the same collective at the same time (every data-parallel group of a step
+reduces at once), so it gets `nics x nic bandwidth x (its members on the node) / (ranks on the node)`. An
+all-to-all sends every peer its rows at once, each link class at its bandwidth; a send is one message.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 
+from optimus.perf.collectives import Placement, chosen, ring
 from optimus.perf.machine import Link, MachineModel
 
 
@@ -67,11 +67,16 @@ def effective_link(machine: MachineModel, ranks: list[int]) -> Link:
     link = group_link(machine, ranks)
     if link != "network":
         return machine.package if link == "package" else machine.node
-    per_node = Counter(r // machine.ranks_per_node for r in ranks)
-    members_here = max(per_node.values())
-    share = machine.nics_per_node * machine.network.bandwidth * members_here / machine.ranks_per_node
-    if members_here > 1:  # a ring also crosses the node's own links between its members there
-        share = min(share, machine.node.bandwidth)
+    members = defaultdict(list)
+    for r in ranks:
+        members[r // machine.ranks_per_node].append(r)
+    # The node with the fewest members paces the ring: its share of the NICs is the smallest.
+    fewest = min(len(here) for here in members.values())
+    share = machine.nics_per_node * machine.network.bandwidth * fewest / machine.ranks_per_node
+    busiest = max(members.values(), key=len)
+    if len(busiest) > 1:  # a ring also crosses the links between its members inside a node
+        inner = group_link(machine, busiest)
+        share = min(share, (machine.package if inner == "package" else machine.node).bandwidth)
     return Link(bandwidth=share, latency=machine.network.latency)
 
 
@@ -94,26 +99,47 @@ def _all_to_all_time(machine: MachineModel, call: dict, rank: int) -> float:
     return max(times) + latency
 
 
+def placement(machine: MachineModel, ranks: list[int]) -> Placement:
+    """Where a group's ranks sit (nodes, members on the busiest node) and the links its algorithms run on."""
+    members = defaultdict(list)
+    for r in ranks:
+        members[r // machine.ranks_per_node].append(r)
+    inner = max((group_link(machine, here) for here in members.values()), key=_ORDER.__getitem__)
+    inner_link = machine.package if inner == "package" else machine.node
+    flat = effective_link(machine, ranks)
+    counts = {len(here) for here in members.values()}
+    return Placement(
+        ranks=len(ranks), nodes=len(members), per_node=max(counts), even=len(counts) == 1,
+        bandwidth=flat.bandwidth, inner_bandwidth=inner_link.bandwidth, inner_latency=inner_link.latency,
+        network_latency=machine.network.latency if len(members) > 1 else flat.latency,
+        nic_share=machine.nics_per_node * machine.network.bandwidth / machine.ranks_per_node,
+    )  # fmt: skip
+
+
 def collective_time(machine: MachineModel, call: dict, rank: int) -> float:
     """Seconds of one collective that `rank` issues (optimus.parallel.collective_trace's record) on `machine`."""
+    return collective_cost(machine, call, rank)[1]
+
+
+def collective_cost(machine: MachineModel, call: dict, rank: int) -> tuple[str, float]:
+    """(algorithm, seconds) of one collective: for all-reduce, all-gather and reduce-scatter the one the machine's
+    library chooses (optimus.perf.collectives), for the rest their one way."""
     op, ranks, size = call["op"], call["ranks"], call["bytes"]
     n = len(ranks)
     if n <= 1:
-        return 0.0
+        return "none", 0.0
     if op == "all_to_all":
-        return _all_to_all_time(machine, call, rank)
+        return "direct", _all_to_all_time(machine, call, rank)
+    if op in ("all_reduce", "all_gather", "reduce_scatter"):  # all-gather's bytes are this rank's shard
+        return chosen(machine.library, op, size, placement(machine, ranks))
+    if op in ("gather", "scatter"):
+        return "ring", ring("all_gather" if op == "gather" else "reduce_scatter", size, placement(machine, ranks))
     link = effective_link(machine, ranks)
     bw, lat = link.bandwidth, link.latency
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * size / bw + 2 * math.ceil(math.log2(n)) * lat
-    if op in ("all_gather", "gather"):  # the record's bytes are this rank's shard
-        return (n - 1) * size / bw + (n - 1) * lat
-    if op in ("reduce_scatter", "scatter"):  # ... the whole buffer
-        return (n - 1) / n * size / bw + (n - 1) * lat
     if op in ("send", "recv"):
-        return size / bw + lat
+        return "direct", size / bw + lat
     if op in ("broadcast", "reduce"):
-        return size / bw + math.ceil(math.log2(n)) * lat
+        return "tree", size / bw + math.ceil(math.log2(n)) * lat
     if op == "barrier":
-        return 2 * math.ceil(math.log2(n)) * lat
+        return "tree", 2 * math.ceil(math.log2(n)) * lat
     raise ValueError(f"no cost model for collective {op!r}")

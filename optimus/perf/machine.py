@@ -30,6 +30,7 @@ from functools import partial
 import torch
 
 from optimus.config import ConfigError, MachineConfig, MachinePerfConfig
+from optimus.perf.collectives import library_of, ring_steps
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ LINKS = ("package", "node", "network")
 # its step is too: the two ends of MachineModel.at_end bound it over every combination inside the ranges.
 FASTER_WHEN_HIGHER = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth",
                       "package.bandwidth", "node.bandwidth", "network.bandwidth")  # fmt: skip
-SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency")
+SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency", "rank_variability")
 
 # machine.perf.<key> (optimus.config.RANGED_PERF_KEYS) -> (the number's name in the model, the unit's scale).
 _MODEL_NUMBER = {
@@ -55,7 +56,7 @@ _MODEL_NUMBER = {
     "kernel_floor_us": ("kernel_floor", 1e-6), "package_gbs": ("package.bandwidth", 1e9),
     "package_latency_us": ("package.latency", 1e-6), "node_gbs": ("node.bandwidth", 1e9),
     "node_latency_us": ("node.latency", 1e-6), "nic_gbs": ("network.bandwidth", 1e9),
-    "network_latency_us": ("network.latency", 1e-6),
+    "network_latency_us": ("network.latency", 1e-6), "rank_variability": ("rank_variability", 1.0),
 }  # fmt: skip
 
 
@@ -74,6 +75,9 @@ class MachineModel:
     node: Link
     network: Link  # one NIC
     nics_per_node: int
+    # The collective library its ranks use, which chooses each collective's algorithm (optimus.perf.collectives).
+    library: str = "ring"
+    rank_variability: float = 0.0  # a rank's step time's coefficient of variation (optimus.perf.stragglers)
     host_op: float = 0.0  # seconds of host time per kernel, in series with it (CPU devices); 0 for GPUs
     host_view: float = 0.0  # ... per view or allocation
     # Measured (bytes moved, bytes/s) of elementwise kernels by size, where caches make small kernels faster
@@ -170,6 +174,8 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
         node=node,
         network=Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6),
         nics_per_node=p.nics_per_node,
+        library=library_of(machine.device, machine.backend),
+        rank_variability=p.rank_variability or 0.0,
         sources={"recipe": f"recipes/machine/{machine.name}.yaml"},
         ranges=model_ranges(p),
     )
@@ -423,8 +429,8 @@ def measure_gloo(world: int = 2) -> Link:
         init = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, sizes, results)) for r in range(world)]
         ((small, large),) = _results_of(procs, results, count=1)  # rank 0's
-    # As optimus.perf.costs prices an all-reduce: 2 ceil(log2 n) latencies and 2 (n - 1) / n of the buffer.
-    latency = small / (2 * math.ceil(math.log2(world)))
+    # As optimus.perf.costs prices an all-reduce on gloo: a ring's steps, and 2 (n - 1) / n of the buffer.
+    latency = small / ring_steps("all_reduce", world)
     volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
     return Link(bandwidth=volume / max(large - small, 1e-9), latency=latency)
 

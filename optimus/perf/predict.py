@@ -34,6 +34,7 @@ from optimus.perf.costs import collective_time
 from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
 from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
 from optimus.perf.step_trace import StepTrace
+from optimus.perf.stragglers import straggler_wait
 
 
 @dataclass
@@ -46,8 +47,8 @@ class Prediction:
     tokens_per_s: float
     tflops_per_device: float  # the model's FLOPs (flops_per_token) per second and device
     mfu: float  # model FLOPs utilisation: flops_per_token, 6 N + 12 L D S, over the step and the devices' peak
-    # Hardware FLOPs utilisation: the model's FLOPs and the forward the backward runs again under
-    # train.activation_checkpointing (recompute_flops_per_token; Megatron's convention); = mfu without it.
+    # Hardware FLOPs utilisation: the model's FLOPs and the whole forward of what train.activation_checkpointing
+    # recomputes (recompute_flops_per_token; Megatron-DeepSpeed's count); = mfu without it.
     hfu: float
     time_split: dict[str, float]  # seconds by part: compute, optimizer, exposed_<kind>, pipeline_bubble
     traced_ranks: list[int] = field(default_factory=list)
@@ -80,20 +81,26 @@ def _flat_split(split: Counter) -> dict[str, float]:
     """Stream split keys as the prediction names them: compute, optimizer, exposed_<kind>."""
     out = {}
     for key, seconds in split.items():
-        out[key if key in ("compute", "optimizer", "pipeline_bubble") else f"exposed_{key}"] = seconds
+        out[key if key in ("compute", "optimizer", "pipeline_bubble", "stragglers") else f"exposed_{key}"] = seconds
     return out
 
 
 def predict_from_traces(
     cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]
 ) -> tuple[float, Counter]:
-    """(step seconds, split) from dry-run results by pipeline rank (each with `events` and `schedule`)."""
+    """(step seconds, split) from dry-run results by pipeline rank (each with `events` and `schedule`): the traced
+    step replayed, and the wait for the slowest of the world's ranks (optimus.perf.stragglers)."""
     p = cfg.parallel
     if p.pp == 1:
         stream = Stream(machine, traces[0]["rank"], p.tp).run(traces[0]["events"])
         stream.drain()
-        return stream.t, stream.split
-    return _pipeline_step(cfg, world, machine, traces)
+        step, split = stream.t, stream.split
+    else:
+        step, split = _pipeline_step(cfg, world, machine, traces)
+    wait = straggler_wait(step, machine.rank_variability, world)
+    if wait:
+        split["stragglers"] += wait
+    return step + wait, split
 
 
 def _place_class(place: str, moe_ids: set[int]) -> str:
@@ -487,11 +494,16 @@ def format_prediction(pred: Prediction) -> list[str]:
 
 
 def utilisation_line(mfu: float, hfu: float) -> str:
-    """The two conventions, named: MFU counts the model's FLOPs, HFU those the hardware runs, recomputation too."""
+    """The two conventions, named: MFU counts the model's FLOPs; HFU adds the whole forward of every module that
+    activation checkpointing recomputes, as Megatron-DeepSpeed's logged TFLOPS do (torch's early stop may skip
+    a module's last product, so the hardware can run a little less)."""
     model = f"MFU {100 * mfu:.1f}% counts the model's FLOPs (6 N + 12 L D S per token)"
     if hfu == mfu:
         return f"{model}; HFU, which adds the recomputed forward, is the same: nothing is recomputed"
-    return f"{model}; HFU {100 * hfu:.1f}% adds the forward that activation checkpointing runs again (Megatron's count)"
+    return (
+        f"{model}; HFU {100 * hfu:.1f}% adds the forward that activation checkpointing runs again "
+        "(Megatron-DeepSpeed's count)"
+    )
 
 
 def _percent(value: float, bounds: list[float] | None) -> str:

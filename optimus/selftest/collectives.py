@@ -10,13 +10,13 @@ Bus bandwidth is nccl-tests' convention, what one rank's link carries: an all-re
 2 (n - 1) / n S per rank, an all-gather (S the gathered output), a reduce-scatter (S its input) and an
 all-to-all (S sent) (n - 1) / n S, a send to the next rank S. The node's link for the performance model
 (machine.perf.node_gbs, node_latency_us) is fitted to the all-reduce at the smallest and the largest size as
-optimus.perf.costs prices an all-reduce (2 (n - 1) / n of the buffer at the link's bandwidth, 2 ceil(log2 n)
-latencies), as optimus.perf.machine.measure_gloo fits gloo's for machine=local.
+optimus.perf.costs prices an all-reduce inside a node (a ring: 2 (n - 1) / n of the buffer at the link's
+bandwidth, 2 (n - 1) latencies, optimus.perf.collectives), as optimus.perf.machine.measure_gloo fits gloo's
+for machine=local.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from optimus.config import TORCH_DTYPES
 from optimus.parallel import collective_check as cc
 from optimus.parallel.collectives import _all_gather_tensor, reduce_scatter_sum
+from optimus.perf.collectives import ring_steps
 from optimus.selftest.rates import median_seconds
 
 KIB, MIB = 2**10, 2**20
@@ -174,7 +175,7 @@ def fit_node_link(n: int, sizes, seconds: list[float]) -> dict | None:
     if n < 2:
         return None
     moved = 2 * (n - 1) / n
-    steps = 2 * math.ceil(math.log2(n))
+    steps = ring_steps("all_reduce", n)
     if seconds[-1] > seconds[0]:
         bandwidth = moved * (sizes[-1] - sizes[0]) / (seconds[-1] - seconds[0])
     else:

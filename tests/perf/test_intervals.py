@@ -118,6 +118,8 @@ def test_the_interval_holds_every_machine_inside_the_ranges(pp):
         ("machine=nvidia +machine.perf.ranges.package_latency_us=[30,40]", "without machine.perf.package_gbs"),
         ("machine.perf.peak_flops_fp32=null +machine.perf.ranges.peak_flops_fp32=[1e13,5e13]", "a quarter of"),
         ("machine=local +machine.perf.ranges.gemm_efficiency=[0.1,0.2]", "machine=local measures its numbers"),
+        ("machine.perf.ranges.rank_variability=[0.005,1.5]", "keep it below 1"),
+        ("machine.perf.rank_variability=1.5", "a fraction of a rank's step time"),
     ],
 )
 def test_ranges_that_make_no_sense_are_refused(capsys, override, words):

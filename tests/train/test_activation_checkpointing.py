@@ -166,9 +166,10 @@ def _step_flops(cfg: ModelConfig, mode: str, batch: int, seq_len: int) -> int:
     return counter.get_total_flops()
 
 
-def test_recompute_flops_are_what_the_backward_runs_again():
+def test_recompute_flops_are_the_recomputed_modules_whole_forward():
     """recompute_flops_per_token (the HFU's extra FLOPs) against the FLOPs a checkpointed step runs beyond an
-    uncheckpointed one: a dense block, MoE blocks with routed and shared experts, attention in each."""
+    uncheckpointed one with torch's early stop off (Megatron-DeepSpeed's count: every recomputed module's whole
+    forward): a dense block, MoE blocks with routed and shared experts, attention in each."""
     from optimus.parallel.activation_checkpointing import recompute_flops_per_token
 
     cfg = ModelConfig(
