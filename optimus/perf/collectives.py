@@ -42,7 +42,6 @@ ALGORITHMS = {
     "oneccl": {"all_reduce": ("hierarchical",), "all_gather": ("hierarchical",), "reduce_scatter": ("hierarchical",)},
     "ring": {"all_reduce": ("ring",), "all_gather": ("ring",), "reduce_scatter": ("ring",)},
 }
-LIBRARIES = tuple(ALGORITHMS)
 PAT_BANDWIDTH_SHARE = 0.75  # NCCL's model: PAT's bus bandwidth is 0.75 of the ring's
 PAT_LATENCY_PER_RANK = 2.8e-6  # NCCL's model: seconds per rank, PAT's "still a linear part"
 PAT_LOG_LATENCY_SHARE = 1 / 3.5  # NCCL's model: PAT's network latency per log2 step
@@ -82,8 +81,10 @@ def ring(op: str, size: float, p: Placement) -> float:
     steps, crossing = ring_steps(op, n), ring_steps(op, p.nodes)  # the steps that cross nodes: as if one per node
     if op == "all_reduce":
         moved = 2 * (n - 1) / n * size
+    elif op == "all_gather":
+        moved = (n - 1) * size
     else:
-        moved = (n - 1) * size if op == "all_gather" else (n - 1) / n * size
+        moved = (n - 1) / n * size
     return moved / p.bandwidth + (steps - crossing) * p.inner_latency + crossing * p.network_latency
 
 
@@ -130,13 +131,8 @@ def hierarchical(op: str, size: float, p: Placement) -> float:
 _COST = {"ring": ring, "tree": tree, "pat": pat, "hierarchical": hierarchical}
 
 
-def algorithm_times(library: str, op: str, size: float, p: Placement) -> dict[str, float]:
-    """Seconds of each algorithm `library` may run for `op` on this placement (those that apply)."""
-    times = {name: _COST[name](op, size, p) for name in ALGORITHMS[library][op]}
-    return {name: t for name, t in times.items() if t is not None}
-
-
 def chosen(library: str, op: str, size: float, p: Placement) -> tuple[str, float]:
-    """(algorithm, seconds): the cheapest that applies, as NCCL's and RCCL's tuners choose; oneCCL and a ring
-    have one each."""
-    return min(algorithm_times(library, op, size, p).items(), key=lambda item: item[1])
+    """(algorithm, seconds): the cheapest of those `library` may run for `op` that apply to this placement, as
+    NCCL's and RCCL's tuners choose; oneCCL and a ring have one each."""
+    times = {name: _COST[name](op, size, p) for name in ALGORITHMS[library][op]}
+    return min(((name, t) for name, t in times.items() if t is not None), key=lambda item: item[1])

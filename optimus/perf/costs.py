@@ -62,22 +62,30 @@ def group_link(machine: MachineModel, ranks: list[int]) -> str:
     return max((_link_between(machine, ranks[0], r) for r in ranks[1:]), key=_ORDER.__getitem__, default="package")
 
 
-def effective_link(machine: MachineModel, ranks: list[int]) -> Link:
-    """The bandwidth a group's collective gets per rank, and its latency per step."""
-    link = group_link(machine, ranks)
-    if link != "network":
-        return machine.package if link == "package" else machine.node
+def _members_by_node(machine: MachineModel, ranks: list[int]) -> list[list[int]]:
+    """A group's ranks, by the node they sit on."""
     members = defaultdict(list)
     for r in ranks:
         members[r // machine.ranks_per_node].append(r)
+    return list(members.values())
+
+
+def _flat_link(machine: MachineModel, by_node: list[list[int]]) -> Link:
+    """The bandwidth per rank and the latency per step of a flat algorithm over a group (by node)."""
+    if len(by_node) == 1:
+        return getattr(machine, group_link(machine, by_node[0]))
     # The node with the fewest members paces the ring: its share of the NICs is the smallest.
-    fewest = min(len(here) for here in members.values())
+    fewest = min(len(here) for here in by_node)
     share = machine.nics_per_node * machine.network.bandwidth * fewest / machine.ranks_per_node
-    busiest = max(members.values(), key=len)
+    busiest = max(by_node, key=len)
     if len(busiest) > 1:  # a ring also crosses the links between its members inside a node
-        inner = group_link(machine, busiest)
-        share = min(share, (machine.package if inner == "package" else machine.node).bandwidth)
+        share = min(share, getattr(machine, group_link(machine, busiest)).bandwidth)
     return Link(bandwidth=share, latency=machine.network.latency)
+
+
+def effective_link(machine: MachineModel, ranks: list[int]) -> Link:
+    """The bandwidth a group's collective gets per rank, and its latency per step."""
+    return _flat_link(machine, _members_by_node(machine, ranks))
 
 
 def _all_to_all_time(machine: MachineModel, call: dict, rank: int) -> float:
@@ -101,17 +109,14 @@ def _all_to_all_time(machine: MachineModel, call: dict, rank: int) -> float:
 
 def placement(machine: MachineModel, ranks: list[int]) -> Placement:
     """Where a group's ranks sit (nodes, members on the busiest node) and the links its algorithms run on."""
-    members = defaultdict(list)
-    for r in ranks:
-        members[r // machine.ranks_per_node].append(r)
-    inner = max((group_link(machine, here) for here in members.values()), key=_ORDER.__getitem__)
-    inner_link = machine.package if inner == "package" else machine.node
-    flat = effective_link(machine, ranks)
-    counts = {len(here) for here in members.values()}
+    by_node = _members_by_node(machine, ranks)
+    inner = getattr(machine, max((group_link(machine, here) for here in by_node), key=_ORDER.__getitem__))
+    flat = _flat_link(machine, by_node)
+    counts = {len(here) for here in by_node}
     return Placement(
-        ranks=len(ranks), nodes=len(members), per_node=max(counts), even=len(counts) == 1,
-        bandwidth=flat.bandwidth, inner_bandwidth=inner_link.bandwidth, inner_latency=inner_link.latency,
-        network_latency=machine.network.latency if len(members) > 1 else flat.latency,
+        ranks=len(ranks), nodes=len(by_node), per_node=max(counts), even=len(counts) == 1,
+        bandwidth=flat.bandwidth, inner_bandwidth=inner.bandwidth, inner_latency=inner.latency,
+        network_latency=machine.network.latency if len(by_node) > 1 else flat.latency,
         nic_share=machine.nics_per_node * machine.network.bandwidth / machine.ranks_per_node,
     )  # fmt: skip
 
