@@ -1,9 +1,9 @@
 """The performance model (`optimus plan --predict`) against measured and published step times.
 
-    python benchmarks/predict.py local [--out benchmarks/results]
-        real `optimus train` runs on this machine (gloo, 1 and 2 processes, several layouts) beside the
-        prediction for each from the `local` machine model, measured in the same run:
-        predict_local.{md,json}
+    python benchmarks/predict.py local [--repeats 3] [--out benchmarks/results]
+        real `optimus train` runs on this machine (gloo, 1 and 2 processes, several layouts), each layout's
+        prediction from the `local` machine model measured between two of its runs, every layout --repeats
+        times: predict_local.{md,json}
     python benchmarks/predict.py studies [--out benchmarks/results] [--cache DIR]
         the Frontier study's 22B / 175B / 1T figures and the Aurora MoE study's 220B-A10B scaling beside the
         predictions for the experiment recipes, and a sensitivity table (each machine number halved and
@@ -19,12 +19,16 @@
     python benchmarks/predict.py scaling --only RECIPE ... [--out benchmarks/results] [--cache DIR]
         the published scaling series of those recipes (PUBLISHED_SCALING), traced on the recipes' device path,
         with each efficiency's range: predict_scaling_device.json
+    python benchmarks/predict.py alltoall [--out benchmarks/results] [--cache DIR]
+        the 220B-A10B with its expert-parallel group inside a node and across nodes, on each library's machine:
+        the step, its exposed expert exchange and the all-to-all's batches of rounds:
+        predict_all_to_all_device.json
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from its JSON files (its text is written by hand
         around them)
 
 The local runs are timed one after another on an otherwise idle machine; each `optimus train` step time is the
-median of its steps after the first three.
+median of its steps after the first three, and each prediction is made between two runs of its layout.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -92,47 +98,126 @@ def roofline_step(nproc: int, overrides: list[str], imbalance: float, machine_nu
     return prediction_of(cfg, nproc, machine, trace_step(cfg, nproc, imbalance, progress="none")).step_time_s
 
 
-def run_local(out: Path) -> None:
-    rows = []
-    for label, nproc, layout in LOCAL_LAYOUTS:
-        overrides = [*ADAMW, *layout]
-        measured, imbalance = measured_step(nproc, overrides)
-        predicted = predicted_step(nproc, overrides, imbalance)
-        uniform = predicted_step(nproc, overrides)["step_time_s"]
-        roofline = roofline_step(nproc, overrides, imbalance, predicted["machine_numbers"])
-        rows.append({"layout": label, "nproc": nproc, "overrides": layout, "measured_s": measured,
-                     "imbalance": imbalance, "predicted_s": predicted["step_time_s"],
-                     "time_split": predicted["time_split"], "error": predicted["step_time_s"] / measured - 1,
-                     "uniform_s": uniform, "uniform_error": uniform / measured - 1,
-                     "roofline_s": roofline, "roofline_error": roofline / measured - 1,
-                     "machine_numbers": predicted["machine_numbers"]})  # fmt: skip
-        print(f"{label}: measured {measured:.3f} s (imbalance {imbalance:.2f}), predicted "
-              f"{predicted['step_time_s']:.3f} s (uniform routing {uniform:.3f} s, roofline only {roofline:.3f} s)",
-              flush=True)  # fmt: skip
+def _sync_rank(rank: int, init_file: str, segment_s: float, results) -> None:
+    """One of two gloo ranks: 100 segments of matrix products alone, then 100 each followed by a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    a = torch.randn(256, 256)
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        a @ a
+        count += 1
+    reps = torch.tensor([max(1, int(segment_s * count / (time.perf_counter() - start)))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on both ranks
+    per_mode = {}
+    for mode in ("alone", "synced"):
+        dist.barrier()
+        start, work = time.perf_counter(), 0.0
+        for _ in range(100):
+            t = time.perf_counter()
+            for _ in range(int(reps)):
+                a @ a
+            work += time.perf_counter() - t
+            if mode == "synced":
+                dist.barrier()
+        per_mode[mode] = ((time.perf_counter() - start) / 100, work / 100)
+    if rank == 0:
+        results.put(per_mode)
+    dist.destroy_process_group()
+
+
+def sync_cost(segment_s: float) -> dict:
+    """What a synchronisation costs two gloo ranks here, the barrier's own latency included: both compute a
+    segment of about `segment_s`, then meet at a barrier, 100 times; the seconds per iteration beyond the
+    segment's own, and the same segments with no barrier for comparison (rank 0's)."""
+    from optimus.perf.machine import fresh_process_context
+
+    ctx = fresh_process_context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_sync_rank, args=(r, f"{tmp}/init", segment_s, results)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        per_mode = results.get(timeout=300)
+        for proc in procs:
+            proc.join()
+    (alone, _), (synced, work) = per_mode["alone"], per_mode["synced"]
+    return {"segment_s": work, "alone_s": alone, "synced_s": synced, "per_sync_s": synced - work}
+
+
+def local_row(label: str, nproc: int, layout: list[str]) -> dict:
+    """One layout measured and predicted side by side: a real run, the prediction (its operators timed now, at the
+    run's imbalance), a second real run; the prediction set against the two runs' mean, so that the machine's
+    drift during the minute they take moves both sides alike."""
+    overrides = [*ADAMW, *layout]
+    before, imbalance = measured_step(nproc, overrides)
+    predicted = predicted_step(nproc, overrides, imbalance)
+    after, _ = measured_step(nproc, overrides)
+    measured = (before + after) / 2
+    roofline = roofline_step(nproc, overrides, imbalance, predicted["machine_numbers"])
+    return {"layout": label, "nproc": nproc, "overrides": layout, "measured_s": measured,
+            "measured_runs_s": [before, after], "imbalance": imbalance, "predicted_s": predicted["step_time_s"],
+            "time_split": predicted["time_split"], "error": predicted["step_time_s"] / measured - 1,
+            "roofline_s": roofline, "roofline_error": roofline / measured - 1,
+            "machine_numbers": predicted["machine_numbers"]}  # fmt: skip
+
+
+def run_local(out: Path, repeats: int) -> None:
+    syncs = [sync_cost(segment) for segment in (0.005, 0.03)]
+    for sync in syncs:
+        print(f"gloo, 2 ranks: a barrier after {1e3 * sync['segment_s']:.1f} ms of work costs "
+              f"{1e3 * sync['per_sync_s']:.2f} ms", flush=True)  # fmt: skip
+    repeats_rows = []
+    for repeat in range(repeats):
+        rows = []
+        for label, nproc, layout in LOCAL_LAYOUTS:
+            row = local_row(label, nproc, layout)
+            rows.append(row)
+            print(f"repeat {repeat + 1}, {label}: measured {row['measured_s']:.3f} s (runs "
+                  f"{row['measured_runs_s'][0]:.3f}, {row['measured_runs_s'][1]:.3f}; imbalance "
+                  f"{row['imbalance']:.2f}), predicted {row['predicted_s']:.3f} s ({100 * row['error']:+.1f}%), "
+                  f"roofline only {row['roofline_s']:.3f} s", flush=True)  # fmt: skip
+        repeats_rows.append(rows)
     info = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": __import__("torch").__version__}
-    (out / "predict_local.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    syncs += [sync_cost(segment) for segment in (0.005, 0.03)]
+    result = {"machine": info, "repeats": repeats_rows, "sync_cost": syncs}
+    (out / "predict_local.json").write_text(json.dumps(result, indent=1))
     lines = [
         "# Predicted against measured step times on this machine",
         "",
-        f"`python benchmarks/predict.py local`. Machine: {info['cpus']} CPUs ({info['cpu_flags']}), torch "
-        f"{info['torch']}. Measured: `optimus train` (default model and data, AdamW, {STEPS} steps, the median step "
-        f"time after the first {SKIP}, and the mean of its `expert_load_imbalance` over those steps). Predicted: "
-        "`optimus plan --predict --json --world N --imbalance X` with the same overrides and X the run's "
-        "imbalance, from the `local` machine model it measures (every operator of the traced step timed here; "
-        "gloo's latency and bandwidth). Uniform routing: the same without `--imbalance` (every expert as busy "
-        "as the mean). Roofline only: the traces at X on the same machine numbers, each operator priced by the "
-        "roofline of the measured matrix, attention and elementwise rates plus the host's time per operator "
-        "instead of timed. The runs one after another, nothing else running.",
+        f"`python benchmarks/predict.py local --repeats {repeats}`. Machine: {info['cpus']} CPUs "
+        f"({info['cpu_flags']}), torch {info['torch']}. Each layout, in turn: a real `optimus train` (default model "
+        f"and data, AdamW, {STEPS} steps, the median step time after the first {SKIP}, and the mean of its "
+        "`expert_load_imbalance` over them), then `optimus plan --predict --json --world N --imbalance X` with "
+        "the same overrides and X that run's imbalance, from the `local` machine model it measures then (every "
+        "operator of the traced step timed here; gloo's latency and bandwidth), then the same real run again; "
+        "measured is the two runs' mean. Roofline only: the same traces and machine numbers, each operator "
+        "priced by the roofline of the measured rates plus the host's time per operator instead of timed. "
+        "Nothing else running.",
         "",
-        "| layout | measured s | imbalance | predicted s | error | uniform routing s | error | roofline only s "
-        "| error | predicted split (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["time_split"].items(), key=lambda kv: -kv[1]) if v)
-        lines.append(f"| {r['layout']} | {r['measured_s']:.3f} | {r['imbalance']:.2f} | {r['predicted_s']:.3f} | "
-                     f"{100 * r['error']:+.1f}% | {r['uniform_s']:.3f} | {100 * r['uniform_error']:+.1f}% | "
-                     f"{r['roofline_s']:.3f} | {100 * r['roofline_error']:+.1f}% | {split} |")  # fmt: skip
+        "| layout | " + " | ".join(f"repeat {i + 1}: measured s (runs) | predicted s | error" for i in range(repeats))
+        + " | roofline only, error by repeat | predicted split, last repeat (s) |",
+        "|---|" + "---|---|---|" * repeats + "---|---|",
+    ]  # fmt: skip
+    for i, (label, _, _) in enumerate(LOCAL_LAYOUTS):
+        cells = []
+        for rows in repeats_rows:
+            r = rows[i]
+            runs = ", ".join(f"{t:.3f}" for t in r["measured_runs_s"])
+            cells.append(f"{r['measured_s']:.3f} ({runs}) | {r['predicted_s']:.3f} | {100 * r['error']:+.1f}%")
+        roofline = ", ".join(f"{100 * rows[i]['roofline_error']:+.1f}%" for rows in repeats_rows)
+        last = repeats_rows[-1][i]
+        split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(last["time_split"].items(), key=lambda kv: -kv[1]) if v)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {roofline} | {split} |")
+    worst = max(abs(rows[i]["error"]) for rows in repeats_rows for i in range(len(LOCAL_LAYOUTS)))
+    lines += ["", f"Largest error over every layout and repeat: {100 * worst:.1f}%.", "",
+              "What a synchronisation costs two gloo ranks here, the barrier's own latency included (`sync_cost`: both "
+              "compute a segment, then meet at a barrier, 100 times, against the same segments with no barrier; "
+              "before the runs and after them):", "", "| segment ms | ms per barrier |", "|---|---|"]  # fmt: skip
+    lines += [f"| {1e3 * sync['segment_s']:.1f} | {1e3 * sync['per_sync_s']:.2f} |" for sync in syncs]
     (out / "predict_local.md").write_text("\n".join(lines) + "\n")
 
 
@@ -144,7 +229,8 @@ def traces_for(
     recipe: str, nodes: int, cache: Path, extra: tuple[str, ...] = (), weak_from: int = 0, device: str | None = None
 ) -> tuple:
     """(cfg, world, traces) of an experiment recipe (with `extra` overrides) at `nodes`, its global batch grown
-    from `weak_from` nodes when given (weak scaling); traced, or from the cache."""
+    from `weak_from` nodes when given (weak scaling); traced, or from the cache, where a trace is filed under
+    a digest of the whole config it ran (two overrides that give the same config share it)."""
     from optimus.dry_run import dry_run_device
     from optimus.perf.predict import scaled_batch, trace_step
     from optimus.perf.step_trace import FORMAT
@@ -154,7 +240,8 @@ def traces_for(
     cfg = scaled_batch(cfg, nodes, weak_from) if weak_from else cfg
     world = nodes * cfg.machine.ranks_per_node
     device = dry_run_device(cfg, device)  # the recipe's device path, unless --device names one
-    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}-{device}.v{FORMAT}.json.gz"
+    digest = hashlib.sha1(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()
+    path = cache / f"{recipe}-{nodes}-{cfg.train.global_batch}-{device}-{digest[:10]}.v{FORMAT}.json.gz"
     if path.exists():
         traces = {int(k): v for k, v in json.loads(gzip.decompress(path.read_bytes())).items()}
     else:
@@ -373,6 +460,50 @@ def run_mfu(out: Path, cache: Path) -> None:
         (out / "predict_mfu_device.json").write_text(json.dumps(rows, indent=1))
 
 
+# (recipe, nodes, overrides): the 220B-A10B with its expert-parallel group inside a node (the recipes') and
+# across 4-6 nodes (ep 48), on each library's machine.
+EP_ACROSS_NODES = [
+    ("frontier-mula-220b-a10b", 384, ("machine=nvidia", "machine.peak_flops=989e12")),
+    ("frontier-mula-220b-a10b", 384, ("machine=nvidia", "machine.peak_flops=989e12", "parallel.ep=48")),
+    ("frontier-mula-220b-a10b", 384, ()),
+    ("frontier-mula-220b-a10b", 384, ("parallel.ep=48",)),
+    ("aurora-mula-220b-a10b", 256, ()),
+    ("aurora-mula-220b-a10b", 256, ("parallel.ep=48",)),
+]
+
+
+def run_all_to_all(out: Path, cache: Path) -> None:
+    """EP_ACROSS_NODES on their device path: the step, its exposed expert exchange and the all-to-alls' batches
+    of rounds (optimus.perf.collectives.all_to_all_rounds)."""
+    from optimus.perf.collectives import all_to_all_rounds
+    from optimus.perf.predict import prediction_of
+
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for recipe, nodes, extra in EP_ACROSS_NODES:
+        cfg, world, traces = traces_for(recipe, nodes, cache, extra)
+        machine = machine_model(cfg.machine)
+        pred = prediction_of(cfg, world, machine, traces)
+        batches = len(all_to_all_rounds(machine.library, cfg.parallel.ep))
+        rows.append({"recipe": recipe, "nodes": nodes, "overrides": list(extra), "ep": cfg.parallel.ep,
+                     "ranks_per_node": cfg.machine.ranks_per_node, "library": machine.library,
+                     "batches": batches, **pred.as_dict()})  # fmt: skip
+        (out / "predict_all_to_all_device.json").write_text(json.dumps(rows, indent=1))
+
+
+def print_all_to_all_table(out: Path) -> None:
+    rows = json.loads((out / "predict_all_to_all_device.json").read_text())
+    print("| recipe | machine | library | ep (nodes it spans) | batches of rounds | step s | exposed expert exchange s "
+          "| MFU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        spans = -(-r["ep"] // r["ranks_per_node"])
+        exchange = r["time_split"].get("exposed_expert_exchange", 0.0)
+        print(f"| {r['recipe']} | {r['machine']} | {r['library']} | {r['ep']} ({spans}) | {r['batches']} | "
+              f"{r['step_time_s']:.2f} | {exchange:.3f} ({100 * exchange / r['step_time_s']:.0f}%) | "
+              f"{100 * r['mfu']:.1f}% |")  # fmt: skip
+
+
 def _write_studies(out: Path, result: dict) -> None:
     (out / "predict_studies.json").write_text(json.dumps(result, indent=1))
 
@@ -523,8 +654,9 @@ def print_scaling_device_table(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["local", "studies", "recipes", "mfu", "scaling", "tables"])
+    parser.add_argument("what", choices=["local", "studies", "recipes", "mfu", "scaling", "alltoall", "tables"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--repeats", type=int, default=3, help="local: how many times to run every layout")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "optimus-predict-traces"))
     parser.add_argument("--device", help="trace every recipe on this device path (default: each recipe's own)")
     parser.add_argument("--name", default="", help="a suffix of the results' files (predict_recipes<NAME>.json)")
@@ -535,7 +667,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "local":
-        run_local(out)
+        run_local(out, args.repeats)
     elif args.what == "tables":
         print_tables(out)
         print()
@@ -548,10 +680,14 @@ def main() -> None:
         print_algorithm_table(out)
         print()
         print_scaling_device_table(out)
+        print()
+        print_all_to_all_table(out)
     elif args.what == "recipes":
         run_recipes(out, Path(args.cache), args.device, args.name, args.only)
     elif args.what == "mfu":
         run_mfu(out, Path(args.cache))
+    elif args.what == "alltoall":
+        run_all_to_all(out, Path(args.cache))
     elif args.what == "scaling":
         run_scaling(out, Path(args.cache), args.only)
     else:

@@ -13,6 +13,16 @@ A collective library picks an algorithm per call from the message size and where
   bandwidth, so another choice could only be faster on latency).
 - `ring` (gloo, and any machine whose library is not one of these): a flat ring for every call.
 
+An all-to-all is a point-to-point message to each peer (its rows for that peer, the per-destination message).
+Every library orders the peers the same way, round i sending to rank + i and receiving from rank - i, and
+differs in how many rounds run at once: NCCL and RCCL run a group's sends and receives in batches of eight
+rounds (NCCL_MAX_DEV_WORK_P2P_PER_BATCH, src/enqueue.cc; RCCL keeps the constant), one batch after the other;
+gloo posts every send and receive before it waits on any (gloo/alltoallv.cc); oneCCL is taken to do the same
+(its `naive` algorithm, the one its documentation describes for scale-out, posts every peer; ASSUMED). A
+batch of rounds takes, on each link class it uses, that class's latency plus its bytes over the class's
+bandwidth (both directions at once, so the larger of what it sends and receives), the classes at once:
+optimus.perf.costs prices the placement.
+
 Costs, per rank, for n ranks on m nodes with k of them on the busiest node, S the buffer (all-gather: n
 shards of s), B the bandwidth a flat algorithm gets per rank (optimus.perf.costs.effective_link: the slowest
 link the group spans, a node's NICs shared by its ranks), l_in the latency of a step inside a node and l_net
@@ -42,6 +52,8 @@ ALGORITHMS = {
     "oneccl": {"all_reduce": ("hierarchical",), "all_gather": ("hierarchical",), "reduce_scatter": ("hierarchical",)},
     "ring": {"all_reduce": ("ring",), "all_gather": ("ring",), "reduce_scatter": ("ring",)},
 }
+# Per library, the rounds of an all-to-all it runs at once (None: every round).
+ROUNDS_AT_ONCE = {"nccl": 8, "rccl": 8, "oneccl": None, "ring": None}
 PAT_BANDWIDTH_SHARE = 0.75  # NCCL's model: PAT's bus bandwidth is 0.75 of the ring's
 PAT_LATENCY_PER_RANK = 2.8e-6  # NCCL's model: seconds per rank, PAT's "still a linear part"
 PAT_LOG_LATENCY_SHARE = 1 / 3.5  # NCCL's model: PAT's network latency per log2 step
@@ -67,6 +79,14 @@ class Placement:
     inner_latency: float  # l_in, seconds per step inside a node
     network_latency: float  # l_net, seconds per step across nodes
     nic_share: float  # bytes/s of the node's NICs per rank, every rank of the node sending at once
+
+
+def all_to_all_rounds(library: str, n: int) -> list[list[int]]:
+    """The rounds of an n-rank all-to-all (round i: the peers at offset i, 1 <= i < n) in the batches `library`
+    runs one after the other."""
+    offsets = list(range(1, n))
+    at_once = ROUNDS_AT_ONCE[library] or max(len(offsets), 1)
+    return [offsets[start : start + at_once] for start in range(0, len(offsets), at_once)]
 
 
 def ring_steps(op: str, n: int) -> int:

@@ -12,7 +12,8 @@ A collective: all-reduce, all-gather and reduce-scatter as the machine's library
 ring), on the links the group's placement gives. A group that spans nodes shares the node's NICs with the
 other groups of the node doing the same collective at the same time (every data-parallel group of a step
 reduces at once), so it gets `nics x nic bandwidth x (its members on the node) / (ranks on the node)`. An
-all-to-all sends every peer its rows at once, each link class at its bandwidth; a send is one message.
+all-to-all: a message to and from each peer, as many at once as the library runs (collectives.all_to_all_rounds),
+each link class at its latency and bandwidth.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from optimus.perf.collectives import Placement, chosen, ring
+from optimus.perf.collectives import Placement, all_to_all_rounds, chosen, ring
 from optimus.perf.machine import Link, MachineModel
 
 
@@ -89,22 +90,30 @@ def effective_link(machine: MachineModel, ranks: list[int]) -> Link:
 
 
 def _all_to_all_time(machine: MachineModel, call: dict, rank: int) -> float:
-    ranks, send = call["ranks"], call["splits"]["send"]
-    rows = sum(send)
-    if not rows:
-        return 0.0
-    row_bytes = call["bytes"] / rows
-    by_class = Counter()
-    for peer, n in zip(ranks, send):
-        if peer != rank:
-            by_class[_link_between(machine, rank, peer)] += n * row_bytes
-    times = [by_class["package"] / machine.package.bandwidth, by_class["node"] / machine.node.bandwidth]
-    if by_class["network"]:
-        # Every rank of the node sends its off-node rows through the node's NICs at once.
-        node_nics = machine.nics_per_node * machine.network.bandwidth
-        times.append(by_class["network"] * machine.ranks_per_node / node_nics)
-    latency = effective_link(machine, ranks).latency
-    return max(times) + latency
+    """A rank's all-to-all: its messages to and from each peer, in the rounds and batches its library runs
+    (optimus.perf.collectives.all_to_all_rounds); each batch as long as its slowest link class, each class its
+    latency plus the larger of the bytes it sends and receives over its bandwidth; a message of no rows is not
+    sent (torch's NCCL path skips them). Off the node, every rank of the node sends through the node's NICs at
+    once, so a rank gets its share of them."""
+    ranks, splits = call["ranks"], call["splits"]
+    rows = sum(splits["send"])
+    row_bytes = call["bytes"] / rows if rows else 0.0
+    n, me = len(ranks), ranks.index(rank)
+    nic_share = machine.nics_per_node * machine.network.bandwidth / machine.ranks_per_node
+    bandwidth = {"package": machine.package.bandwidth, "node": machine.node.bandwidth, "network": nic_share}
+    total = 0.0
+    for batch in all_to_all_rounds(machine.library, n):
+        sent, received = Counter(), Counter()
+        for offset in batch:
+            to, source = (me + offset) % n, (me - offset) % n
+            sent[_link_between(machine, rank, ranks[to])] += splits["send"][to] * row_bytes
+            received[_link_between(machine, rank, ranks[source])] += splits["recv"][source] * row_bytes
+        classes = {link for link in set(sent) | set(received) if sent[link] or received[link]}  # no empty messages
+        total += max(
+            (getattr(machine, link).latency + max(sent[link], received[link]) / bandwidth[link] for link in classes),
+            default=0.0,
+        )
+    return total
 
 
 def placement(machine: MachineModel, ranks: list[int]) -> Placement:

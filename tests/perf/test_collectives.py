@@ -1,10 +1,11 @@
 """The vendor libraries' collective algorithms (optimus.perf.collectives) against costs worked by hand: NCCL's
 tree and ring all-reduce and the size where it switches, PAT at one rank per node (NCCL's, not RCCL's default),
-oneCCL's hierarchical all-reduce, and which library each machine recipe's ranks use."""
+oneCCL's hierarchical all-reduce, an all-to-all's rounds and per-destination messages, and which library each
+machine recipe's ranks use."""
 
 import pytest
 
-from optimus.perf.collectives import library_of
+from optimus.perf.collectives import all_to_all_rounds, library_of
 from optimus.perf.costs import collective_cost
 from optimus.perf.machine import Link, MachineModel, machine_model
 from optimus.recipes import load_config
@@ -109,3 +110,53 @@ def test_a_group_spread_unevenly_over_its_nodes():
     flat = 3 / 4 * size / (12.5 * GB) + 2 * 5 * US + 1 * 10 * US
     assert cost("ring", "reduce_scatter", ranks, size, node_gbs=100) == ("ring", pytest.approx(flat))
     assert cost("oneccl", "reduce_scatter", ranks, size, node_gbs=100)[1] == pytest.approx(flat)
+
+
+def all_to_all(library: str, send: list[int], recv: list[int], row_bytes: float = 1e6) -> float:
+    """Rank 0's all-to-all over ranks 0-15 (4 nodes of 4) sending and receiving these rows per peer."""
+    call = {"op": "all_to_all", "ranks": list(range(16)), "bytes": sum(send) * row_bytes,
+            "splits": {"send": send, "recv": recv}}  # fmt: skip
+    algorithm, seconds = collective_cost(machine(library), call, 0)
+    assert algorithm == "direct"
+    return seconds
+
+
+def test_all_to_all_rounds_by_library():
+    assert all_to_all_rounds("nccl", 20) == [list(range(1, 9)), list(range(9, 17)), [17, 18, 19]]
+    assert all_to_all_rounds("rccl", 9) == [list(range(1, 9))]
+    assert all_to_all_rounds("ring", 5) == all_to_all_rounds("oneccl", 5) == [[1, 2, 3, 4]]
+    assert all_to_all_rounds("nccl", 1) == []
+
+
+def test_all_to_all_in_nccl_batches_of_eight_rounds():
+    # One row of 1 MB to and from every peer. Round i sends to rank i and receives from rank 16 - i. Off the node
+    # a rank gets its share of the NICs, 2 x 25 GB/s / 4 = 12.5 GB/s.
+    m, ones = 1e6, [1] * 16
+    package, node = 1 * US + m / (100 * GB), 5 * US + 2 * m / (10 * GB)
+    # Rounds 1-8: sends to 1 (package), 2-3 (node), 4-8 (network); receives from 15-8, all off the node.
+    first = max(package, node, 10 * US + 8 * m / (12.5 * GB))
+    # Rounds 9-15: sends to 9-15 (network); receives from 7-4 (network), 3-2 (node) and 1 (package).
+    second = max(package, node, 10 * US + 7 * m / (12.5 * GB))
+    assert all_to_all("nccl", ones, ones) == pytest.approx(first + second)
+    assert all_to_all("rccl", ones, ones) == pytest.approx(first + second)
+    # gloo (and oneCCL) post every round at once: one latency, 12 messages each way off the node.
+    at_once = max(package, node, 10 * US + 12 * m / (12.5 * GB))
+    assert all_to_all("ring", ones, ones) == all_to_all("oneccl", ones, ones) == pytest.approx(at_once)
+
+
+def test_all_to_all_per_destination_messages():
+    # Small messages are latency-bound: 1 byte to every peer costs NCCL a network latency per batch of rounds
+    # (the batches' bytes off the node: 8 received in the first, 7 sent in the second).
+    ones = [1] * 16
+    assert all_to_all("nccl", ones, ones, row_bytes=1) == pytest.approx(2 * 10 * US + 15 / (12.5 * GB))
+    # A rank that receives more than it sends (a busy expert's) is paced by what it receives: 10 rows from rank
+    # 15 in round 1, nothing sent off the node in that batch.
+    send = [0, 1, 1, 1] + [0] * 12
+    recv = [0] * 15 + [10]
+    expected = max(1 * US + 1e6 / (100 * GB), 5 * US + 2e6 / (10 * GB), 10 * US + 10e6 / (12.5 * GB))
+    assert all_to_all("nccl", send, recv) == pytest.approx(expected)
+    # Messages of no rows are not sent: nothing leaves the node, so no network latency. The sends to ranks 1-3
+    # are rounds 1-3 (the first batch), the receives from them rounds 13-15 (the second).
+    inside = [0, 1, 1, 1] + [0] * 12
+    assert all_to_all("nccl", inside, inside) == pytest.approx(2 * (5 * US + 2e6 / (10 * GB)))
+    assert all_to_all("ring", inside, inside) == pytest.approx(5 * US + 2e6 / (10 * GB))
