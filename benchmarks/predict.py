@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -98,56 +97,6 @@ def roofline_step(nproc: int, overrides: list[str], imbalance: float, machine_nu
     return prediction_of(cfg, nproc, machine, trace_step(cfg, nproc, imbalance, progress="none")).step_time_s
 
 
-def _sync_rank(rank: int, init_file: str, segment_s: float, results) -> None:
-    """One of two gloo ranks: 100 segments of matrix products alone, then 100 each followed by a barrier."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    a = torch.randn(256, 256)
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
-        a @ a
-        count += 1
-    reps = torch.tensor([max(1, int(segment_s * count / (time.perf_counter() - start)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on both ranks
-    per_mode = {}
-    for mode in ("alone", "synced"):
-        dist.barrier()
-        start, work = time.perf_counter(), 0.0
-        for _ in range(100):
-            t = time.perf_counter()
-            for _ in range(int(reps)):
-                a @ a
-            work += time.perf_counter() - t
-            if mode == "synced":
-                dist.barrier()
-        per_mode[mode] = ((time.perf_counter() - start) / 100, work / 100)
-    if rank == 0:
-        results.put(per_mode)
-    dist.destroy_process_group()
-
-
-def sync_cost(segment_s: float) -> dict:
-    """What a synchronisation costs two gloo ranks here, the barrier's own latency included: both compute a
-    segment of about `segment_s`, then meet at a barrier, 100 times; the seconds per iteration beyond the
-    segment's own, and the same segments with no barrier for comparison (rank 0's)."""
-    from optimus.perf.machine import fresh_process_context
-
-    ctx = fresh_process_context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_sync_rank, args=(r, f"{tmp}/init", segment_s, results)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        per_mode = results.get(timeout=300)
-        for proc in procs:
-            proc.join()
-    (alone, _), (synced, work) = per_mode["alone"], per_mode["synced"]
-    return {"segment_s": work, "alone_s": alone, "synced_s": synced, "per_sync_s": synced - work}
-
-
 def local_row(label: str, nproc: int, layout: list[str]) -> dict:
     """One layout measured and predicted side by side: a real run, the prediction (its operators timed now, at the
     run's imbalance), a second real run; the prediction set against the two runs' mean, so that the machine's
@@ -166,10 +115,6 @@ def local_row(label: str, nproc: int, layout: list[str]) -> dict:
 
 
 def run_local(out: Path, repeats: int) -> None:
-    syncs = [sync_cost(segment) for segment in (0.005, 0.03)]
-    for sync in syncs:
-        print(f"gloo, 2 ranks: a barrier after {1e3 * sync['segment_s']:.1f} ms of work costs "
-              f"{1e3 * sync['per_sync_s']:.2f} ms", flush=True)  # fmt: skip
     repeats_rows = []
     for repeat in range(repeats):
         rows = []
@@ -182,9 +127,7 @@ def run_local(out: Path, repeats: int) -> None:
                   f"roofline only {row['roofline_s']:.3f} s", flush=True)  # fmt: skip
         repeats_rows.append(rows)
     info = {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": __import__("torch").__version__}
-    syncs += [sync_cost(segment) for segment in (0.005, 0.03)]
-    result = {"machine": info, "repeats": repeats_rows, "sync_cost": syncs}
-    (out / "predict_local.json").write_text(json.dumps(result, indent=1))
+    (out / "predict_local.json").write_text(json.dumps({"machine": info, "repeats": repeats_rows}, indent=1))
     lines = [
         "# Predicted against measured step times on this machine",
         "",
@@ -193,7 +136,8 @@ def run_local(out: Path, repeats: int) -> None:
         f"and data, AdamW, {STEPS} steps, the median step time after the first {SKIP}, and the mean of its "
         "`expert_load_imbalance` over them), then `optimus plan --predict --json --world N --imbalance X` with "
         "the same overrides and X that run's imbalance, from the `local` machine model it measures then (every "
-        "operator of the traced step timed here; gloo's latency and bandwidth), then the same real run again; "
+        "operator of the traced step timed here; gloo's latency and bandwidth; a collective's wake-up and the "
+        "ranks' variability), then the same real run again; "
         "measured is the two runs' mean. Roofline only: the same traces and machine numbers, each operator "
         "priced by the roofline of the measured rates plus the host's time per operator instead of timed. "
         "Nothing else running.",
@@ -213,11 +157,12 @@ def run_local(out: Path, repeats: int) -> None:
         split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(last["time_split"].items(), key=lambda kv: -kv[1]) if v)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {roofline} | {split} |")
     worst = max(abs(rows[i]["error"]) for rows in repeats_rows for i in range(len(LOCAL_LAYOUTS)))
-    lines += ["", f"Largest error over every layout and repeat: {100 * worst:.1f}%.", "",
-              "What a synchronisation costs two gloo ranks here, the barrier's own latency included (`sync_cost`: both "
-              "compute a segment, then meet at a barrier, 100 times, against the same segments with no barrier; "
-              "before the runs and after them):", "", "| segment ms | ms per barrier |", "|---|---|"]  # fmt: skip
-    lines += [f"| {1e3 * sync['segment_s']:.1f} | {1e3 * sync['per_sync_s']:.2f} |" for sync in syncs]
+    two = [r["machine_numbers"] for rows in repeats_rows for r in rows if r["nproc"] > 1]
+    wake = sorted(1e3 * m["sync_cost"] for m in two)
+    cv = sorted(100 * m["rank_variability"] for m in two)
+    lines += ["", f"Largest error over every layout and repeat: {100 * worst:.1f}%. The two-process layouts' "
+              f"machines measured a collective's wake-up (`sync_cost`, optimus.perf.rank_sync) of "
+              f"{wake[0]:.2f}-{wake[-1]:.2f} ms and the ranks' variability of {cv[0]:.1f}-{cv[-1]:.1f}%."]  # fmt: skip
     (out / "predict_local.md").write_text("\n".join(lines) + "\n")
 
 

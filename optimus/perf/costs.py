@@ -137,11 +137,17 @@ def collective_time(machine: MachineModel, call: dict, rank: int) -> float:
 
 def collective_cost(machine: MachineModel, call: dict, rank: int) -> tuple[str, float]:
     """(algorithm, seconds) of one collective: for all-reduce, all-gather and reduce-scatter the one the machine's
-    library chooses (optimus.perf.collectives), for the rest their one way."""
+    library chooses (optimus.perf.collectives), for the rest their one way; on a machine whose ranks wake each
+    other on the cores they compute on, each also its wake-up (sync_cost, optimus.perf.rank_sync)."""
+    if len(call["ranks"]) <= 1:
+        return "none", 0.0
+    algorithm, seconds = _transfer(machine, call, rank)
+    return algorithm, seconds + machine.sync_cost
+
+
+def _transfer(machine: MachineModel, call: dict, rank: int) -> tuple[str, float]:
     op, ranks, size = call["op"], call["ranks"], call["bytes"]
     n = len(ranks)
-    if n <= 1:
-        return "none", 0.0
     if op == "all_to_all":
         return "direct", _all_to_all_time(machine, call, rank)
     if op in ("all_reduce", "all_gather", "reduce_scatter"):  # all-gather's bytes are this rank's shard

@@ -2,9 +2,11 @@
 
 A cluster's numbers come from its machine recipe (`machine.perf`, each with its source written beside it);
 `machine=local` measures this machine on the spot: the CPU's matrix rates with the threads one rank gets,
-its memory bandwidth, the host's time per operator (a CPU runs the host and the kernels in series), and
-gloo's latency and bandwidth between processes; and, once a step is traced, each of its operators
-(`with_timed_ops`, optimus.perf.op_timing), which then take their measured times instead of the roofline's.
+its memory bandwidth, the host's time per operator (a CPU runs the host and the kernels in series), gloo's
+latency and bandwidth between processes, and what a collective costs ranks that arrive from computing
+(optimus.perf.rank_sync: the wake-up of each collective, and the ranks' variability); and, once a step is
+traced, each of its operators (`with_timed_ops`, optimus.perf.op_timing), which then take their measured times
+instead of the roofline's.
 
 Link classes, from the closest: `package` (devices of one GPU package: an MI250X's two GCDs, a PVC's two
 tiles), `node` (devices of one node), `network` (between nodes, through the node's NICs, which all of the
@@ -78,6 +80,9 @@ class MachineModel:
     # The collective library its ranks use, which chooses each collective's algorithm (optimus.perf.collectives).
     library: str = "ring"
     rank_variability: float = 0.0  # a rank's step time's coefficient of variation (optimus.perf.stragglers)
+    # Seconds every collective costs beyond its transfer where the ranks wake each other on the cores they compute
+    # on (a CPU: optimus.perf.rank_sync); 0 for GPUs.
+    sync_cost: float = 0.0
     host_op: float = 0.0  # seconds of host time per kernel, in series with it (CPU devices); 0 for GPUs
     host_view: float = 0.0  # ... per view or allocation
     # Measured (bytes moved, bytes/s) of elementwise kernels by size, where caches make small kernels faster
@@ -435,6 +440,20 @@ def measure_gloo(world: int = 2) -> Link:
     return Link(bandwidth=volume / max(large - small, 1e-9), latency=latency)
 
 
+def measure_sync(world: int = 2) -> tuple[float, float]:
+    """(sync_cost, rank_variability) of `world` gloo processes here, each computing on one thread
+    (optimus.perf.rank_sync)."""
+    from optimus.perf.rank_sync import fit_sync, sync_rank
+
+    ctx = fresh_process_context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=sync_rank, args=(r, world, init, results)) for r in range(world)]
+        ((measured, aligned),) = _results_of(procs, results, count=1)  # rank 0's
+    return fit_sync(measured, aligned, world)
+
+
 def _in_processes(n: int, target, *args, timeout_s: float = 300.0) -> list:
     """target(*args, queue) run in `n` fresh processes at once; what each put in the queue."""
     ctx = fresh_process_context()
@@ -532,6 +551,7 @@ def measure_local(nproc: int) -> MachineModel:
         cpu = _in_a_process(_cpu_process, threads)  # its malloc settings and threads stay there
         peers = max(2, min(nproc, 4))
         link = measure_gloo(peers)
+        sync_cost, variability = measure_sync(peers) if nproc > 1 else (0.0, 0.0)
         _local_cache[nproc] = MachineModel(
             name="local",
             peak_flops=cpu["bf16"],
@@ -549,6 +569,8 @@ def measure_local(nproc: int) -> MachineModel:
             nics_per_node=1,
             host_op=cpu["host_op"],
             host_view=cpu["host_view"],
+            sync_cost=sync_cost,
+            rank_variability=variability,
             op_threads=threads,
             sources={"measured": f"this machine, {threads} thread(s) per rank, gloo between {peers} processes"},
         )

@@ -5,7 +5,9 @@ of variation, ASSUMED unless measured: a device's clocks, the host's noise, a sl
 independently of the others'. The ranks meet at every step's collectives, so the step ends when the slowest
 of them does: on average mean x (1 + cv x E[max of n standard normals]). That expectation is 0 for one rank,
 0.56 for 2, 2.34 for 64, 3.55 for 3,072 and 3.90 for 12,288: the wait grows with the world and weighs on weak
-scaling.
+scaling. The ranks meet many times a step, after each stretch of work between two collectives; taking cv as a
+stretch's variation gives each meeting stretch x cv x E[max] and the step the same sum, which is how
+machine=local measures it (optimus.perf.rank_sync).
 """
 
 from __future__ import annotations

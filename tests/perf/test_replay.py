@@ -1,11 +1,14 @@
 """The performance model's replay against cases computed by hand: a ring all-reduce on a known link (the vendor
-libraries' other algorithms: test_collectives.py), an all-to-all across nodes, an overlapped reduce-scatter, and
-a two-stage pipeline with its known bubble."""
+libraries' other algorithms: test_collectives.py), an all-to-all across nodes, a CPU's wake-up per collective and
+its fit, an overlapped reduce-scatter, and a two-stage pipeline with its known bubble."""
+
+import math
 
 import pytest
 
 from optimus.perf.costs import collective_time, op_time
 from optimus.perf.machine import Link, MachineModel
+from optimus.perf.rank_sync import fit_sync
 from optimus.perf.replay import Stream, play_schedule, single_stage_order
 
 GB = 1e9
@@ -143,3 +146,22 @@ def test_gradient_reductions_after_the_last_backward_extend_the_rank():
     # F F B B end at 4 s; the channel starts the first at 2 s, the second at 3.5 s: done at 5 s.
     assert played.end[0] == pytest.approx(5.0)
     assert played.comm_tail[0] == pytest.approx(1.0)
+
+
+def test_every_collective_pays_the_wake_up_where_ranks_share_the_cores():
+    # A CPU machine whose ranks wake each other (sync_cost) pays it on every collective of two or more ranks.
+    pair = {"op": "all_reduce", "ranks": [0, 1], "bytes": 10**9}
+    alone = {"op": "all_reduce", "ranks": [0], "bytes": 10**9}
+    assert collective_time(machine(sync_cost=1e-3), pair, 0) == pytest.approx(1e9 / (100 * GB) + 2 * 1e-6 + 1e-3)
+    assert collective_time(machine(sync_cost=1e-3), alone, 0) == 0.0
+
+
+def test_sync_fit_recovers_the_wake_up_and_the_variability():
+    # Meetings after 5 and 30 ms of work on 2 ranks, built from a 0.3 ms aligned barrier, a 1 ms wake-up and a
+    # 5% variability: the slowest of two arrives s x 0.05 x E[max of 2 normals] = s x 0.05 / sqrt(pi) late.
+    late = 0.05 / math.sqrt(math.pi)
+    stretches = [(s, 0.3e-3 + 1e-3 + s * late) for s in (0.005, 0.03)]
+    sync_cost, cv = fit_sync(stretches, 0.3e-3, 2)
+    assert sync_cost == pytest.approx(1e-3) and cv == pytest.approx(0.05, rel=1e-4)
+    # A noisy measurement never gives a negative cost or variability.
+    assert fit_sync([(0.005, 0.2e-3), (0.03, 0.1e-3)], 0.3e-3, 2) == (0.0, 0.0)
