@@ -463,6 +463,7 @@ class _Forwarder:
     def __init__(self):
         self.pids: list[int] | None = None
         self.received, self.sent, self._previous, self._pending = [], set(), {}, []
+        self.kill_requested = False  # a second Ctrl-C once the ranks run: `kill_if_requested` ends them
 
     def install(self) -> None:
         """Pass the stop signals on from now; called again after torch's process starter, where it put its own
@@ -484,7 +485,23 @@ class _Forwarder:
         sig = signal.Signals(signum)
         again = sig == signal.SIGINT and sig.name in self.received
         self.received.append(sig.name)
-        self.send(signal.SIGKILL if again else sig)
+        if again and self.pids is not None:
+            # Killed from the launcher's poll loop, not here: this handler can run inside torch's poll while it
+            # wakes the ranks that have returned (worker_finished_event.set), and a rank killed as it is woken
+            # leaves that call waiting for it forever.
+            self.kill_requested = True
+        else:
+            self.send(signal.SIGKILL if again else sig)
+
+    def kill_if_requested(self, processes: list) -> None:
+        """After a second Ctrl-C: SIGKILL every rank, and wait until each has ended, so that torch's poll that
+        follows finds them dead rather than waking them."""
+        if not self.kill_requested:
+            return
+        self.kill_requested = False
+        self.send(signal.SIGKILL)
+        for process in processes:
+            process.join()
 
     def send(self, sig: signal.Signals) -> None:
         self.sent.add(int(sig))
@@ -511,6 +528,7 @@ def _wait(ranks: Any, log_dir: Path, forwarder: _Forwarder) -> tuple[Any, dict[i
     after a short grace they are killed, rather than waited for until a timeout."""
     failed_at, first_failed = None, {}
     while True:
+        forwarder.kill_if_requested(process_context_processes(ranks))
         first_failed = first_failed or _failed_ranks(ranks)  # before torch's poll reaps the rest
         if (result := ranks.wait(timeout=0)) is not None:
             break
