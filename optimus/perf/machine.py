@@ -428,12 +428,7 @@ def measure_gloo(world: int = 2) -> Link:
     """gloo between `world` processes here: latency and bandwidth fitted to all-reduces of two sizes, as
     optimus.perf.costs prices them."""
     sizes = [256, 2**22]  # 1 KiB, 16 MiB
-    ctx = fresh_process_context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, sizes, results)) for r in range(world)]
-        ((small, large),) = _results_of(procs, results, count=1)  # rank 0's
+    small, large = _rank_zero_of_gloo_group(world, _gloo_rank, sizes)
     # As optimus.perf.costs prices an all-reduce on gloo: a ring's steps, and 2 (n - 1) / n of the buffer.
     latency = small / ring_steps("all_reduce", world)
     volume = 2 * (world - 1) / world * (sizes[1] - sizes[0]) * 4
@@ -445,13 +440,20 @@ def measure_sync(world: int = 2) -> tuple[float, float]:
     (optimus.perf.rank_sync)."""
     from optimus.perf.rank_sync import fit_sync, sync_rank
 
+    measured, aligned = _rank_zero_of_gloo_group(world, sync_rank)
+    return fit_sync(measured, aligned, world)
+
+
+def _rank_zero_of_gloo_group(world: int, target, *args):
+    """What rank 0 of `world` fresh processes, each running target(rank, world, init_file, *args, queue) with a
+    gloo group among them, put in the queue."""
     ctx = fresh_process_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=sync_rank, args=(r, world, init, results)) for r in range(world)]
-        ((measured, aligned),) = _results_of(procs, results, count=1)  # rank 0's
-    return fit_sync(measured, aligned, world)
+        procs = [ctx.Process(target=target, args=(r, world, init, *args, results)) for r in range(world)]
+        (result,) = _results_of(procs, results, count=1)
+    return result
 
 
 def _in_processes(n: int, target, *args, timeout_s: float = 300.0) -> list:
