@@ -601,7 +601,7 @@ def quiet_resource_tracker() -> None:
     saved = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
     try:
-        with ctrl_c_ignored():  # it ignores Ctrl-C once running; now from its start too
+        with ctrl_c_held():  # it ignores Ctrl-C once running; blocked from its start too
             resource_tracker.ensure_running()  # a no-op when it runs already
     finally:
         if saved is None:
@@ -611,19 +611,26 @@ def quiet_resource_tracker() -> None:
 
 
 @contextmanager
-def ctrl_c_ignored():
-    """SIGINT ignored in this block, and so from their start in the helper processes it starts (an ignored
-    signal stays ignored across exec, and Python keeps it so): a Ctrl-C, which reaches the terminal's whole
-    group, then cannot end one with a traceback as it imports its modules. (A Ctrl-C in the block itself, a few
-    milliseconds, is lost.)"""
+def ctrl_c_held():
+    """The helper processes started in this block begin with SIGINT blocked (a thread's signal mask survives
+    fork and exec): a Ctrl-C, which reaches the terminal's whole group, then cannot end one with a traceback as
+    it imports its modules; running, they ignore SIGINT. This process keeps its Ctrl-C: one that comes during
+    the block (taken by another thread, or waiting until the mask is restored) is held and raised once the block
+    is over, so nothing it starts is interrupted half-way. (Ignoring SIGINT instead, SIG_IGN, would be inherited
+    too, but would lose a Ctrl-C that came in the block.)"""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a Ctrl-C that waited is taken now, by the holder
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+        if held:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:

@@ -293,3 +293,46 @@ def test_spawn_local_passes_stop_signals_on_to_the_ranks(tmp_path, monkeypatch, 
     finally:
         sender.join()
     assert (tmp_path / "ready.received").read_text() == sig  # the rank itself got it
+
+
+def _blocked_signals(pid: int) -> int:
+    """The signal mask of process `pid`'s main thread, as a bit set (bit n-1: signal n)."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads a process's signal mask from /proc")
+@pytest.mark.parametrize("with_another_thread", [False, True])
+def test_ctrl_c_held_keeps_a_ctrl_c_from_helpers_but_not_from_this_process(with_another_thread):
+    """A helper started in the block begins with SIGINT blocked; a Ctrl-C that reaches this process in the block
+    (taken by another thread, or waiting for the mask) is raised once the block is over, not lost."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from optimus.ranks import ctrl_c_held
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # a thread that does not block SIGINT
+    if with_another_thread:
+        other.start()
+    helper, reached = None, []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c_held():
+                helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # a Ctrl-C the block did not hold would be raised here
+                reached.append("end of the block")
+            reached.append("after the block")
+        assert reached == ["end of the block"]  # the KeyboardInterrupt came as the block ended
+        assert _blocked_signals(helper.pid) & (1 << (signal.SIGINT - 1))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process's handler is back
+        assert not _blocked_signals(os.getpid()) & (1 << (signal.SIGINT - 1))
+    finally:
+        stop.set()
+        if helper is not None:
+            helper.kill()
+            helper.wait()

@@ -224,14 +224,14 @@ def fresh_process_context():
 
 
 def _start_forkserver() -> None:
-    """Start the forkserver (a no-op once it runs) with Ctrl-C ignored from its start: it first imports torch,
+    """Start the forkserver (a no-op once it runs) with Ctrl-C blocked from its start: it first imports torch,
     and a Ctrl-C (the terminal's reaches its whole group) would end it there with a traceback. Running, it
     ignores SIGINT itself."""
     from multiprocessing import forkserver
 
-    from optimus.ranks import ctrl_c_ignored
+    from optimus.ranks import ctrl_c_held
 
-    with ctrl_c_ignored():
+    with ctrl_c_held():
         forkserver.ensure_running()
 
 
@@ -251,6 +251,7 @@ class _CommandBound:
 
     def run(self):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the forkserver (ctrl_c_held)
         watch = threading.Thread(target=_exit_after, args=(self.command_pid,), name="optimus-command", daemon=True)
         watch.start()
         super().run()
