@@ -15,14 +15,12 @@ from typing import Any
 
 import torch
 
+from optimus.errors import ConfigError
 from optimus.kernels import BACKENDS as KERNEL_BACKENDS
+from optimus.layout import Layout, experts_per_rank
 
 # The dtypes a run may store parameters (train.dtype) and accumulate gradients (optim.grad_dtype) in.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote that cannot run; the message says what to change."""
 
 
 @dataclass
@@ -408,12 +406,17 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     fix = "choose a global batch that is a multiple of the micro batch."
     _divides(t.micro_batch, "train.micro_batch", t.global_batch, "train.global_batch", fix)
     validate_pipeline(cfg, world_size)
-    validate_layout(world_size, p.ep, p.pp, p.tp)
+    layout = layout_of(cfg, world_size)
     validate_tensor_parallel(cfg)
-    what = "data-parallel ranks" if p.pp > 1 else "world size / parallel.tp" if p.tp > 1 else "world size"
-    micro_batches_per_rank(t.global_batch, t.micro_batch, data_parallel_size(world_size, p.pp, p.tp), what)
-    validate_micro_batches(cfg, world_size)
+    layout.micro_batches(t.global_batch, t.micro_batch)
+    validate_micro_batches(cfg, layout)
     experts_per_rank(cfg.model.moe.n_experts, p.ep)
+
+
+def layout_of(cfg: OptimusConfig, world_size: int) -> Layout:
+    """The run's rank layout on `world_size` ranks, from parallel.*; refused when its degrees do not divide."""
+    p = cfg.parallel
+    return Layout(world=world_size, pp=p.pp, tp=p.tp, ep=p.ep, sp=p.sp, pp_virtual=p.pp_virtual)
 
 
 def validate_optim(o: OptimConfig) -> None:
@@ -558,28 +561,6 @@ def validate_profile(cfg: OptimusConfig) -> None:
         )
 
 
-def _check_pp_divides(world_size: int, pp: int) -> None:
-    if world_size % pp:
-        raise ConfigError(f"parallel.pp={pp} does not divide the world size {world_size}: choose a pp that divides it.")
-
-
-def validate_layout(world_size: int, ep: int, pp: int = 1, tp: int = 1) -> None:
-    """The rank layout world = pp x dp x tp: pp divides the world; tp and ep each divide the ranks of one
-    pipeline stage (MoE layers see a stage's dp x tp ranks as edp x ep)."""
-    _check_pp_divides(world_size, pp)
-    stage_size = world_size // pp
-    where = f"the world size {world_size}" if pp == 1 else f"the {stage_size} ranks of a pipeline stage"
-    for key, size in (("parallel.tp", tp), ("parallel.ep", ep)):
-        _positive(size, key)
-        if stage_size % size:
-            raise ConfigError(f"{key}={size} does not divide {where}: choose a {key[9:]} that divides it.")
-
-
-def data_parallel_size(world_size: int, pp: int = 1, tp: int = 1) -> int:
-    """Ranks that read different data: a pipeline stage's ranks over tp (the tp ranks share their batch)."""
-    return world_size // (pp * tp)
-
-
 def validate_tensor_parallel(cfg: OptimusConfig) -> None:
     """What parallel.tp > 1 needs of the model: whole heads, FFN columns, vocabulary rows and sequence slices
     per tp rank, and the features it does not combine with yet."""
@@ -607,34 +588,6 @@ def validate_tensor_parallel(cfg: OptimusConfig) -> None:
         )
 
 
-def experts_per_rank(n_experts: int, ep: int) -> int:
-    """E / ep, the routed experts each EP rank holds; refused when ep does not split them evenly."""
-    if ep > 1 and n_experts == 0:
-        raise ConfigError("parallel.ep > 1 needs a model with experts: set parallel.ep=1 for a dense model.")
-    if n_experts % ep:
-        raise ConfigError(
-            f"model.moe.n_experts={n_experts} is not divisible by parallel.ep={ep}: "
-            "choose an ep that divides the number of experts."
-        )
-    return n_experts // ep
-
-
-def micro_batches_per_rank(global_batch: int, micro_batch: int, data_parallel: int, ranks: str = "world size") -> int:
-    """global_batch / (micro_batch x data_parallel), refused unless whole; `ranks` names data_parallel to the user."""
-    _positive(micro_batch, "train.micro_batch")
-    if global_batch % (micro_batch * data_parallel):
-        raise ConfigError(
-            f"train.global_batch={global_batch} is not divisible by train.micro_batch x {ranks} = "
-            f"{micro_batch} x {data_parallel}: make global_batch a multiple of {micro_batch * data_parallel}."
-        )
-    return global_batch // (micro_batch * data_parallel)
-
-
-def grad_accum_steps(cfg: OptimusConfig, world_size: int) -> int:
-    """Micro-batches per rank and step; `world_size` counts the data-parallel ranks (one pipeline stage's)."""
-    return micro_batches_per_rank(cfg.train.global_batch, cfg.train.micro_batch, world_size)
-
-
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")  # several stages per rank (pp_virtual >= 2)
 
@@ -648,7 +601,7 @@ def validate_pipeline(cfg: OptimusConfig, world_size: int) -> None:
     if p.pp == 1:
         _refuse_stage_keys_without_stages(p)
         return
-    _check_pp_divides(world_size, p.pp)
+    Layout(world=world_size, pp=p.pp)  # refuses a pp that does not divide the world
     interleaved = p.pp_schedule in INTERLEAVED_SCHEDULES
     if interleaved and p.pp_virtual < 2:
         raise ConfigError(
@@ -698,16 +651,16 @@ def validate_pp_layers(pp_layers: Any, n_stages: int, n_layers: int) -> None:
         )
 
 
-def validate_micro_batches(cfg: OptimusConfig, world_size: int) -> None:
+def validate_micro_batches(cfg: OptimusConfig, layout: Layout) -> None:
     """The pipeline schedules' needs on the number of micro-batches each rank runs per step."""
     p = cfg.parallel
     if p.pp == 1 or p.pp_schedule == "gpipe":
         return
-    accum = grad_accum_steps(cfg, data_parallel_size(world_size, p.pp, p.tp))
+    accum = layout.micro_batches(cfg.train.global_batch, cfg.train.micro_batch)
     rounds = max(1, accum // p.pp)  # the interleaved schedules run the micro-batches in rounds of pp
     if accum < p.pp or (p.pp_schedule in INTERLEAVED_SCHEDULES and accum % rounds):
         raise ConfigError(
             f"parallel.pp_schedule={p.pp_schedule} needs a multiple of parallel.pp={p.pp} micro-batches per step on "
-            f"each rank, got {accum} = train.global_batch / (train.micro_batch x {world_size // p.pp} ranks per "
-            "stage): change global_batch or micro_batch."
+            f"each rank, got {accum} = train.global_batch / (train.micro_batch x {layout.dp} data-parallel "
+            "ranks): change global_batch or micro_batch."
         )

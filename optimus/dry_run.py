@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optimus.config import ConfigError, OptimusConfig
+from optimus.config import ConfigError, OptimusConfig, layout_of
 from optimus.fake_device import engine_error_explained
 from optimus.host_syncs import HostSyncCounter
 from optimus.kernels import torch_private as tp
+from optimus.layout import Layout
 from optimus.load_model import ExpertLoad, checked_imbalance, using
 from optimus.operators import OperatorCounter
 from optimus.output_dir import check_out_dir, replacing_directory
@@ -192,10 +193,10 @@ def dry_run_rank(
         "world": world,
         "layout": {
             "pp": ps.pp,
-            "dp": ps.data_parallel,
+            "dp": ps.dp,
             "tp": ps.tp,
             "ep": ps.ep,
-            "edp": ps.dp,
+            "edp": ps.edp,
             "pp_rank": ps.pp_rank,
             "tp_rank": ps.tp_rank,
             "ep_rank": ps.ep_rank,
@@ -266,23 +267,20 @@ def pipeline_order(trainer) -> dict[int, list[str]] | None:
     }
 
 
-def busiest_rank(plan, world: int, pp: int) -> int:
+def busiest_rank(plan, layout: Layout) -> int:
     """The rank that `plan` (optimus plan's, of this layout) predicts needs the most memory: the first of its
     busiest pipeline rank's stage, which holds the first experts (the busiest under --imbalance) and the first
     tensor-parallel slice."""
     pp_rank = max(plan.stages, key=lambda row: row["total_bytes"])["pp_rank"] if plan.stages else 0
-    return pp_rank * (world // pp)
+    return pp_rank * layout.stage_size
 
 
-def group_check_ranks(world: int, pp: int, tp: int, ep: int) -> list[int]:
+def group_check_ranks(layout: Layout) -> list[int]:
     """Ranks whose traces cover every member of one group of each kind - rank 0's TP, EP, expert-data-parallel,
-    dense data-parallel and pipeline groups - and every role (each pipeline stage, tp rank and ep rank; the
-    last rank of the world)."""
-    stage = world // pp
-    ranks = set(range(tp)) | set(range(ep))  # TP and EP groups: consecutive ranks
-    ranks |= set(range(0, stage, ep)) | set(range(0, stage, tp))  # EDP and dense DP groups: strided in a stage
-    ranks |= set(range(0, world, stage)) | {world - 1}  # the pipeline group, the last stage's last rank
-    return sorted(ranks)
+    data-parallel and pipeline groups - and every role (each pipeline stage, tp rank and ep rank; the last rank
+    of the world)."""
+    kinds = (layout.tp_groups, layout.ep_groups, layout.edp_groups, layout.dp_groups, layout.pp_groups)
+    return sorted({rank for groups in kinds for rank in groups()[0]} | {layout.world - 1})
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -355,14 +353,14 @@ def main(argv: list[str]) -> int:
     opts = parse(argv, "dry-run")
     cfg = load_config(opts.overrides)
     world = world_size(cfg, opts.nodes, opts.world)
-    p = cfg.parallel
     check_dry_run_config(cfg)
     device = dry_run_device(cfg, opts.device)  # the device path to trace
     imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
     plan = make_plan(cfg, world)  # refuses a layout that does not divide
-    ranks = list(opts.rank or [busiest_rank(plan, world, p.pp)])
+    layout = layout_of(cfg, world)
+    ranks = list(opts.rank or [busiest_rank(plan, layout)])
     if opts.check_groups:
-        ranks = sorted(set(ranks) | set(group_check_ranks(world, p.pp, p.tp, p.ep)))
+        ranks = sorted(set(ranks) | set(group_check_ranks(layout)))
     for rank in ranks:
         check_rank(rank, world)
     if opts.out:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from optimus.config import ConfigError, OptimusConfig, data_parallel_size, validate
+from optimus.config import ConfigError, OptimusConfig, layout_of, validate
 from optimus.recipes import load_config
 
 SCHEDULERS = {
@@ -306,12 +306,13 @@ def main(argv: list[str]) -> int:
         setup,
     )
     ranks = opts.nodes * cfg.machine.ranks_per_node
-    pp = cfg.parallel.pp  # the outermost rank dimension: each stage is a run of consecutive nodes
-    stages = f"pipeline: {pp} stages of {ranks // pp} ranks ({opts.nodes / pp:g} nodes) each\n" if pp > 1 else ""
-    tp = cfg.parallel.tp  # the innermost rank dimension: each group is a run of consecutive ranks in a node
+    layout = layout_of(cfg, ranks)
+    pp, tp = layout.pp, layout.tp
+    # PP is the outermost rank dimension (each stage a run of consecutive nodes), TP the innermost (each group a
+    # run of consecutive ranks in a node).
+    stages = f"pipeline: {pp} stages of {layout.stage_size} ranks ({opts.nodes / pp:g} nodes) each\n" if pp > 1 else ""
     if tp > 1:
-        dp = data_parallel_size(ranks, pp, tp)
-        stages += f"tensor parallel: groups of {tp} consecutive ranks, {dp} data-parallel ranks per stage\n"
+        stages += f"tensor parallel: groups of {tp} consecutive ranks, {layout.dp} data-parallel ranks per stage\n"
     where = (
         f"{opts.nodes} nodes x {cfg.machine.ranks_per_node} = {ranks} ranks of machine={cfg.machine.name}\n{stages}"
         f"run directory: {run_dir}\n"

@@ -103,12 +103,12 @@ from optimus.config import (
     ConfigError,
     ModelConfig,
     OptimusConfig,
-    data_parallel_size,
-    grad_accum_steps,
+    layout_of,
     qk_norm_mode,
     validate,
 )
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
+from optimus.layout import Layout
 from optimus.model import (
     ParamCounts,
     Transformer,
@@ -144,26 +144,26 @@ def planned_dtype(cfg: OptimusConfig) -> str:
     return resolve_dtype(cfg.train.dtype, declared_device_type(cfg.machine))
 
 
-def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> StateBytes:
+def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, stage: Layout) -> StateBytes:
     """Persistent bytes of one rank holding `dense` parameters (its 1/tp slices of the tensor-parallel ones and
-    all the replicated ones) and `expert` (all experts) under `scheme`, in a pipeline stage of `world` ranks,
-    from the optimizer's own buffer layout (with tp > 1 it shards the dense group over the world / tp ranks
-    that hold the same slices)."""
-    es, gs, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.parallel
+    all the replicated ones) and `expert` (all experts) under `scheme`, in a pipeline stage laid out as `stage`,
+    from the optimizer's own buffer layout (with tp > 1 it shards the dense group over the dp ranks that hold
+    the same slices)."""
+    es, gs = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype]
     return rank_state_bytes(
-        scheme, dense, expert // p.ep, world, world // p.ep, es, gs, cfg.optim.zero, p.tp,
+        scheme, dense, expert // stage.ep, stage, es, gs, cfg.optim.zero,
         state_bytes_per_element=AdamW.state_bytes_per_element,
     )  # fmt: skip
 
 
-def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, world: int) -> tuple[int, int]:
+def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, stage: Layout) -> tuple[int, int]:
     """ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1), from the
     optimizer's own bucket layout; the arguments are state_bytes'."""
     if cfg.optim.zero != 2:
         return 0, 0
-    es, gs, o, p = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.optim, cfg.parallel
+    es, gs, o = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.optim
     bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, es)
-    return rank_zero2_staging_bytes(scheme, dense, expert // p.ep, world, world // p.ep, es, gs, bucket, p.tp)
+    return rank_zero2_staging_bytes(scheme, dense, expert // stage.ep, stage, es, gs, bucket)
 
 
 def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
@@ -234,7 +234,7 @@ class RankShare:
         return self.local_dense(tp) + self.expert // ep + self.head_copy
 
 
-def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[RankShare]:
+def rank_shares(cfg: OptimusConfig, layout: Layout, counts: ParamCounts) -> list[RankShare]:
     """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline)."""
     m, p = cfg.model, cfg.parallel
     split_layers, split_embed, split_head = tp_split_params(m) if p.tp > 1 else ([0] * m.n_layers, 0, 0)
@@ -244,7 +244,7 @@ def rank_shares(cfg: OptimusConfig, world: int, counts: ParamCounts) -> list[Ran
     n_stages = p.pp * p.pp_virtual
     stage_layers = stage_layer_ids(stage_sizes(m, n_stages, p.pp_layers))
     layers, embed, head = part_counts(m)
-    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))
+    accum = layout.micro_batches(cfg.train.global_batch, cfg.train.micro_batch)
     shares = []
     for rank in range(p.pp):
         stages = rank_stage_indices(rank, p.pp, p.pp_virtual)
@@ -423,24 +423,24 @@ class Plan:
         return asdict(self)
 
 
-def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> dict:
+def _rank_plan(cfg: OptimusConfig, share: RankShare, layout: Layout, path: str) -> dict:
     """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank on device path
     `path` (whose expert kernels decide what the experts keep)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    stage_world = world // p.pp
+    stage = layout.one_stage()
     dense = share.local_dense(p.tp)
-    state = {s: state_bytes(cfg, s, dense, share.expert, stage_world).rounded() for s in SCHEMES}
+    state = {s: state_bytes(cfg, s, dense, share.expert, stage).rounded() for s in SCHEMES}
     a = DTYPE_BYTES[planned_dtype(cfg)]
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
-    scheme = resolve_sharding(cfg.optim.sharding, stage_world)
-    staging = staging_bytes(cfg, scheme, dense, share.expert, stage_world)
+    scheme = resolve_sharding(cfg.optim.sharding, stage.world)
+    staging = staging_bytes(cfg, scheme, dense, share.expert, stage)
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
              "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path),
              "sent_outputs": share.sent_outputs}  # fmt: skip
-    accum = grad_accum_steps(cfg, data_parallel_size(world, p.pp, p.tp))  # micro-batches per rank and step
+    accum = layout.micro_batches(t.global_batch, t.micro_batch)
     accumulated = zero2_accumulated_bytes(cfg, share, accum) + pipeline_buffer_bytes(cfg, share, accum)
 
     def peak(mode: str) -> int:
@@ -457,7 +457,7 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> d
         "zero2_staging": staging,  # (during the backward, at its end)
     }
     chosen = sum(state[scheme][k] for k in STATE_KEYS)
-    update = _update_bytes(cfg, share, scheme, stage_world)
+    update = _update_bytes(cfg, share, scheme, stage)
     # The optimizer step comes after the backward: its working memory (Muon's update directions) beside the
     # state and the pipeline's receive buffers, which live for the whole run, when that is more than the peak
     # of the activations.
@@ -466,16 +466,16 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, world: int, path: str) -> d
             "total": chosen + max(act["configured"], step), "share": share}  # fmt: skip
 
 
-def _update_bytes(cfg: OptimusConfig, share: RankShare, scheme: str, stage_world: int) -> dict:
+def _update_bytes(cfg: OptimusConfig, share: RankShare, scheme: str, stage: Layout) -> dict:
     """What optim.update adds to a step of one pipeline rank (optimus.optim.memory.rank_update_bytes)."""
-    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    m, o = cfg.model, cfg.optim
     param_size = DTYPE_BYTES[planned_dtype(cfg)]
     bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, param_size)
     return {
         "rule": o.update,
         **rank_update_bytes(
-            o.update, scheme, share.local_dense(p.tp), share.expert // p.ep, stage_world, stage_world // p.ep,
-            param_size, p.tp, largest_units(m), bucket,
+            o.update, scheme, share.local_dense(stage.tp), share.expert // stage.ep, stage, param_size,
+            largest_units(m), bucket,
         ),
     }  # fmt: skip
 
@@ -542,11 +542,12 @@ def planned_ffn_widths(cfg: OptimusConfig, path: str) -> int:
 
 def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None, path: str | None = None) -> Plan:
     """make_plan without the validation; on device path `path` (None: the recipe's, declared_device_path)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    ep, pp, tp = p.ep, p.pp, p.tp
+    m, t = cfg.model, cfg.train
+    layout = layout_of(cfg, world)
+    ep, pp, tp = layout.ep, layout.pp, layout.tp
     counts = counts or count_params_of_config(m)
     path = path or declared_device_path(cfg.machine)
-    ranks = [_rank_plan(cfg, share, world, path) for share in rank_shares(cfg, world, counts)]
+    ranks = [_rank_plan(cfg, share, layout, path) for share in rank_shares(cfg, layout, counts)]
     busiest = max(ranks, key=lambda r: r["total"])
     state, act = busiest["state"], busiest["activations"]
     compute = planned_dtype(cfg)
@@ -560,7 +561,7 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
         "peak_per_device": peak,
         "step_time_at_peak_s": per_step / world / peak if peak else None,
     }
-    sharding = resolve_sharding(cfg.optim.sharding, world // pp)
+    sharding = resolve_sharding(cfg.optim.sharding, layout.stage_size)
     device = device_bytes(cfg)
     memory = {"device_bytes": device, "step_bytes": busiest["step"]}
     for key in ("no_checkpointing", "checkpointing", "configured"):
@@ -571,7 +572,7 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
     params = {**counts.as_dict(), "per_device": busiest["share"].per_device(tp, ep)}
     update = busiest["update"]
     return Plan(
-        m.name, world, pp, data_parallel_size(world, pp, tp), tp, p.sp and tp > 1, ep, world // pp // ep, sharding,
+        m.name, world, pp, layout.dp, tp, layout.sp, ep, layout.edp, sharding,
         cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages, update,
     )  # fmt: skip
 

@@ -11,11 +11,9 @@ from optimus.cli import load_config, main
 from optimus.config import (
     DISPATCHERS,
     ConfigError,
-    experts_per_rank,
-    micro_batches_per_rank,
     validate,
-    validate_layout,
 )
+from optimus.layout import Layout, experts_per_rank, micro_batches_per_rank
 from tests.unchanged import unchanged
 
 # The small run: four steps of the tiny model.
@@ -157,15 +155,17 @@ def test_bad_choice_lists_the_options():
     assert "auto, fp32, bf16" in error_of(["train.dtype=fp8"])
 
 
-def test_layout_rules_are_one_function():
-    # validate_layout is what both config.validate and parallel.state.build_parallel_state call.
-    validate_layout(12, ep=3, pp=2)  # 2 stages of 6 ranks, EP groups of 3
+def test_layout_rules_are_one_class():
+    # Layout refuses what does not divide, for config.validate and parallel.state.build_parallel_state alike.
+    Layout(world=12, ep=3, pp=2)  # 2 stages of 6 ranks, EP groups of 3
     with pytest.raises(ConfigError, match="parallel.pp=5 does not divide the world size 12"):
-        validate_layout(12, ep=1, pp=5)
+        Layout(world=12, pp=5)
     with pytest.raises(ConfigError, match="parallel.ep=4 does not divide the 6 ranks of a pipeline stage"):
-        validate_layout(12, ep=4, pp=2)
+        Layout(world=12, ep=4, pp=2)
     with pytest.raises(ConfigError, match="parallel.ep=4 does not divide the world size 6"):
-        validate_layout(6, ep=4)
+        Layout(world=6, ep=4)
+    with pytest.raises(ConfigError, match="parallel.tp=0 must be a positive"):
+        Layout(world=6, tp=0)
 
 
 def test_experts_per_rank():

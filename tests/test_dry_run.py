@@ -17,6 +17,7 @@ import torch
 from optimus.cli import main
 from optimus.dry_run import dry_run_rank, group_check_ranks, sharding_metadata_apart
 from optimus.kernels.torch_private import FakeTensorMode, TorchDispatchMode
+from optimus.layout import Layout
 from optimus.load_model import ExpertLoad
 from optimus.output_dir import not_written
 from optimus.parallel.collective_trace import mismatches
@@ -173,7 +174,7 @@ def test_a_rank_that_leaves_out_its_expert_counts_is_named_by_the_group_check(pp
 def test_group_check_ranks_cover_one_group_of_each_kind():
     # world 48 = pp 2 x 24 per stage, tp 2, ep 4: TP [0, 1], EP [0..3], EDP 0, 4, .., 20, DP 0, 2, .., 22,
     # PP [0, 24], and the last rank.
-    ranks = group_check_ranks(48, pp=2, tp=2, ep=4)
+    ranks = group_check_ranks(Layout(world=48, pp=2, tp=2, ep=4))
     assert set(ranks) == {*range(4), *range(0, 24, 4), *range(0, 24, 2), 24, 47}
 
 

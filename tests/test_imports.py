@@ -129,6 +129,9 @@ def test_no_import_cycle_between_subpackages():
     [
         ("model", {"parallel", "train", "optim", "cli"}),
         ("kernels", existing_units() - {"kernels"}),
+        # The bottom of the graph: the rank layout and the user's error, which every layer reads.
+        ("layout", existing_units() - {"layout", "errors"}),
+        ("errors", existing_units() - {"errors"}),
     ],
 )
 def test_layering(unit_name, forbidden):

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
+from optimus.layout import Layout
 from optimus.model import Transformer, count_params, flops_per_token, padded_vocab_size
 from optimus.model.loss import linear_cross_entropy
 from optimus.optim import ShardedAdamW, rank_state_bytes
@@ -135,7 +136,7 @@ def test_plan_equals_the_buffers_the_optimizer_holds(world, ep, scheme, dtype, z
     cfg.train.micro_batch, cfg.train.global_batch = 1, world
     predicted = make_plan(cfg, world).state[scheme]
     for rank in (0, world - 1):
-        ps = ParallelState(rank=rank, world_size=world, ep=ep)
+        ps = ParallelState(rank=rank, layout=Layout(world=world, ep=ep))
         model = sliced_model(ps, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
         opt = ShardedAdamW(model, cfg.optim, ps, 1.0, scheme)
         assert sum(predicted[k] for k in STATE_KEYS) == held_bytes(opt)
@@ -145,20 +146,20 @@ def test_plan_equals_the_buffers_the_optimizer_holds(world, ep, scheme, dtype, z
 def test_state_bytes_scale_as_documented():
     """Without padding (sizes divisible by everything): the per-parameter byte counts of the docstring."""
     dense, expert, world, ep = 2**20, 2**22, 8, 4
-    dp, local = world // ep, dense + expert // ep
-    adamw = {"state_bytes_per_element": 8}  # two fp32 moments
-    none = rank_state_bytes("none", dense, expert // ep, world, dp, 4, 4, zero=1, **adamw)
+    edp, local = world // ep, dense + expert // ep  # expert-data-parallel ranks, elements held
+    stage, adamw = Layout(world=world, ep=ep), {"state_bytes_per_element": 8}  # AdamW: two fp32 moments
+    none = rank_state_bytes("none", dense, expert // ep, stage, 4, 4, zero=1, **adamw)
     assert (none.param_bytes, none.grad_bytes, none.master_bytes, none.optim_state_bytes) == (
         4 * local, 4 * local, 0, 8 * local,
     )  # fmt: skip
-    ep_aware = rank_state_bytes("ep_aware", dense, expert // ep, world, dp, 2, 4, zero=2, **adamw)
+    ep_aware = rank_state_bytes("ep_aware", dense, expert // ep, stage, 2, 4, zero=2, **adamw)
     assert ep_aware.param_bytes == 2 * local
     assert ep_aware.grad_bytes == 4 * (dense + expert) // world
     assert ep_aware.master_bytes == 4 * (dense + expert) // world
     assert ep_aware.optim_state_bytes == 8 * (dense + expert) // world
-    standard = rank_state_bytes("standard", dense, expert // ep, world, dp, 4, 4, zero=1, **adamw)
-    assert standard.optim_state_bytes == 8 * (dense // dp + expert // world)
-    assert standard.grad_bytes == 4 * local + 4 * (dense // dp + expert // world)
+    standard = rank_state_bytes("standard", dense, expert // ep, stage, 4, 4, zero=1, **adamw)
+    assert standard.optim_state_bytes == 8 * (dense // edp + expert // world)
+    assert standard.grad_bytes == 4 * local + 4 * (dense // edp + expert // world)
 
 
 def test_activation_bytes_by_hand():

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from optimus.config import micro_batches_per_rank
 from optimus.data.errors import DataError
 from optimus.data.order import global_indices
+from optimus.layout import micro_batches_per_rank
 
 
 def _gather(dataset: Any, idx: np.ndarray) -> torch.Tensor:

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, fields
 
 from optimus.config import SHARDING_SCHEMES
+from optimus.layout import Layout
 from optimus.parallel.flat_buffer import bucket_sizes, padded_numel
 
 MASTER_BYTES = 4  # per owned element: the fp32 master copy, when the parameters are 16-bit
@@ -25,14 +26,14 @@ MASTER_BYTES = 4  # per owned element: the fp32 master copy, when the parameters
 BUCKETS_IN_FLIGHT = 2
 
 
-def shard_worlds(scheme: str, world: int, dp: int, tp: int = 1) -> dict[str, int]:
-    """How many ranks split each group's optimizer state. `world`: a stage's ranks; `dp`: the expert-data-parallel
-    degree (stage / ep). With tp > 1 a dense element has world / tp replicas (the dense data-parallel ranks),
-    which both sharding schemes split it over."""
+def shard_worlds(scheme: str, stage: Layout) -> dict[str, int]:
+    """How many ranks split each group's optimizer state in a pipeline stage of layout `stage` (its one_stage()).
+    With tp > 1 a dense element has dp replicas (the data-parallel ranks), which both sharding schemes split
+    it over."""
     if scheme not in SHARDING_SCHEMES:
         raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SHARDING_SCHEMES}")
-    dense = {"none": 1, "standard": dp if tp == 1 else world // tp, "ep_aware": world // tp}[scheme]
-    return {"dense": dense, "expert": 1 if scheme == "none" else dp}
+    dense = {"none": 1, "standard": stage.edp if stage.tp == 1 else stage.dp, "ep_aware": stage.dp}[scheme]
+    return {"dense": dense, "expert": 1 if scheme == "none" else stage.edp}
 
 
 @dataclass
@@ -80,12 +81,13 @@ def group_state_bytes(
 
 
 def rank_state_bytes(
-    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int, zero: int,
-    tp: int = 1, *, state_bytes_per_element: int,
+    scheme: str, dense: int, expert_local: int, stage: Layout, param_size: int, grad_size: int, zero: int,
+    *, state_bytes_per_element: int,
 ) -> StateBytes:  # fmt: skip
-    """Bytes of a rank with `dense` and `expert_local` parameter elements (`dense`: what this tp rank holds), with
-    an update rule keeping `state_bytes_per_element` per owned element: what `optimus plan` and run_info report."""
-    worlds = shard_worlds(scheme, world, dp, tp)
+    """Bytes of a rank of a pipeline stage laid out as `stage` with `dense` and `expert_local` parameter elements
+    (`dense`: what this tp rank holds), with an update rule keeping `state_bytes_per_element` per owned element:
+    what `optimus plan` and run_info report."""
+    worlds = shard_worlds(scheme, stage)
     total = StateBytes()
     for numel, shard_world in ((dense, worlds["dense"]), (expert_local, worlds["expert"])):
         total = total + group_state_bytes(numel, shard_world, param_size, grad_size, zero, state_bytes_per_element)
@@ -132,7 +134,7 @@ def muon_step_bytes(
 
 
 def rank_update_bytes(
-    rule: str, scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, tp: int = 1,
+    rule: str, scheme: str, dense: int, expert_local: int, stage: Layout, param_size: int,
     largest_units: dict[str, int] | None = None, bucket: int = 2**62,
 ) -> dict[str, int]:  # fmt: skip
     """What the update rule `rule` adds to one optimizer step of a rank (the arguments of rank_state_bytes):
@@ -140,7 +142,7 @@ def rank_update_bytes(
     beside `param_gather_received_bytes`, the parameters' all-gather that every rule has. `largest_units`:
     Muon's largest unit of work per group, whole (optimus.optim.muon.largest_units); `bucket`: elements per
     bucket (bucket_numel)."""
-    worlds = shard_worlds(scheme, world, dp, tp)
+    worlds, tp = shard_worlds(scheme, stage), stage.tp
     out = {"step_work_bytes": 0, "gather_received_bytes": 0, "param_gather_received_bytes": 0}
     for numel, kind in ((dense, "dense"), (expert_local, "expert")):
         n = padded_numel(numel, worlds[kind], param_size)
@@ -180,13 +182,12 @@ def zero2_staging_bytes(numel: int, shard_world: int, param_size: int, grad_size
 
 
 def rank_zero2_staging_bytes(
-    scheme: str, dense: int, expert_local: int, world: int, dp: int, param_size: int, grad_size: int,
-    bucket: int, tp: int = 1,
+    scheme: str, dense: int, expert_local: int, stage: Layout, param_size: int, grad_size: int, bucket: int,
 ) -> tuple[int, int]:  # fmt: skip
     """zero2_staging_bytes of a rank's two groups (the arguments of rank_state_bytes), summed: both are alive
     in the backward (the dense group's from the head's gradient on, the experts' from the last MoE layer's)
     and at its end."""
-    worlds = shard_worlds(scheme, world, dp, tp)
+    worlds = shard_worlds(scheme, stage)
     per_group = [
         zero2_staging_bytes(numel, worlds[kind], param_size, grad_size, bucket)
         for numel, kind in ((dense, "dense"), (expert_local, "expert"))

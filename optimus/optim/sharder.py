@@ -67,20 +67,20 @@ class GroupComm:
 
 
 def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
-    worlds = shard_worlds(scheme, ps.world_size, ps.dp, ps.tp)
+    worlds = shard_worlds(scheme, ps.layout)
     if scheme == "none":
-        expert = GroupComm(None, 1, 0, ps.edp_group, ps.dp, ps.dp_rank == 0)
+        expert = GroupComm(None, 1, 0, ps.edp_group, ps.edp, ps.edp_rank == 0)
     else:
-        expert = GroupComm(ps.edp_group, ps.dp, ps.dp_rank)
+        expert = GroupComm(ps.edp_group, ps.edp, ps.edp_rank)
     if ps.tp > 1:  # a dense slice's replicas: the data-parallel ranks with this tp rank (optimus.parallel.state)
         if scheme == "none":
-            dense = GroupComm(None, 1, 0, ps.dense_dp_group, ps.data_parallel, ps.data_rank == 0)
+            dense = GroupComm(None, 1, 0, ps.dense_dp_group, ps.dp, ps.dp_rank == 0)
         else:
-            dense = GroupComm(ps.dense_dp_group, ps.data_parallel, ps.data_rank)
+            dense = GroupComm(ps.dense_dp_group, ps.dp, ps.dp_rank)
     elif scheme == "none":
         dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
     elif scheme == "standard":
-        dense = GroupComm(ps.edp_group, ps.dp, ps.dp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
+        dense = GroupComm(ps.edp_group, ps.edp, ps.edp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
     else:
         dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
     assert (dense.shard_world, expert.shard_world) == (worlds["dense"], worlds["expert"])
@@ -476,7 +476,7 @@ class GradSharder:
         bucket_bytes: int, max_numel: int, micro_batches: int = 1, timers=None, tied=None,
     ):  # fmt: skip
         self.ps, self.scheme, self.zero, self.tied = ps, scheme, zero, tied
-        self.mean_scale = 1.0 / ps.data_parallel  # the reductions sum over the replicas of the global batch
+        self.mean_scale = 1.0 / ps.dp  # the reductions sum over the replicas of the global batch
         self.timers = timers
         self.overlapping = False  # gather() leaves its all-gathers to the next forward (overlap_param_gather)
         self._gather_hooks: list = []  # the forward pre-hooks that wait for them

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from optimus.config import DISPATCHERS, ParallelConfig, check_choice, experts_per_rank
+from optimus.config import DISPATCHERS, ParallelConfig, check_choice
+from optimus.layout import experts_per_rank
 from optimus.model.moe.experts import expert_range
 from optimus.model.moe.layer import MoE
 from optimus.parallel.allgather_dispatch import AllGatherDispatcher

@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from optimus.config import ConfigError, OptimusConfig
+from optimus.config import ConfigError, OptimusConfig, layout_of
 from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.activation_checkpointing import recompute_flops_per_token
@@ -210,7 +210,7 @@ def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
         if e["e"] == "comm" and e["call"]["op"] == "send"
     ]
     p2p_bytes = max(sends, default=0)  # a micro-batch's activations (or their gradient) between two stages
-    stage_world, offset = world // p.pp, traces[0]["rank"]
+    stage_world, offset = layout_of(cfg, world).stage_size, traces[0]["rank"]
 
     def transfer(a: int, b: int) -> float:
         ra, rb = (a % p.pp) * stage_world + offset, (b % p.pp) * stage_world + offset
@@ -290,7 +290,7 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
 
     stream = {"stdout": sys.stdout, "stderr": sys.stderr}.get(progress)
     try:
-        stage_world = world // cfg.parallel.pp
+        stage_world = layout_of(cfg, world).stage_size
         traces = {}
         for pp_rank in traced_pp_ranks(cfg.parallel.pp):
             rank = pp_rank * stage_world

@@ -26,11 +26,11 @@ from optimus.config import (
     MachineConfig,
     OptimusConfig,
     check_choice,
-    experts_per_rank,
     validate_machine_and_data,
     validate_model,
 )
 from optimus.kernels import BACKENDS, KernelUnavailable, get_backend
+from optimus.layout import experts_per_rank
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.platform import Platform, declared_device_type, detect_platform, resolve_dtype, share_cpu_threads
 from optimus.ranks import RankInfo, SpawnStopped, discover, init_process_group, report_user_error, spawn_local

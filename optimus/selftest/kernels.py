@@ -11,9 +11,10 @@ import math
 
 import torch
 
-from optimus.config import OptimusConfig, experts_per_rank
+from optimus.config import OptimusConfig
 from optimus.kernels import get_backend
 from optimus.kernels.check import Case, KernelResult, check_backend, recipe_cases
+from optimus.layout import experts_per_rank
 from optimus.model import moe_layer_ids
 from optimus.selftest.rates import free_bytes
 

@@ -455,7 +455,7 @@ class Checkpointer:
             return
         ps = self.ps
         meta = {
-            "step": step, "world": ps.world_size, "pp": ps.pp, "dp": ps.dp, "ep": ps.ep, "tp": ps.tp,
+            "step": step, "world": ps.world_size, "pp": ps.pp, "dp": ps.dp, "edp": ps.edp, "ep": ps.ep, "tp": ps.tp,
             "sharding": self.cfg.optim.sharding,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
             "run": run_identity(self.cfg, self.data_identity),

@@ -20,9 +20,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from optimus.config import ConfigError, ModelConfig, OptimusConfig, experts_per_rank
+from optimus.config import ConfigError, ModelConfig, OptimusConfig
 from optimus.kernels import KernelUnavailable, get_backend
 from optimus.kernels.check import Case, check_backend, first_failure
+from optimus.layout import experts_per_rank
 from optimus.model import moe_layer_ids
 from optimus.parallel.state import ParallelState
 

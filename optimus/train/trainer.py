@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from optimus import fake_device
-from optimus.config import ConfigError, MoEConfig, OptimusConfig, grad_accum_steps
+from optimus.config import ConfigError, MoEConfig, OptimusConfig
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
 from optimus.kernels import KernelUnavailable, get_backend
@@ -186,7 +186,7 @@ class Trainer:
         )
 
         # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
-        t, data_rank, data_world = cfg.train, self.ps.data_rank, self.ps.data_parallel
+        t, data_rank, data_world = cfg.train, self.ps.dp_rank, self.ps.dp
         self.loader = BatchLoader(
             self.data.train, t.global_batch, t.micro_batch, data_rank, data_world, t.seed, prefetch=cfg.data.prefetch,
             pin_memory=self.platform.device_type != "cpu",
@@ -228,10 +228,12 @@ class Trainer:
                 "run a backward on a real GPU: run the GPU's step in a fresh process (optimus plan runs in its own)."
             )
         p = self.cfg.parallel
-        self.ps: ParallelState = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp)
-        if self.ps.world_size != spec.world_size:
-            raise RuntimeError(f"a run resolved for {spec.world_size} ranks, in a group of {self.ps.world_size}")
-        self.accum = grad_accum_steps(self.cfg, self.ps.data_parallel)  # micro-batches per rank and step
+        self.ps: ParallelState = build_parallel_state(
+            p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp, p.pp_virtual
+        )
+        if self.ps.layout != spec.layout:
+            raise RuntimeError(f"a run resolved for {spec.layout}, in a group laid out as {self.ps.layout}")
+        self.accum = spec.layout.micro_batches(self.cfg.train.global_batch, self.cfg.train.micro_batch)
         self.device = self.platform.device
 
     def _init_step(self, load_weights=None) -> None:
@@ -437,8 +439,8 @@ class Trainer:
             # dp: the data-parallel degree world / (pp x tp), as optimus plan counts it; edp: the expert-data-
             # parallel degree world / (pp x ep), the replicas of each expert.
             "layout": {
-                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.data_parallel, "tp": self.ps.tp,
-                "ep": self.ps.ep, "edp": self.ps.dp, "accum": self.accum,
+                "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "tp": self.ps.tp,
+                "ep": self.ps.ep, "edp": self.ps.edp, "accum": self.accum,
             },
             "moe_layers": self.router_stats.layer_ids,  # the block index of each row of expert_tokens
             "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},

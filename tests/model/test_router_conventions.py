@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef, validate_model
+from optimus.layout import Layout
 from optimus.model.moe.router import Router
 from optimus.parallel import ParallelState
 from optimus.parallel.parallelize import install_balance_group
@@ -115,7 +116,7 @@ def global_aux_losses(x_RTD: torch.Tensor, state: dict) -> float:
     """One rank: its aux loss with counts summed over the world (balance group installed from outside)."""
     router = Router(D, MoEConfig(n_experts=6, top_k=2, aux_loss_scope="global"))
     router.load_state_dict(state)
-    ps = ParallelState(rank=dist.get_rank(), world_size=dist.get_world_size(), ep=1)
+    ps = ParallelState(rank=dist.get_rank(), layout=Layout(world=dist.get_world_size(), ep=1))
     install_balance_group(router, ps)
     return router(x_RTD[dist.get_rank()]).aux_loss.item()
 

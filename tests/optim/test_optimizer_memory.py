@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from optimus.config import ModelConfig, MoEConfig, OptimConfig, OptimusConfig
+from optimus.layout import Layout
 from optimus.model import Transformer, count_params
 from optimus.optim import ShardedAdamW, ShardedMuon, build_optimizer
 from optimus.parallel import ParallelState
@@ -59,7 +60,7 @@ def held_bytes(opt: ShardedAdamW) -> int:
 def test_state_bytes_match_formula_and_the_buffers_held(world, ep, dtype, scheme, zero):
     cfg = OptimConfig(zero=zero, bucket_mb=0.05)  # several buckets per group; fp32 gradients
     for rank in range(world):
-        ps = ParallelState(rank=rank, world_size=world, ep=ep)
+        ps = ParallelState(rank=rank, layout=Layout(world=world, ep=ep))
         model = rank_model(ps, dtype)
         counts = count_params(model, MODEL)
         local = sum(p.numel() for p in model.parameters())
@@ -84,7 +85,7 @@ def test_state_bytes_match_formula_and_the_buffers_held(world, ep, dtype, scheme
 
 def test_one_owner_holds_each_gradient_once():
     """ep_aware with ep = world: the expert group has one owner, so ZeRO-1 keeps one expert gradient buffer."""
-    ps = ParallelState(rank=1, world_size=4, ep=4)
+    ps = ParallelState(rank=1, layout=Layout(world=4, ep=4))
     opt = ShardedAdamW(rank_model(ps, torch.float32), OptimConfig(zero=1), ps, 1.0, "ep_aware")
     expert = opt.sharder.groups["expert"]
     assert expert.grad_shard is expert.full_grad
@@ -100,7 +101,7 @@ def test_every_element_is_owned_once(world, ep, scheme):
     numel = {n: p.numel() for n, p in full.named_parameters()}
     owners: dict[str, list[tuple[int, int]]] = {n: [] for n in numel}
     for rank in range(world):
-        ps = ParallelState(rank=rank, world_size=world, ep=ep)
+        ps = ParallelState(rank=rank, layout=Layout(world=world, ep=ep))
         state = ShardedAdamW(
             rank_model(ps, torch.float32), OptimConfig(bucket_mb=0.05, zero=2), ps, 1.0, scheme
         ).state_dict()
@@ -124,7 +125,7 @@ def test_build_optimizer_auto_picks_by_world_size():
     cfg.optim.sharding = "auto"
     single = ParallelState()
     assert build_optimizer(rank_model(single, torch.float32), cfg, single).scheme == "none"
-    ps = ParallelState(rank=1, world_size=4, ep=2)
+    ps = ParallelState(rank=1, layout=Layout(world=4, ep=2))
     opt = build_optimizer(rank_model(ps, torch.float32), cfg, ps)
     assert type(opt) is ShardedMuon and opt.scheme == "ep_aware"  # the default rule
     cfg.optim.sharding, cfg.optim.update = "standard", "adamw"
@@ -133,7 +134,7 @@ def test_build_optimizer_auto_picks_by_world_size():
 
 
 def test_buckets_respect_the_collective_limit_and_params_view_the_flat_buffer():
-    ps = ParallelState(rank=2, world_size=4, ep=2)
+    ps = ParallelState(rank=2, layout=Layout(world=4, ep=2))
     model = rank_model(ps, torch.bfloat16)
     opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=5000, grad_dtype="bf16"), ps, 1.0, "ep_aware")
     for group in opt.sharder.groups.values():

@@ -57,15 +57,16 @@ def test_a_corrupting_all_to_all_on_one_rank_stops_every_rank_with_one_sentence(
 
 def test_every_rank_lists_the_same_checks_whatever_its_groups():
     """The failure vector is reduced element by element: its order cannot depend on the rank's place."""
+    from optimus.layout import Layout
     from optimus.parallel.state import ParallelState
 
     a = [
         (c.name, c.group_field, c.dtype)
-        for c in checks(ParallelState(rank=0, world_size=8, ep=2, pp=2), torch.bfloat16, "alltoall")
+        for c in checks(ParallelState(rank=0, layout=Layout(world=8, ep=2, pp=2)), torch.bfloat16, "alltoall")
     ]
     b = [
         (c.name, c.group_field, c.dtype)
-        for c in checks(ParallelState(rank=7, world_size=8, ep=2, pp=2), torch.bfloat16, "alltoall")
+        for c in checks(ParallelState(rank=7, layout=Layout(world=8, ep=2, pp=2)), torch.bfloat16, "alltoall")
     ]
     assert a == b
     assert ("all_to_all with uneven splits", "ep_group", torch.bfloat16) in a

@@ -161,7 +161,7 @@ def check_moe_layer(case: dict) -> dict:
     torch.testing.assert_close(counts_E, mine["counts"])
     n_local = case["n_experts"] // ep
     start = ps.ep_rank * n_local
-    ep_peers = [ps.dp_rank * ep + j for j in range(ep)]
+    ep_peers = [ps.edp_rank * ep + j for j in range(ep)]
     for name, p in moe.named_parameters():
         if ".experts." in f".{name}":
             expected = sum(ref[r]["grads"][name] for r in ep_peers)[start : start + n_local]

@@ -7,35 +7,22 @@ import torch
 import torch.distributed as dist
 
 from optimus.config import ConfigError
-from optimus.parallel.state import ParallelState, build_parallel_state, edp_group_ranks, ep_group_ranks
+from optimus.layout import Layout
+from optimus.parallel.state import ParallelState, build_parallel_state
 from tests.distributed import DistributedTestError, run_distributed
 
 
-def test_group_ranks_partition_the_world():
-    assert ep_group_ranks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert edp_group_ranks(8, 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for world, ep in [(12, 12), (12, 3), (6, 1), (16, 8)]:
-        for groups in (ep_group_ranks(world, ep), edp_group_ranks(world, ep)):
-            assert sorted(r for g in groups for r in g) == list(range(world))
-        # An EP group and an EDP group share exactly one rank.
-        for a in ep_group_ranks(world, ep):
-            for b in edp_group_ranks(world, ep):
-                assert len(set(a) & set(b)) == 1
-
-
 def test_rank_coordinates_put_ep_innermost():
-    coords = [
-        (ParallelState(rank=r, world_size=8, ep=4).dp_rank, ParallelState(rank=r, world_size=8, ep=4).ep_rank)
-        for r in range(8)
-    ]
+    layout = Layout(world=8, ep=4)
+    coords = [(layout.edp_rank(r), layout.ep_rank(r)) for r in range(8)]
     assert coords == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
-    ps = ParallelState(rank=5, world_size=8, ep=4)
-    assert ps.dp == 2 and ps.is_distributed and not ps.is_main
+    ps = ParallelState(rank=5, layout=Layout(world=8, ep=4))
+    assert ps.edp == 2 and ps.is_distributed and not ps.is_main
 
 
 def test_single_process_state():
     ps = build_parallel_state(1)
-    assert (ps.world_size, ps.ep, ps.dp, ps.rank) == (1, 1, 1, 0) and not ps.is_distributed
+    assert (ps.world_size, ps.ep, ps.edp, ps.rank) == (1, 1, 1, 0) and not ps.is_distributed
     with pytest.raises(ConfigError, match="parallel.ep=2 needs several processes"):
         build_parallel_state(2)
 
@@ -49,7 +36,7 @@ def layout_of_four(ep: int) -> dict:
     dist.all_reduce(edp_sum, group=ps.edp_group)
     dist.all_reduce(one, group=ps.world_group)
     return {
-        "coords": (ps.dp_rank, ps.ep_rank),
+        "coords": (ps.edp_rank, ps.ep_rank),
         "ep_ranks": dist.get_process_group_ranks(ps.ep_group),
         "edp_ranks": dist.get_process_group_ranks(ps.edp_group),
         "ep_sum": ep_sum.item(),

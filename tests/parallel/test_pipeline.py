@@ -14,9 +14,10 @@ import pytest
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, validate
+from optimus.layout import Layout
 from optimus.model import padded_vocab_size
 from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes
-from optimus.parallel.state import ParallelState, edp_group_ranks, pp_group_ranks, stage_group_ranks
+from optimus.parallel.state import ParallelState
 from tests.conftest import TINY_MODEL
 from tests.trajectories import assert_same_trajectory, read_metrics, step_records, train_layouts
 
@@ -92,13 +93,14 @@ def test_embedding_and_head_count_in_the_automatic_split():
 
 def test_pp_is_the_outermost_rank_dimension():
     """world 8 = pp 2 x dp 2 x ep 2: a stage is a run of 4 ranks, EDP groups stay inside their stage."""
-    assert stage_group_ranks(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert pp_group_ranks(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert edp_group_ranks(8, 2, pp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    ps = ParallelState(rank=6, world_size=8, ep=2, pp=2)
-    assert (ps.pp_rank, ps.stage_size, ps.dp, ps.dp_rank, ps.ep_rank) == (1, 4, 2, 1, 0)
+    layout = Layout(world=8, ep=2, pp=2)
+    assert layout.stage_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.edp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    ps = ParallelState(rank=6, layout=layout)
+    assert (ps.pp_rank, ps.stage_size, ps.edp, ps.edp_rank, ps.ep_rank) == (1, 4, 2, 1, 0)
     stage = ps.stage()  # the stage as a world of its own, for the optimizer and the data loader
-    assert (stage.rank, stage.world_size, stage.pp, stage.dp, stage.dp_rank, stage.ep_rank) == (2, 4, 1, 2, 1, 0)
+    assert (stage.rank, stage.world_size, stage.pp, stage.edp, stage.edp_rank, stage.ep_rank) == (2, 4, 1, 2, 1, 0)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, validate
+from optimus.layout import Layout
 from optimus.optim.state_ranges import StateRange, copy_overlap, covered
-from optimus.parallel.state import ParallelState, build_parallel_state, dense_dp_group_ranks, tp_group_ranks
+from optimus.parallel.state import ParallelState, build_parallel_state
 from tests.distributed import run_distributed
 from tests.parallel.test_pipeline import COMMON
 from tests.trajectories import assert_same_trajectory, read_metrics, step_records, train_layouts
@@ -31,14 +32,15 @@ ORACLE = [k for k in COMMON if not k.startswith("optim.lr=")] + ["optim.lr=5e-3"
 
 def test_tp_is_the_innermost_rank_dimension():
     """world 8 = pp 2 x dp 2 x tp 2, with MoE layers folding ep 2 over the same ranks."""
-    assert tp_group_ranks(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert dense_dp_group_ranks(8, 2, pp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    ps = ParallelState(rank=6, world_size=8, ep=2, pp=2, tp=2)
-    assert (ps.pp_rank, ps.tp_rank, ps.data_rank, ps.data_parallel, ps.ep_rank, ps.dp) == (1, 0, 1, 2, 0, 2)
+    layout = Layout(world=8, ep=2, pp=2, tp=2)
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    ps = ParallelState(rank=6, layout=layout)
+    assert (ps.pp_rank, ps.tp_rank, ps.dp_rank, ps.dp, ps.ep_rank, ps.edp) == (1, 0, 1, 2, 0, 2)
     stage = ps.stage()
-    assert (stage.rank, stage.world_size, stage.tp, stage.data_rank, stage.data_parallel) == (2, 4, 2, 1, 2)
-    assert ParallelState(tp=2, sp=True).residual_seq_len(16) == 8
-    assert ParallelState(tp=2, sp=False).residual_seq_len(16) == 16
+    assert (stage.rank, stage.world_size, stage.tp, stage.dp_rank, stage.dp) == (2, 4, 2, 1, 2)
+    assert ParallelState(layout=Layout(world=2, tp=2, sp=True)).residual_seq_len(16) == 8
+    assert ParallelState(layout=Layout(world=2, tp=2, sp=False)).residual_seq_len(16) == 16
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from optimus.config import experts_per_rank
 from optimus.kernels import KernelBackend, get_backend
+from optimus.layout import experts_per_rank
 
 
 def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
