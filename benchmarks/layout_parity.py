@@ -54,7 +54,8 @@ def run(overrides: list[str], run_dir: Path, steps: int) -> list[dict]:
 def fp64_step1_norm(work: Path, micro_batch: int) -> float:
     """The single process's step-1 gradients (before clipping), their norm summed in fp64."""
     from optimus.cli import load_config
-    from optimus.train.trainer import Trainer, micro_batch_loss
+    from optimus.train.step import micro_batch_loss
+    from optimus.train.trainer import Trainer
 
     overrides = [*COMMON, "optim.sharding=none", f"train.micro_batch={micro_batch}", f"run.dir={work / 'fp64'}"]
     trainer = Trainer(load_config(overrides))

@@ -33,7 +33,8 @@ from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.
 from optimus.kernels import torch_backend
 from optimus.platform import cpu_matmul_probe, keep_cpu_allocations
 from optimus.recipes import load_config
-from optimus.train.trainer import Trainer, autocast_context
+from optimus.train.step import autocast_context
+from optimus.train.trainer import Trainer
 
 # Op-name substrings -> group. First match wins; a profiler range (record_function) of the
 # model's modules is not used, since self CPU time of aten ops already sums to the step.

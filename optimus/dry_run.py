@@ -8,9 +8,10 @@ For each requested rank, in this process, one after the other:
     fake tensors           FakeTensorMode: every op runs on shapes, dtypes and devices alone, on the device path
                            traced (dry_run_device: the recipe's machine.device or --device): the CPU's, or a
                            GPU's on the stand-in device of optimus.fake_device, on any machine
-    the real step          Trainer.for_one_step: the model build (meta, then this rank's shard), its
-                           parallelisation, activation checkpointing, dispatcher, pipeline schedule, loss,
-                           backward and the sharded optimizer's step, with fake micro-batches of the real shape
+    the real step          optimus.train.step.TrainStep, as a run's trainer builds it: the model build (meta,
+                           then this rank's shard), its parallelisation, activation checkpointing, dispatcher,
+                           pipeline schedule, loss, backward and the sharded optimizer's step, run on fake
+                           micro-batches of the real shape
     a load model           fake tensors hold no routing: the rows the expert exchange moves come from
                            optimus.load_model (uniform, or --imbalance X for the busiest expert); every other
                            value read back reads as zero (finite, no stop), and each read is counted
@@ -51,6 +52,7 @@ from optimus.parallel.collective_trace import CollectiveTrace
 from optimus.platform import DEVICE_PATHS, Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.run_spec import resolve_run
 from optimus.train import step_memory
+from optimus.train.step import TrainStep, parallel_state_of
 from optimus.train.step_memory import step_memory_tracker
 
 DEVICES = DEVICE_PATHS  # what --device takes: cpu, or the stand-in of a GPU's (cuda, rocm, xpu)
@@ -181,13 +183,13 @@ def dry_run_rank(
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
         with known_warnings_quiet(), engine_error_explained(), sharding_metadata_apart():
-            trainer, memory, operators = _step(spec, imbalance, step_trace)
-        ps = trainer.ps
+            step, recorders = _step(spec, imbalance, step_trace)
+        ps = step.ps
     finally:
         dist.destroy_process_group()
     plan = plan_run(spec)
     planned = plan.stages[ps.pp_rank]["total_bytes"] if plan.stages else plan.memory["total_configured"]
-    measured = None if memory is None else step_memory.record(memory)
+    measured = None if recorders.memory is None else step_memory.record(recorders.memory)
     result = {
         "rank": rank,
         "world": world,
@@ -200,65 +202,79 @@ def dry_run_rank(
             "pp_rank": ps.pp_rank,
             "tp_rank": ps.tp_rank,
             "ep_rank": ps.ep_rank,
-            "accum": trainer.accum,
+            "accum": step.accum,
         },
         "device": spec.platform.path,
-        "kernels": trainer.kernels.name,
+        "kernels": step.kernels.name,
         "imbalance": imbalance,
         "memory": None
         if measured is None
         else {
             **measured,
             "planned_bytes": planned,
-            "optimizer_state": trainer.optimizer.memory_bytes(),
+            "optimizer_state": step.optimizer.memory_bytes(),
             **fit_of(measured["peak_bytes"], cfg),  # the measured peak against the device (fits, device_bytes)
         },
-        "collectives": trainer.collectives.calls,
-        "host_syncs": trainer.host_syncs.as_list(),
-        "operators": operators.summary(),
+        "collectives": recorders.collectives.calls,
+        "host_syncs": recorders.host_syncs.as_list(),
+        "operators": recorders.operators.summary(),
         "seconds": time.perf_counter() - started,
     }
     if step_trace is not None:
         result["events"] = step_trace.finish()
-        result["schedule"] = pipeline_order(trainer)
+        result["schedule"] = pipeline_order(step)
     return result
 
 
-def _step(spec, imbalance: float, step_trace):
-    """(the trainer, its MemTracker or None with `step_trace`, its OperatorCounter) after one step of the run
-    `spec` on fake tensors, in the fake process group dry_run_rank made."""
+@dataclass
+class StepRecorders:
+    """What watched a dry run's step: its memory (torch's MemTracker; None with a step trace), operators,
+    collectives (a CollectiveTrace, or the StepTrace that also records operators) and host syncs."""
+
+    memory: object | None
+    operators: OperatorCounter
+    collectives: CollectiveTrace
+    host_syncs: HostSyncCounter
+
+
+def _step(spec, imbalance: float, step_trace) -> tuple[TrainStep, StepRecorders]:
+    """One step of the run `spec` on fake tensors, in the fake process group dry_run_rank made: the step as
+    the trainer builds it, and what recorded it."""
     from optimus.kernels.torch_private import FakeTensorMode
-    from optimus.train.trainer import Trainer
 
-    cfg = spec.cfg
+    cfg, t = spec.cfg, spec.cfg.train
     fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
+    ps = parallel_state_of(spec)  # outside the fake mode: a DeviceMesh reads its ranks back
     with using(load):
-        trainer = Trainer.for_one_step(spec, tensor_mode=fake)
-    t = cfg.train
-    trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size, trainer.device)
+        step = TrainStep(spec, ps, tensor_mode=fake)
+    batches = FakeBatches(step.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size, step.device)
     gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
-    with fake, using(load, trainer.ps.ep_rank):
-        memory = None if step_trace is not None else step_memory_tracker(trainer.model, trainer.optimizer)
-        trainer.collectives = step_trace if step_trace is not None else CollectiveTrace()
-        trainer.host_syncs = HostSyncCounter(answer_reads=answer_read)
-        operators = OperatorCounter()
+    with fake, using(load, ps.ep_rank):
+        recorders = StepRecorders(
+            memory=None if step_trace is not None else step_memory_tracker(step.model, step.optimizer),
+            operators=OperatorCounter(),
+            collectives=step_trace if step_trace is not None else CollectiveTrace(),
+            host_syncs=HostSyncCounter(answer_reads=answer_read),
+        )
         with ExitStack() as stack:
-            for recorder in (memory, operators, trainer.collectives, trainer.host_syncs):  # (innermost last)
-                if recorder is not None:
+            for recorder in (recorders.memory, recorders.operators, recorders.collectives, recorders.host_syncs):
+                if recorder is not None:  # (innermost last)
                     stack.enter_context(recorder)
-            if step_trace is not None and trainer.pipeline is not None:
-                stack.enter_context(step_trace.mark_actions(trainer.pipeline.pipeline_stages))
-            trainer.train_step()
-    return trainer, memory, operators
+            if step_trace is not None and step.pipeline is not None:
+                stack.enter_context(step_trace.mark_actions(step.pipeline.pipeline_stages))
+            with step.timers("data_wait"):
+                micro_batches = batches.next_step()
+            step.run(micro_batches, 0, lambda: False, recorders.collectives)
+    return step, recorders
 
 
-def pipeline_order(trainer) -> dict[int, list[str]] | None:
+def pipeline_order(step) -> dict[int, list[str]] | None:
     """Every pipeline rank's actions in the order an interleaved schedule runs them (torch's pipeline_order,
     which those schedules execute, as "F2_5"-style strings: type, stage, micro-batch); None otherwise (GPipe's
     and 1F1B's pipeline_order is a drawing, not what they run: optimus.perf.replay.single_stage_order)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-    schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
+    schedule = step.pipeline.schedule if step.pipeline is not None else None
     if not isinstance(schedule, PipelineScheduleMulti):
         return None
     return {

@@ -104,15 +104,15 @@ def test_declared_device_path_takes_rocm_and_a_real_run_refuses_what_is_not_here
 @pytest.mark.skipif(torch.cuda.is_available(), reason="registers the stand-in, which would break this GPU's tests")
 def test_a_process_with_the_stand_in_refuses_a_real_gpu():
     """The stand-in (registered by the tests' conftest, as by a dry run) would break a real GPU's backward: the
-    trainer refuses to build a real GPU's step in such a process, before it touches the device."""
+    step's build refuses a real GPU in such a process, before it touches the device."""
     from optimus.run_spec import resolve_run
-    from optimus.train.trainer import Trainer
+    from optimus.train.step import parallel_state_of
 
     stand_in("cuda")
     gpu = Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "a GPU")
     spec = resolve_run(load_config(["model=tiny"]), 1, gpu)
     with pytest.raises(RuntimeError, match="run the GPU's step in a fresh process"):
-        Trainer.for_one_step(spec)
+        parallel_state_of(spec)
 
 
 def test_auto_kernels_follow_the_device_the_step_runs_on(monkeypatch):

@@ -41,22 +41,22 @@ COMMON = ["optim.update=adamw", "check_kernels=false", "parallel.check_collectiv
 
 def device_step(cfg) -> dict:
     """One real step on this machine's device: its operators and the allocator's peak (0 on a CPU)."""
-    from optimus.train.trainer import Trainer
+    from optimus.train.step import TrainStep, parallel_state_of
 
     platform = detect_platform(cfg.machine, 0)
     spec = resolve_run(cfg, 1, platform)
     reset_peak_memory(platform)
-    trainer = Trainer.for_one_step(spec)
+    step = TrainStep(spec, parallel_state_of(spec))
     t = spec.cfg.train
-    trainer.loader = FakeBatches(trainer.accum, t.micro_batch, t.seq_len, spec.cfg.model.vocab_size, trainer.device)
+    batches = FakeBatches(step.accum, t.micro_batch, t.seq_len, spec.cfg.model.vocab_size, step.device)
     operators = OperatorCounter()
-    with operators:
-        trainer.train_step()
+    with operators:  # the micro-batches' making counted too, as in a dry run
+        step.run(batches.next_step(), 0, lambda: False)
     synchronize(platform)
     return {
         "device": platform.path,
         "device_name": platform.device_name,
-        "kernels": trainer.kernels.name,
+        "kernels": step.kernels.name,
         "peak_bytes": max_memory_allocated(platform),
         "operators": operators.summary(),
     }

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import sys
 import time
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -23,28 +21,20 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from optimus import fake_device
-from optimus.config import ConfigError, MoEConfig, OptimusConfig
+from optimus.config import ConfigError, OptimusConfig
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
-from optimus.kernels import KernelUnavailable, get_backend
-from optimus.model import Transformer, build_model, count_params, count_params_of_config, flops_per_token, moe_layer_ids
-from optimus.model.moe import RouterStats, router_loss
-from optimus.optim import build_optimizer, lr_at
-from optimus.parallel import ParallelState, build_parallel_state
+from optimus.model import count_params, count_params_of_config, flops_per_token
+from optimus.parallel import ParallelState
 from optimus.parallel.collective_check import check_collectives
 from optimus.parallel.collective_trace import CollectiveTrace, write_trace
-from optimus.parallel.parallelize import parallelize
-from optimus.parallel.pipeline import Pipeline
 from optimus.platform import (
-    Platform,
     cpu_share,
     detect_platform,
     peak_flops_per_device,
     peak_memory_bytes,
     release_free_cpu_memory,
     reset_peak_memory,
-    synchronize,
 )
 from optimus.ranks import report_saved_at_stop
 from optimus.run_spec import RunSpec, resolve_run
@@ -54,12 +44,8 @@ from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,
     nonfinite_parameters_message,
-    pack_step_flags,
-    parameters_finite,
     parameters_finite_on_every_rank,
-    summed_counts,
     too_many_skipped_message,
-    unpack_step_flags,
 )
 from optimus.train.intervals import due_every
 from optimus.train.kernel_check import check_kernels, kernel_check_enabled
@@ -67,7 +53,6 @@ from optimus.train.metrics import (
     MetricsLog,
     RunWriteError,
     console_line,
-    expert_load_imbalance,
     throughput,
     write_json_atomic,
     write_problem,
@@ -83,24 +68,9 @@ from optimus.train.run_dir import (
     resume_hint,
     truncate_metrics,
 )
+from optimus.train.step import TrainStep, autocast_context, parallel_state_of
 from optimus.train.step_memory import step_memory_tracker
-from optimus.train.timers import Timers, TorchTrace
-
-
-@dataclass
-class StepLosses:
-    """Sums over this rank's micro-batches, then averaged over the global batch."""
-
-    loss: float
-    lm_loss: float
-    aux_loss: float
-    z_loss: float
-
-
-def autocast_context(cfg: OptimusConfig, platform: Platform):
-    if cfg.train.dtype == "bf16":
-        return torch.autocast(device_type=platform.device_type, dtype=torch.bfloat16)
-    return nullcontext()
+from optimus.train.timers import TorchTrace
 
 
 def eval_loss_sum(model, batch_BS1: torch.Tensor, weight_B: torch.Tensor, cfg, platform) -> torch.Tensor:
@@ -110,24 +80,6 @@ def eval_loss_sum(model, batch_BS1: torch.Tensor, weight_B: torch.Tensor, cfg, p
     with autocast_context(cfg, platform):
         loss_BS = model(inputs_BS, targets_BS)
     return (loss_BS.sum(1).double() * weight_B).sum()
-
-
-def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, cfg: OptimusConfig, platform: Platform):
-    """Next-token cross-entropy of one micro-batch of `seq_len + 1` windows. Its backward also trains the
-    routers: their losses ride on the graph (optimus.model.moe.stats), their values go to the RouterStats."""
-    inputs_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
-    with autocast_context(cfg, platform):
-        return model(inputs_BS, targets_BS).mean()  # the head's cross-entropy, fused (optimus.model.loss)
-
-
-def step_loss_sums(lm_losses_M: torch.Tensor, router_losses_M3: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
-    """[4]: sums over micro-batches of (loss, lm_loss, aux_loss, z_loss), where a micro-batch's loss is its
-    LM loss plus its weighted router losses (`router_losses_M3`: its aux, z, seq losses, means over layers)."""
-    sums_4 = torch.zeros(4, device=lm_losses_M.device)
-    for lm_loss, (aux_loss, z_loss, seq_aux_loss) in zip(lm_losses_M, router_losses_M3):
-        loss = lm_loss + router_loss(moe, aux_loss, z_loss, seq_aux_loss)
-        sums_4 += torch.stack([loss, lm_loss, aux_loss, z_loss])
-    return sums_4
 
 
 def schedule_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], n: int):
@@ -149,7 +101,8 @@ class Trainer:
         spec = run
         if spec.platform.path != "cpu":
             torch.get_device_module(spec.platform.device_type).set_device(spec.platform.device)
-        self._init_layout(spec)
+        self.spec, self.cfg, self.platform, self.device = spec, spec.cfg, spec.platform, spec.platform.device
+        self.ps: ParallelState = parallel_state_of(spec)
         cfg, p = self.cfg, self.cfg.parallel
         compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
@@ -172,8 +125,19 @@ class Trainer:
             cfg, self.run_dir, self.ps, self.platform.device_type, data_identity=self.data.identity
         )
         start_mode, start_paths = self.checkpointer.start_point()
-        weights_only = start_mode == "weights"
-        self._init_step(partial(self.checkpointer.load_weights, start_paths[0]) if weights_only else None)
+        load_weights = partial(self.checkpointer.load_weights, start_paths[0]) if start_mode == "weights" else None
+        self.parts = TrainStep(spec, self.ps, load_weights)
+        self.model, self.optimizer, self.pipeline = self.parts.model, self.parts.optimizer, self.parts.pipeline
+        self.timers, self.kernels, self.accum = self.parts.timers, self.parts.kernels, self.parts.accum
+        self.router_stats = self.parts.router_stats
+        p = cfg.profile
+        self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
+        self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
+        self.profile_memory = p.memory  # and its memory by category
+        self.step = 0
+        self.skipped_in_row = 0
+        self.stop_signal = StopSignal()
+        self.stop_agreed = False
         # A pipeline rank holds some layers only: count the whole model from the config.
         self.param_counts = (
             count_params(self.model, cfg.model) if self.pipeline is None else count_params_of_config(cfg.model)
@@ -206,154 +170,18 @@ class Trainer:
                 self.step, self.skipped_in_row = restored.step, restored.skipped_in_row
         self.tokens_seen = self.step * t.global_batch * t.seq_len
 
-    @classmethod
-    def for_one_step(cls, spec: RunSpec, tensor_mode=None) -> Trainer:
-        """What `train_step` needs and nothing more: the layout, model, router statistics and optimizer; the
-        caller sets `.loader` (whose `next_step()` gives a step's `accum` micro-batches). `optimus plan
-        --dry-run` runs this on fake tensors: no collective check, run directory, data, checkpoint or
-        evaluation. The model and optimizer are built inside `tensor_mode` (a FakeTensorMode), the process
-        groups outside it (a DeviceMesh reads its ranks back)."""
-        trainer = cls.__new__(cls)
-        trainer._init_layout(spec)
-        with tensor_mode or nullcontext():
-            trainer._init_step()
-        return trainer
-
-    def _init_layout(self, spec: RunSpec) -> None:
-        """The device, the process groups of the layout, and the micro-batches per rank and step."""
-        self.spec, self.cfg, self.platform = spec, spec.cfg, spec.platform
-        if self.platform.device_type != "cpu" and not self.platform.traced and fake_device.registered():
-            raise RuntimeError(
-                "this process has registered a dry run's stand-in device, and torch's autograd engine then cannot "
-                "run a backward on a real GPU: run the GPU's step in a fresh process (optimus plan runs in its own)."
-            )
-        p = self.cfg.parallel
-        self.ps: ParallelState = build_parallel_state(
-            p.ep, p.timeout_s, p.pp, p.tp, self.platform.device_type, p.sp, p.pp_virtual
-        )
-        if self.ps.layout != spec.layout:
-            raise RuntimeError(f"a run resolved for {spec.layout}, in a group laid out as {self.ps.layout}")
-        self.accum = spec.layout.micro_batches(self.cfg.train.global_batch, self.cfg.train.micro_batch)
-        self.device = self.platform.device
-
-    def _init_step(self, load_weights=None) -> None:
-        """This rank's part of the model (run by `self.pipeline` when pp > 1), its router statistics and the
-        optimizer; `load_weights(model)` fills the parameters before the optimizer takes its master copy."""
-        cfg = self.cfg
-        # profile.timers: the dispatchers, the pipeline stages and the optimizer time their work through it.
-        self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
-        try:  # the backend for the device the step runs on (a dry run's: the device it stands in for)
-            self.kernels = get_backend(cfg.kernels, self.device.type, traced=self.platform.traced)
-        except KernelUnavailable as err:  # the `kernels` key: the user's to change
-            raise ConfigError(str(err)) from None
-        parts = parallelize(build_model(cfg.model, self.kernels), self.ps, cfg, self.device, self.timers)
-        self.model = parts.module  # every parameter this rank holds, under its whole-model name
-        self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule
-        if parts.n_stages > 1:
-            t = cfg.train
-            self.pipeline = Pipeline(
-                parts.stages, parts.stage_indices, parts.n_stages, cfg.parallel.pp_schedule, self.accum,
-                t.micro_batch, t.seq_len, self.ps, self.device, self.timers,
-            )  # fmt: skip
-        # The routers' losses, tokens per expert and bias updates, per step; their gradients follow the
-        # LM loss's 1 / accum.
-        moe = cfg.model.moe
-        self.router_stats = RouterStats(moe_layer_ids(cfg.model), moe.n_experts, self.device, 1.0 / self.accum)
-        self.model.attach_router_stats(self.router_stats)
-        if load_weights is not None:
-            load_weights(self.model)
-        self.optimizer = build_optimizer(self.model, cfg, self.ps.stage(), self.timers, self.accum, parts.tied)
-        if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
-            self.optimizer.overlap_param_gather(parts.stages)
-        p = cfg.profile
-        self.collectives = CollectiveTrace() if p.collectives else None  # records the first step's collectives
-        self.host_syncs = HostSyncCounter() if p.host_syncs else None  # and its host synchronisations
-        self.profile_memory = p.memory  # and its memory by category
-        self.step = 0
-        self.skipped_in_row = 0
-        self.stop_signal = StopSignal()
-        self.stop_agreed = False
-
     # ---- one optimizer step -------------------------------------------------
 
     def train_step(self) -> dict:
-        cfg, ps = self.cfg, self.ps
-        self.model.train()
-        timers = self.timers
-        with timers("data_wait"):
+        """One optimizer step of the loader's next `accum` micro-batches (TrainStep.run): its record."""
+        with self.timers("data_wait"):
             micro_batches = self.loader.next_step()
-        self.router_stats.reset()
-        if self.pipeline is not None:
-            # The whole schedule; the stages time their own forwards and backwards inside it, so what
-            # pipeline_wait keeps is this rank's idle time (the bubble) and its activation transfers.
-            batch_BS1 = torch.cat(micro_batches).to(self.device, non_blocking=True)
-            with timers("pipeline_wait"), autocast_context(cfg, self.platform):
-                lm_losses_M = self.pipeline.step(batch_BS1)
-        else:
-            lm_losses = []
-            for batch in micro_batches:  # the optimizer counts the backwards: the last one completes each gradient
-                with timers("forward"):
-                    lm_loss = micro_batch_loss(self.model, batch.to(self.device, non_blocking=True), cfg, self.platform)
-                with timers("backward"):
-                    (lm_loss / self.accum).backward()
-                lm_losses.append(lm_loss.detach())
-            lm_losses_M = torch.stack(lm_losses)
-        # Every MoE layer's losses per micro-batch; with pp > 1 the stages' layers are summed in.
-        router_losses_M3 = self.router_stats.micro_batch_means(len(micro_batches), ps.pp_group)
-        sums_4 = step_loss_sums(lm_losses_M, router_losses_M3, cfg.model.moe)
-        counts_LE = self.router_stats.tokens_per_expert()  # [L, E] or None
-        self.optimizer.wait_for_params()  # (the forward has waited for their all-gathers)
-        params_finite = parameters_finite(self.model)
-        stop = self.stop_signal.requested or lost_claim() is not None  # rank 0: another run took its directory
-        with timers("optimizer"), self._collectives_phase("optimizer"):
-            sq_norm = self.optimizer.reduce_gradients()  # the gradients' reductions end here
-        # One reduction and one read agree on the losses, on which ranks saw a non-finite loss, on a stop signal, on
-        # whether the last update left non-finite parameters, on the gradient norm and on the tokens per expert: a
-        # GPU's queue drains once for them all.
-        flags = pack_step_flags(sums_4, ps.rank, ps.world_size, stop, params_finite, sq_norm, counts_LE)
-        if ps.pp_rank > 0:
-            flags[:4] = 0  # every stage holds the same loss sums: count the first stage's only
-        # The tp ranks of a group hold the same LM loss and each a 1/tp share's router losses: their mean
-        # over the group is the micro-batch's, so the sums are averaged over all of a stage's ranks.
-        if ps.is_distributed:
-            dist.all_reduce(flags)
-        counts_shape = None if counts_LE is None else tuple(counts_LE.shape)
-        agreed = unpack_step_flags(flags, self.accum * ps.stage_size, counts_shape)
-        if agreed.nonfinite_params:  # every rank stops here
-            self.optimizer.zero_grad()
-            raise TrainingDiverged(nonfinite_parameters_message(self.step))
-        self.stop_agreed = agreed.stop
-        means = agreed.means
-
-        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
-        with timers("optimizer"), self._collectives_phase("optimizer"):
-            if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
-                grad_norm = float("nan")
-            else:
-                grad_norm = self.optimizer.global_norm(agreed.sq_norm)
-                self.optimizer.apply(lr, grad_norm)  # skips the update itself if the norm is not finite
-            self.optimizer.zero_grad()
-        skipped = bool(agreed.nonfinite_ranks) or not math.isfinite(grad_norm)
-        # Each rank routed its own tokens (a tp rank 1/tp of its group's, a pipeline rank its stages' layers), so
-        # the summed counts hold every layer's assignments over the global batch once.
-        tokens_LE = agreed.tokens_per_expert
-        if not skipped and counts_LE is not None and cfg.model.moe.router == "sigmoid":
-            summed_LE = summed_counts(flags, counts_shape)
-            for moe in self.model.moe_layers:
-                moe.update_bias(summed_LE[self.router_stats.row(moe.layer_idx)], cfg.model.moe.bias_update_rate)
-        record = {
-            "loss": means[0], "lm_loss": means[1], "aux_loss": means[2], "z_loss": means[3],
-            "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
-            "expert_load_imbalance": expert_load_imbalance(tokens_LE), "expert_tokens": tokens_LE,
-        }  # fmt: skip
-        if agreed.nonfinite_ranks:
-            record["nonfinite_ranks"] = agreed.nonfinite_ranks
-        if self.pipeline is not None and timers:  # profile.timers: each stage's forward + backward seconds
-            record["stage_time_s"] = self.pipeline.pop_stage_seconds()
+        record, self.stop_agreed = self.parts.run(micro_batches, self.step, self._stop_requested, self.collectives)
         return record
 
-    def _collectives_phase(self, label: str):
-        return self.collectives.phase(label) if self.collectives is not None else nullcontext()
+    def _stop_requested(self) -> bool:
+        """A stop signal reached this rank, or another run took rank 0's directory."""
+        return self.stop_signal.requested or lost_claim() is not None
 
     def _traced_step(self) -> dict:
         """train_step; the process's first step records its collectives (profile.collectives), its host

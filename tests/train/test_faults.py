@@ -94,12 +94,13 @@ def faulty_rank(overrides: list[str], cache: str, bad_rank: int, bad_steps: list
     skip the step), or SIGTERM sent to itself during step `term_step`; returns per-step snapshots."""
     os.environ["OPTIMUS_CACHE"] = cache
     torch.set_num_threads(1)
+    import optimus.train.step as step_module
     import optimus.train.trainer as trainer_module
     from optimus.cli import load_config
 
     trainer = trainer_module.Trainer(load_config(overrides))
     rank = dist.get_rank()
-    real_loss = trainer_module.micro_batch_loss
+    real_loss = step_module.micro_batch_loss
 
     def poisoned_loss(model, batch, cfg, platform):
         loss = real_loss(model, batch, cfg, platform)
@@ -109,7 +110,7 @@ def faulty_rank(overrides: list[str], cache: str, bad_rank: int, bad_steps: list
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
 
-    trainer_module.micro_batch_loss = poisoned_loss
+    step_module.micro_batch_loss = poisoned_loss
     snapshots = []
     real_step = trainer.train_step
 

@@ -96,14 +96,14 @@ def test_a_run_that_died_after_its_starting_evaluation_runs_again(tmp_path, corp
 
 
 def test_diverging_run_ends_with_one_sentence_and_keeps_its_records(tmp_path, corpus_file, monkeypatch, capsys):
-    import optimus.train.trainer as trainer_module
+    import optimus.train.step as step_module
 
-    real_loss = trainer_module.micro_batch_loss
+    real_loss = step_module.micro_batch_loss
 
     def nan_loss(*args):
         return real_loss(*args) + float("nan")
 
-    monkeypatch.setattr(trainer_module, "micro_batch_loss", nan_loss)
+    monkeypatch.setattr(step_module, "micro_batch_loss", nan_loss)
     run_dir = tmp_path / "run"
     overrides = [*TINY_MODEL, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", "train.seq_len=32",
                  "train.steps=5", "train.max_skipped_steps=1", "logging.progress=false"]  # fmt: skip
