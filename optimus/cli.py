@@ -190,20 +190,8 @@ def _command(command: str, rest: list[str]) -> int:
             from optimus.selftest import main as selftest_main
 
             return selftest_main(rest)
-        if command == "plan" and "--calibrate" in rest:
-            from optimus.selftest import calibrate_main
-
-            return calibrate_main(rest)
-        if command == "plan" and "--dry-run" in rest:
-            from optimus.dry_run import main as dry_run_main
-
-            return dry_run_main(rest)
-        if command == "plan" and "--predict" in rest:
-            from optimus.perf.predict import main as predict_main
-
-            return predict_main(rest)
-        if command == "plan":
-            from optimus.plan import main as plan_main
+        if command == "plan":  # its modes (--dry-run, --predict, --calibrate) are routed by its own parser
+            from optimus.plan_cli import main as plan_main
 
             return plan_main(rest)
     except (ConfigError, DataError, LaunchError) as err:  # LaunchError: the launcher's environment is incomplete

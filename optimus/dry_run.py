@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optimus.config import ConfigError, OptimusConfig, layout_of
+from optimus.config import ConfigError, OptimusConfig
 from optimus.fake_device import engine_error_explained
 from optimus.host_syncs import HostSyncCounter
 from optimus.kernels import torch_private as tp
 from optimus.layout import Layout
-from optimus.load_model import ExpertLoad, checked_imbalance, using
+from optimus.load_model import ExpertLoad, LoadAnswers
 from optimus.operators import OperatorCounter
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
@@ -245,11 +245,10 @@ def _step(spec, imbalance: float, step_trace) -> tuple[TrainStep, StepRecorders]
     cfg, t = spec.cfg, spec.cfg.train
     fake, load = FakeTensorMode(allow_non_fake_inputs=True), ExpertLoad(cfg.model.moe.n_experts, imbalance)
     ps = parallel_state_of(spec)  # outside the fake mode: a DeviceMesh reads its ranks back
-    with using(load):
-        step = TrainStep(spec, ps, tensor_mode=fake)
+    step = TrainStep(spec, ps, tensor_mode=fake, answers=LoadAnswers(load, ps.ep_rank))
     batches = FakeBatches(step.accum, t.micro_batch, t.seq_len, cfg.model.vocab_size, step.device)
     gc.collect()  # an earlier rank's garbage, freed during this one's step, would change what it measures
-    with fake, using(load, ps.ep_rank):
+    with fake:
         recorders = StepRecorders(
             memory=None if step_trace is not None else step_memory_tracker(step.model, step.optimizer),
             operators=OperatorCounter(),
@@ -356,44 +355,3 @@ def write_results(results: dict, summary: dict, out: Path) -> None:
         for rank, result in results.items():
             (tmp / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
         (tmp / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
-
-
-def main(argv: list[str]) -> int:
-    """`optimus plan --dry-run ...` (the options of optimus.plan.parser): 0 when every traced group agrees and
-    every traced rank's peak fits the device, 1 otherwise (the figures are printed all the same)."""
-    from optimus.parallel.collective_trace import mismatches
-    from optimus.plan import make_plan, parse, world_size
-    from optimus.recipes import load_config
-
-    # Everything that can be refused is checked before the first rank's step, which can take minutes.
-    opts = parse(argv, "dry-run")
-    cfg = load_config(opts.overrides)
-    world = world_size(cfg, opts.nodes, opts.world)
-    check_dry_run_config(cfg)
-    device = dry_run_device(cfg, opts.device)  # the device path to trace
-    imbalance = checked_imbalance(cfg.model.moe.n_experts, opts.imbalance)
-    plan = make_plan(cfg, world)  # refuses a layout that does not divide
-    layout = layout_of(cfg, world)
-    ranks = list(opts.rank or [busiest_rank(plan, layout)])
-    if opts.check_groups:
-        ranks = sorted(set(ranks) | set(group_check_ranks(layout)))
-    for rank in ranks:
-        check_rank(rank, world)
-    if opts.out:
-        check_out(Path(opts.out), opts.overwrite)  # writable, and nothing of the user's to replace
-    print(f"dry run of {len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {world}: {ranks}", flush=True)
-    results = run_dry_runs(cfg, world, ranks, imbalance, device)
-    problems = mismatches({rank: r["collectives"] for rank, r in results.items()}) if opts.check_groups else []
-    if opts.check_groups:
-        print("group check: " + ("every traced group agrees" if not problems else f"{len(problems)} groups disagree"))
-        for line in problems:
-            print("  " + line)
-    too_big = [rank for rank, r in results.items() if r["memory"]["fits"] is False]
-    if too_big:
-        print(f"DOES NOT FIT: the measured peak of ranks {too_big} is more than a device holds (machine.memory_gb)")
-    if opts.out:
-        summary = {"world": world, "ranks": ranks, "imbalance": imbalance, "device": device,
-                   "group_check": opts.check_groups, "mismatches": problems, "does_not_fit": too_big}  # fmt: skip
-        write_results(results, summary, Path(opts.out))
-        print(f"wrote {opts.out}/rank<R>.json for ranks {ranks}")
-    return 1 if problems or too_big else 0

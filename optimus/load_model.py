@@ -7,17 +7,15 @@ and only there, those reads are answered by an `ExpertLoad`: expert e receives a
 assignments, the same on every rank. Uniform by default; with `imbalance` X the first expert (on EP rank 0,
 which makes that rank the busiest) gets X times the mean share and the others split the rest equally.
 
-The step's code calls `exchange_rows` below, and the kernels their own reads (optimus.kernels.host_reads: the
-rows of each of a rank's experts, in proportion to their shares); nothing else in it knows whether it runs
-for real. `using(load, ep_rank)` makes `load` answer them for the duration
-of a dry run of a rank at `ep_rank`.
+The step's code calls `exchange_rows` and `expert_positions` below, and the kernels their own reads
+(optimus.kernels.host_reads: the rows of each of a rank's experts, in proportion to their shares); nothing
+else in it knows whether it runs for real. A dry run builds the step with `LoadAnswers(load, ep_rank)`,
+which the builder hands to the dispatchers and the kernels (optimus.train.step.TrainStep's `answers`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,45 +99,45 @@ def _blocks(values: list[int], size: int) -> list[list[int]]:
     return [values[i : i + size] for i in range(0, len(values), size)]
 
 
-_active: ExpertLoad | None = None
+@dataclass(frozen=True)
+class LoadAnswers:
+    """A dry run's answers to the step's value reads, from `load`, for a rank at `ep_rank` in its EP group. The
+    step's builder hands it to the EP dispatchers (`exchange_rows`, `expert_positions`) and, as `row_reads()`,
+    to the kernels; a real step has none."""
 
+    load: ExpertLoad
+    ep_rank: int = 0
 
-@contextmanager
-def using(load: ExpertLoad, ep_rank: int = 0) -> Iterator[ExpertLoad]:
-    """Answer the step's value reads from `load` (a dry run on fake tensors, of a rank at `ep_rank` in its EP
-    group) until the block ends."""
-    global _active
-    previous, _active = _active, load
-
-    def split(n_rows: int, n_local: int) -> list[int]:
-        return load.local_split(n_rows, n_local, ep_rank)
-
-    try:
-        with host_reads.shape_only(note_read, split):
-            yield load
-    finally:
-        _active = previous
+    def row_reads(self) -> host_reads.RowReads:
+        """The kernels' share: the rows of this rank's experts (optimus.kernels.host_reads)."""
+        return host_reads.RowReads(
+            note_read, lambda n_rows, n_local: self.load.local_split(n_rows, n_local, self.ep_rank)
+        )
 
 
 def exchange_rows(
-    send_PCL: torch.Tensor, recv_PCL: torch.Tensor, assignments_C: list[int], ep_rank: int
-) -> tuple[list, list]:
+    send_PCL: torch.Tensor, recv_PCL: torch.Tensor, assignments_C: list[int], ep_rank: int,
+    answers: LoadAnswers | None = None,
+) -> tuple[list, list]:  # fmt: skip
     """Per chunk, the rows this rank sends to and receives from each EP rank ([C][P] lists of ints). Read
     from the exchanged counts ([P, C, L] rows per source or destination rank, chunk and local expert): the
-    one host synchronisation the exchange needs, since uneven splits take host integers."""
-    if _active is not None:
+    one host synchronisation the exchange needs, since uneven splits take host integers (a dry run's
+    `answers` give them instead)."""
+    if answers is not None:
         note_read()
-        return _active.exchange_rows(assignments_C, send_PCL.shape[0], ep_rank)
+        return answers.load.exchange_rows(assignments_C, send_PCL.shape[0], ep_rank)
     send_CP, recv_CP = torch.stack([send_PCL.sum(2).T, recv_PCL.sum(2).T]).tolist()
     return send_CP, recv_CP
 
 
-def expert_positions(mine_M: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
+def expert_positions(
+    mine_M: torch.Tensor, first: int, n_local: int, answers: LoadAnswers | None = None
+) -> torch.Tensor:
     """Positions of the True entries of `mine_M`, which marks the assignments (of every token of the EP group) to
     experts [first, first + n_local): torch.nonzero, whose output size is a value read back to the host (one host
-    synchronisation). In a dry run, as many positions as the load model gives those experts."""
-    if _active is not None:
+    synchronisation). With a dry run's `answers`, as many positions as its load model gives those experts."""
+    if answers is not None:
         note_read()
-        count = sum(_active.split(mine_M.numel())[first : first + n_local])
+        count = sum(answers.load.split(mine_M.numel())[first : first + n_local])
         return torch.nonzero_static(mine_M, size=count).reshape(-1)
     return torch.nonzero(mine_M, as_tuple=True)[0]

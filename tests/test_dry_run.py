@@ -207,10 +207,10 @@ def test_the_busiest_expert_under_imbalance_loads_ep_rank_0():
 def test_a_dry_runs_expert_rows_follow_the_load(ep_rank, n_local, bounds):
     # The per-expert loops' row bounds (the CPU's expert schedules choose by them) under --imbalance 3.
     from optimus.kernels.host_reads import group_bounds
-    from optimus.load_model import using
+    from optimus.load_model import LoadAnswers
 
-    with using(ExpertLoad(4, 3.0), ep_rank):
-        assert group_bounds(torch.zeros(n_local, dtype=torch.int32), 120) == bounds
+    reads = LoadAnswers(ExpertLoad(4, 3.0), ep_rank).row_reads()
+    assert group_bounds(torch.zeros(n_local, dtype=torch.int32), 120, reads) == bounds
 
 
 @pytest.mark.parametrize(

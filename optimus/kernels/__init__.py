@@ -76,10 +76,17 @@ def triton_compiles() -> bool:
         return False
 
 
-def _torch_backend() -> KernelBackend:
+def _torch_backend(reads=None) -> KernelBackend:
+    """`reads` (a dry run's optimus.kernels.host_reads.RowReads) answers the per-expert loops' row bounds."""
     from optimus.kernels import torch_backend as tb
 
-    return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op)
+    if reads is None:
+        return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op)
+    mlp, grouped_mm = (
+        functools.partial(tb.expert_swiglu_mlp, reads=reads),
+        functools.partial(tb.grouped_mm_op, reads=reads),
+    )
+    return KernelBackend("torch", tb.permute, mlp, tb.combine, grouped_mm)
 
 
 def _triton_backend() -> KernelBackend:
@@ -118,6 +125,8 @@ def resolve_name(name: str = "auto", device_type: str | None = None, traced: boo
     return "torch"
 
 
-def get_backend(name: str = "auto", device_type: str | None = None, traced: bool = False) -> KernelBackend:
-    """The backend for `kernels=<name>` on a device of `device_type` (resolve_name)."""
-    return _triton_backend() if resolve_name(name, device_type, traced) == "triton" else _torch_backend()
+def get_backend(name: str = "auto", device_type: str | None = None, traced: bool = False, reads=None) -> KernelBackend:
+    """The backend for `kernels=<name>` on a device of `device_type` (resolve_name); `reads`: a dry run's answers
+    to the torch backend's reads of row bounds (optimus.kernels.host_reads.RowReads; Triton's kernels read
+    none)."""
+    return _triton_backend() if resolve_name(name, device_type, traced) == "triton" else _torch_backend(reads)

@@ -23,7 +23,7 @@ import torch
 
 from optimus.kernels import cpu_schedules as cpu
 from optimus.kernels.dtypes import compute_dtype, math_dtype, on_cpu, round_to
-from optimus.kernels.host_reads import assumed_bounds, group_bounds
+from optimus.kernels.host_reads import RowReads, assumed_bounds, group_bounds
 from optimus.kernels.swiglu import swiglu, swiglu_backward
 from optimus.kernels.torch_private import FakeTensor
 from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
@@ -76,28 +76,32 @@ class RowBounds:
 
     Reading them is a host synchronisation on a GPU (the launch queue drains while the host waits), so only
     the per-expert loops ask, which slice rows by host integers: the CPU's paths, and a GPU's where
-    grouped_mm cannot run (`_use_grouped`). grouped_mm takes the offsets where they are.
+    grouped_mm cannot run (`_use_grouped`). grouped_mm takes the offsets where they are. `reads`: a dry run's
+    answers (optimus.kernels.host_reads), None in a real step.
     """
 
-    def __init__(self, offsets_E: torch.Tensor, n_rows: int):
-        self.offsets_E, self.n_rows = offsets_E, n_rows
+    def __init__(self, offsets_E: torch.Tensor, n_rows: int, reads: RowReads | None = None):
+        self.offsets_E, self.n_rows, self.reads = offsets_E, n_rows, reads
 
     @functools.cached_property
     def ints(self) -> list[int]:
-        return group_bounds(self.offsets_E, self.n_rows)
+        return group_bounds(self.offsets_E, self.n_rows, self.reads)
+
+    def assumed_ints(self) -> list[int]:
+        """The bounds a dry run's load model implies, without a read (fake tensors only)."""
+        return assumed_bounds(self.n_rows, self.offsets_E.shape[0], self.reads)
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: RowBounds) -> torch.Tensor:
     """torch's grouped GEMM (`torch_private.grouped_mm`): [A, K] x [E, K, N] -> [A, N], or [K, A] x [A, N] ->
     [E, K, N]. Fake tensors (a dry run) run its meta kernel, which refuses all but bf16 (the CUDA kernel's rule)
     where the CPU kernel takes fp32 and fp16 too: for those the dry run issues the products the CPU kernel runs,
     one group at a time, at the load model's rows (and, as the kernel, reads nothing back)."""
     if isinstance(a, FakeTensor) and a.dtype != torch.bfloat16:
-        n_experts = offsets_E.shape[0]
         if b.dim() == 3:
-            return _mm_loop(a, b, assumed_bounds(a.shape[0], n_experts))
-        return _wgrad_loop(a.t(), b, assumed_bounds(a.shape[1], n_experts), n_experts)
-    return torch_grouped_mm(a, b, offs=offsets_E)
+            return _mm_loop(a, b, bounds.assumed_ints())
+        return _wgrad_loop(a.t(), b, bounds.assumed_ints(), bounds.offsets_E.shape[0])
+    return torch_grouped_mm(a, b, offs=bounds.offsets_E)
 
 
 def _mm_loop(x_AK: torch.Tensor, w_EKN: torch.Tensor, ints: list[int]) -> torch.Tensor:
@@ -126,7 +130,7 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, bounds: RowBounds) -> to
     if _builds_kernel_per_shape(x_AK):
         return cpu.grouped_mm_cached_rows(x_AK, w_EKN, bounds.ints)
     if _use_grouped(w_EKN.shape[0], x_AK, w_EKN):
-        return _grouped_mm(x_AK, w_EKN, bounds.offsets_E)
+        return _grouped_mm(x_AK, w_EKN, bounds)
     return _mm_loop(x_AK, w_EKN, bounds.ints)
 
 
@@ -137,7 +141,7 @@ def grouped_wgrad(x_AK: torch.Tensor, g_AN: torch.Tensor, bounds: RowBounds) -> 
     x_KA = x_AK.t()
     n_experts = bounds.offsets_E.shape[0]
     if _use_grouped(n_experts, x_KA, g_AN):
-        return _grouped_mm(x_KA, g_AN, bounds.offsets_E)
+        return _grouped_mm(x_KA, g_AN, bounds)
     return _wgrad_loop(x_AK, g_AN, bounds.ints, n_experts)
 
 
@@ -260,9 +264,9 @@ class _SwiGLUExperts(torch.autograd.Function):
     """y = (silu(x @ W1) * (x @ W3)) @ W2 per expert, with a hand-written backward."""
 
     @staticmethod
-    def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype):
+    def forward(ctx, x_AD, w13_EDF2, w2_EFD, offsets_E, dtype, reads):
         math = math_dtype(dtype, x_AD.device)
-        bounds = RowBounds(offsets_E, x_AD.shape[0])
+        bounds = RowBounds(offsets_E, x_AD.shape[0], reads)
         x_m = round_to(x_AD, dtype, math)
         w13_m = round_to(w13_EDF2, dtype, math)
         w2_m = round_to(w2_EFD, dtype, math)
@@ -294,7 +298,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         else:
             grads = _swiglu_mlp_backward(saved, dy_m, ctx.bounds, needs)
         grads = [None if g is None else g.to(in_dtype) for g, in_dtype in zip(grads, ctx.in_dtypes)]
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def permute(x_TD: torch.Tensor, token_idx_A: torch.Tensor) -> torch.Tensor:
@@ -305,12 +309,13 @@ def permute(x_TD: torch.Tensor, token_idx_A: torch.Tensor) -> torch.Tensor:
 
 
 def expert_swiglu_mlp(
-    x_AD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    """Per-expert SwiGLU MLP over expert-sorted rows (see reference.expert_swiglu_mlp)."""
+    x_AD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
+    reads: RowReads | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Per-expert SwiGLU MLP over expert-sorted rows (see reference.expert_swiglu_mlp); `reads`: see RowBounds."""
     dtype = compute_dtype(x_AD)
     with _no_autocast(x_AD.device.type):
-        return _SwiGLUExperts.apply(x_AD, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), dtype)
+        return _SwiGLUExperts.apply(x_AD, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), dtype, reads)
 
 
 def combine(y_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -322,9 +327,9 @@ def combine(y_AD: torch.Tensor, token_idx_A: torch.Tensor, weight_A: torch.Tenso
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_AK, w_EKN, offsets_E, dtype):
+    def forward(ctx, x_AK, w_EKN, offsets_E, dtype, reads):
         math = math_dtype(dtype, x_AK.device)
-        bounds = RowBounds(offsets_E, x_AK.shape[0])
+        bounds = RowBounds(offsets_E, x_AK.shape[0], reads)
         x_m, w_m = round_to(x_AK, dtype, math), round_to(w_EKN, dtype, math)
         ctx.save_for_backward(x_m, w_m)
         ctx.bounds, ctx.dtype, ctx.math, ctx.in_dtypes = bounds, dtype, math, (x_AK.dtype, w_EKN.dtype)
@@ -340,11 +345,13 @@ class _GroupedMM(torch.autograd.Function):
             dx = grouped_mm(dy_m, w_m.transpose(1, 2), ctx.bounds).to(ctx.in_dtypes[0])
         if ctx.needs_input_grad[1]:
             dw = grouped_wgrad(x_m, dy_m, ctx.bounds).to(ctx.in_dtypes[1])
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def grouped_mm_op(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Differentiable grouped GEMM: y[rows of e] = x[rows of e] @ w[e]."""
+def grouped_mm_op(
+    x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, reads: RowReads | None = None
+) -> torch.Tensor:
+    """Differentiable grouped GEMM: y[rows of e] = x[rows of e] @ w[e]; `reads`: see RowBounds."""
     dtype = compute_dtype(x_AK)
     with _no_autocast(x_AK.device.type):
-        return _GroupedMM.apply(x_AK, w_EKN, offsets_E.to(torch.int32), dtype)
+        return _GroupedMM.apply(x_AK, w_EKN, offsets_E.to(torch.int32), dtype, reads)

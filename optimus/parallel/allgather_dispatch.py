@@ -30,14 +30,15 @@ from optimus.parallel.collectives import all_gather, all_gather_sizes, reduce_sc
 from optimus.parallel.ep_dispatcher import EPDispatcher
 
 
-def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int):
+def local_assignments(expert_idx_NK: torch.Tensor, first: int, n_local: int, answers=None):
     """Flat positions (into N * K) of the assignments to experts [first, first + n_local), sorted by expert.
 
     Dropped assignments carry expert id -1 and are never selected. Returns (flat_pos_A, local_expert_A, counts_L).
+    `answers`: a dry run's (optimus.load_model.expert_positions).
     """
     local_NK = expert_idx_NK - first
     mine_NK = (local_NK >= 0) & (local_NK < n_local)
-    flat_pos_A = expert_positions(mine_NK.reshape(-1), first, n_local)
+    flat_pos_A = expert_positions(mine_NK.reshape(-1), first, n_local, answers)
     local_A = local_NK.reshape(-1)[flat_pos_A]
     order_A = torch.sort(local_A, stable=True).indices
     counts_L = count_ids(local_A, n_local)
@@ -50,8 +51,11 @@ class AllGatherDispatcher(EPDispatcher):
     `check_tokens`: check on every call that the EP ranks bring equal token counts (off where the caller
     guarantees it: optimus.parallel.expert_parallel.apply_expert_parallel's `equal_tokens`)."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, check_tokens: bool = True, timers=None):
-        super().__init__(group, ep_size, ep_rank, n_local_experts, timers)
+    def __init__(
+        self, group, ep_size: int, ep_rank: int, n_local_experts: int, check_tokens: bool = True, timers=None,
+        answers=None,
+    ):  # fmt: skip
+        super().__init__(group, ep_size, ep_rank, n_local_experts, timers, answers)
         self.check_tokens = check_tokens
 
     def _check_equal_tokens(self, n_tokens: int, device: torch.device) -> None:
@@ -88,7 +92,7 @@ class AllGatherDispatcher(EPDispatcher):
             x_ND = all_gather(x_TD, self.group)
 
         first = self.ep_rank * self.n_local
-        flat_pos_A, _, counts_L = local_assignments(packed_NK, first, self.n_local)
+        flat_pos_A, _, counts_L = local_assignments(packed_NK, first, self.n_local, self.answers)
         token_idx_A = flat_pos_A // top_k
         kernels = experts.kernels
         x_AD = kernels.permute(x_ND, token_idx_A)

@@ -85,8 +85,10 @@ class AllToAllDispatcher(EPDispatcher):
     `chunks` (parallel.ep_overlap_chunks): slices of the micro-batch pipelined through the exchange.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, chunks: int = 1, timers=None):
-        super().__init__(group, ep_size, ep_rank, n_local_experts, timers)
+    def __init__(
+        self, group, ep_size: int, ep_rank: int, n_local_experts: int, chunks: int = 1, timers=None, answers=None
+    ):
+        super().__init__(group, ep_size, ep_rank, n_local_experts, timers, answers)
         self.chunks = chunks  # checked by optimus.config.validate (parallel.ep_overlap_chunks)
 
     def plan(self, routing: Routing) -> list[Chunk]:
@@ -97,7 +99,7 @@ class AllToAllDispatcher(EPDispatcher):
         send_PCL = torch.stack([a.counts_E.view(self.ep_size, self.n_local) for a in assigns], dim=1)
         recv_PCL = all_to_all_counts(send_PCL.reshape(self.ep_size, -1), self.group).view_as(send_PCL)
         assignments_C = [a.token_idx_A.shape[0] for a in assigns]
-        send_CP, recv_CP = exchange_rows(send_PCL, recv_PCL, assignments_C, self.ep_rank)  # one host sync
+        send_CP, recv_CP = exchange_rows(send_PCL, recv_PCL, assignments_C, self.ep_rank, self.answers)  # 1 host sync
         return [
             Chunk(tokens, assign, recv_PCL[:, c], send_CP[c], recv_CP[c])
             for c, (tokens, assign) in enumerate(zip(slices, assigns))

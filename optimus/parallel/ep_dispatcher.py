@@ -14,13 +14,15 @@ from optimus.model.moe.experts import GroupedExperts
 class EPDispatcher:
     """Base of the all-to-all and all-gather dispatchers: EP rank `ep_rank` of `ep_size` in `group`."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, timers=None):
-        """`timers`: profile.timers' `name -> context manager` (optimus.train.timers.Timers), or None."""
+    def __init__(self, group, ep_size: int, ep_rank: int, n_local_experts: int, timers=None, answers=None):
+        """`timers`: profile.timers' `name -> context manager` (optimus.train.timers.Timers), or None;
+        `answers`: a dry run's optimus.load_model.LoadAnswers to the exchange's value reads, or None."""
         self.group = group
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.n_local = n_local_experts
         self.timers = timers
+        self.answers = answers
 
     def timed(self, phase: str) -> AbstractContextManager:
         """Times `phase` (e.g. dispatch_comm) when profile.timers handed in timers; else does nothing."""

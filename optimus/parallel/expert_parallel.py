@@ -42,14 +42,15 @@ def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None, answers=None
 ) -> nn.Module:
     """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place.
 
     `equal_tokens`: the caller guarantees that every EP rank brings the same number of tokens to each call
     (the trainer does: one micro-batch shape on every rank, optimus.config.validate). The all-gather
     dispatcher then skips its per-call check, a blocking all-gather of the counts and a host sync.
-    `timers` (profile.timers): the dispatchers time their exchanges with it."""
+    `timers` (profile.timers): the dispatchers time their exchanges with it. `answers`: a dry run's
+    optimus.load_model.LoadAnswers, which answer the dispatchers' value reads (None: a real step)."""
     check_choice(cfg.dispatcher, "parallel.dispatcher", DISPATCHERS)
     if ps.ep == 1:
         return model
@@ -63,5 +64,7 @@ def apply_expert_parallel(
     options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
-        moe.dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, **options)
+        moe.dispatcher = dispatcher_cls(
+            ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, answers=answers, **options
+        )
     return model

@@ -64,10 +64,11 @@ class ParallelModel:
 
 
 def parallelize(
-    model: Transformer, ps: ParallelState, cfg: OptimusConfig, device: torch.device | str, timers=None
+    model: Transformer, ps: ParallelState, cfg: OptimusConfig, device: torch.device | str, timers=None, answers=None
 ) -> ParallelModel:
     """Apply `cfg`'s layout to `model`, built whole on the meta device, for this rank of `ps` (see the module
-    docstring). `timers` (profile.timers): the EP dispatchers time their exchanges with it."""
+    docstring). `timers` (profile.timers): the EP dispatchers time their exchanges with it; `answers`: a dry
+    run's optimus.load_model.LoadAnswers to their value reads."""
     p, t = cfg.parallel, cfg.train
     n_stages = ps.pp * p.pp_virtual
     indices = rank_stage_indices(ps.pp_rank, ps.pp, p.pp_virtual)
@@ -78,7 +79,7 @@ def parallelize(
         if ps.tp > 1:
             apply_tensor_parallel(stage, ps.tp_mesh, ps.sp)
         if stage.moe_layers:  # a stage of dense layers only has no experts to split (validate checked the model)
-            parallelize_model(stage, stage_ps, p, equal_tokens=True, timers=timers)  # one micro-batch shape per rank
+            parallelize_model(stage, stage_ps, p, True, timers, answers)  # equal tokens: one micro-batch shape per rank
         apply_activation_checkpointing(stage, t.activation_checkpointing)
     trained = param_groups(stages[0] if n_stages == 1 else merge_stages(stages))  # a tied head copy is not
     materialise(stages, trained, device, stage_ps.world_size)
@@ -97,13 +98,13 @@ def cut_stages(model: Transformer, n_stages: int, indices: list[int], pp_layers=
 
 
 def parallelize_model(
-    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None, answers=None
 ) -> nn.Module:
     """Expert parallelism for any model with Optimus MoE layers (a library user's own, too): shard the experts
     over the EP group and install the EP dispatcher (a no-op for EP = 1); hand global load balancing its
-    process group. `equal_tokens`, `timers`: see apply_expert_parallel."""
+    process group. `equal_tokens`, `timers`, `answers`: see apply_expert_parallel."""
     install_balance_group(model, ps)
-    return apply_expert_parallel(model, ps, cfg, equal_tokens, timers)
+    return apply_expert_parallel(model, ps, cfg, equal_tokens, timers, answers)
 
 
 def install_balance_group(model: nn.Module, ps: ParallelState) -> None:

@@ -98,22 +98,6 @@ def main(argv: list[str]) -> int:
     return run_command(job, nproc, Path(opts.out) if opts.out else None, opts.overwrite, SELFTEST)
 
 
-def calibrate_main(argv: list[str]) -> int:
-    """`optimus plan --calibrate --out DIR ...`: the selftest's rates and collectives, written as DIR/machine.yaml."""
-    from optimus.plan import parse
-    from optimus.recipes import load_config
-
-    opts = parse(argv, "calibrate")
-    if opts.nodes is not None or opts.world is not None:
-        flag = "--nodes" if opts.nodes is not None else "--world"
-        raise ConfigError(f"--calibrate measures this node: leave out {flag} (--nproc N sets its processes).")
-    if not opts.out:
-        raise ConfigError("--calibrate writes DIR/machine.yaml: name the directory with --out DIR.")
-    cfg = load_config(opts.overrides)
-    job, nproc = prepare(cfg, opts.device, opts.nproc, kernels=None)
-    return run_command(job, nproc, Path(opts.out), opts.overwrite, CALIBRATE)
-
-
 # ---------------------------------------------------------------------------------------------
 # Before the work: the recipe, the device, the processes
 

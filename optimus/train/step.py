@@ -4,7 +4,8 @@
 needs - this rank's model (run by a pipeline when pp > 1), its router statistics and the optimizer - and
 `run(micro_batches, ...)` runs one step of gradient accumulation and the optimizer's update. What differs
 between callers is handed in, never set afterwards: a dry run builds inside a fake tensor mode
-(`tensor_mode`), a run fills the parameters from a checkpoint (`load_weights`); the step's micro-batches,
+(`tensor_mode`) with its load model's answers to the reads of values (`answers`), a run fills the parameters
+from a checkpoint (`load_weights`); the step's micro-batches,
 its step number, whether a stop was asked for and a collective recorder are arguments of `run`.
 """
 
@@ -81,10 +82,12 @@ def parallel_state_of(spec: RunSpec) -> ParallelState:
 class TrainStep:
     """This rank's part of a run's step: model (and pipeline), router statistics, optimizer, and `run`."""
 
-    def __init__(self, spec: RunSpec, ps: ParallelState, load_weights=None, tensor_mode=None):
+    def __init__(self, spec: RunSpec, ps: ParallelState, load_weights=None, tensor_mode=None, answers=None):
         """`load_weights(model)` fills the parameters before the optimizer takes its master copy; the model and
         optimizer are built inside `tensor_mode` (a dry run's FakeTensorMode), the process groups `ps` outside
-        it (a DeviceMesh reads its ranks back)."""
+        it (a DeviceMesh reads its ranks back); `answers` (a dry run's optimus.load_model.LoadAnswers) answer
+        the step's reads of values that fake tensors do not hold, in the dispatchers and the kernels."""
+        self.answers = answers
         self.spec, self.cfg, self.platform, self.ps = spec, spec.cfg, spec.platform, ps
         self.device = self.platform.device
         self.accum = spec.layout.micro_batches(self.cfg.train.global_batch, self.cfg.train.micro_batch)
@@ -96,10 +99,12 @@ class TrainStep:
         # profile.timers: the dispatchers, the pipeline stages and the optimizer time their work through it.
         self.timers = Timers(cfg.profile.timers, lambda: synchronize(self.platform))
         try:  # the backend for the device the step runs on (a dry run's: the device it stands in for)
-            self.kernels = get_backend(cfg.kernels, self.device.type, traced=self.platform.traced)
+            reads = self.answers.row_reads() if self.answers is not None else None
+            self.kernels = get_backend(cfg.kernels, self.device.type, self.platform.traced, reads)
         except KernelUnavailable as err:  # the `kernels` key: the user's to change
             raise ConfigError(str(err)) from None
-        parts = parallelize(build_model(cfg.model, self.kernels), self.ps, cfg, self.device, self.timers)
+        model = build_model(cfg.model, self.kernels)
+        parts = parallelize(model, self.ps, cfg, self.device, self.timers, self.answers)
         self.model = parts.module  # every parameter this rank holds, under its whole-model name
         self.stages = parts.stages  # the modules this rank runs forward, in stage order
         self.pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule

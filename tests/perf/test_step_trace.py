@@ -93,7 +93,7 @@ def test_an_fp32_dry_runs_grouped_gemm_is_traced_as_its_products():
     # torch's grouped GEMM has no fp32 fake kernel: a dry run stands in for it with the products the CPU kernel
     # runs, one expert at a time. Its outputs are the real kernel's (shape, strides, dtype), for both forms,
     # and the trace holds their FLOPs: 2 A K N for each form.
-    from optimus.kernels.torch_backend import _grouped_mm
+    from optimus.kernels.torch_backend import RowBounds, _grouped_mm
     from optimus.kernels.torch_private import FakeTensorMode
     from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 
@@ -107,7 +107,8 @@ def test_an_fp32_dry_runs_grouped_gemm_is_traced_as_its_products():
         fx, fw, fg, fo = (mode.from_tensor(t) for t in (x_AK, w_EKN, g_AN, offsets_E))
         trace = StepTrace()
         with trace:
-            fake = [_grouped_mm(fx, fw, fo), _grouped_mm(fx.t(), fg, fo)]
+            bounds = RowBounds(fo, rows)  # a real step's (no dry-run reads: the even split)
+            fake = [_grouped_mm(fx, fw, bounds), _grouped_mm(fx.t(), fg, bounds)]
     for f, r in zip(fake, real):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
     ops = [op for e in trace.finish() if e["e"] == "ops" for op in e["ops"]]
