@@ -46,6 +46,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights
 
 
+def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    """The rows of the embedding and the LM head: the vocabulary rounded up for even GEMM and tp shapes. The
+    rows past the vocabulary are never looked up and their logits are -inf (optimus.model.loss)."""
+    return -(-vocab_size // multiple) * multiple
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -572,8 +578,7 @@ def validate_tensor_parallel(cfg: OptimusConfig) -> None:
     _divides(tp, "parallel.tp", m.n_kv_heads, "model.n_kv_heads", fix + " (each tp rank keeps whole KV heads)")
     if m.moe.n_experts == 0 or m.first_k_dense:
         _divides(tp, "parallel.tp", m.ffn_dim, "model.ffn_dim", fix)
-    vocab = -(-m.vocab_size // 128) * 128  # the model's padded vocabulary (optimus.model.padded_vocab_size)
-    _divides(tp, "parallel.tp", vocab, "the padded vocabulary", fix)
+    _divides(tp, "parallel.tp", padded_vocab_size(m.vocab_size), "the padded vocabulary", fix)
     # MoE layers route 1/tp of each sequence on each tp rank; sequence parallelism splits it the same way.
     _divides(tp, "parallel.tp", cfg.train.seq_len, "train.seq_len", fix)
     if m.tie_embeddings:

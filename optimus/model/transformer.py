@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
-from optimus.config import ConfigError, ModelConfig
+from optimus.config import ConfigError, ModelConfig, padded_vocab_size
 from optimus.kernels import KernelBackend, KernelUnavailable
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
@@ -17,12 +16,6 @@ from optimus.model.mlp import SwiGLU
 from optimus.model.moe.layer import MoE
 from optimus.model.moe.stats import PooledBalance, RouterStats
 from optimus.model.norm import RMSNorm
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
-    """The rows of the embedding and the LM head: the vocabulary rounded up for even GEMM and tp shapes. The
-    rows past the vocabulary are never looked up and their logits are -inf (optimus.model.loss)."""
-    return math.ceil(vocab_size / multiple) * multiple
 
 
 def build_model(cfg: ModelConfig, kernels: str | KernelBackend = "auto") -> Transformer:

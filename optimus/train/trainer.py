@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from optimus.config import ConfigError, OptimusConfig
+from optimus.config import TORCH_DTYPES, ConfigError, OptimusConfig
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
 from optimus.model import count_params, count_params_of_config, flops_per_token
@@ -104,7 +104,7 @@ class Trainer:
         self.spec, self.cfg, self.platform, self.device = spec, spec.cfg, spec.platform, spec.platform.device
         self.ps: ParallelState = parallel_state_of(spec)
         cfg, p = self.cfg, self.cfg.parallel
-        compute_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+        compute_dtype = TORCH_DTYPES[cfg.train.dtype]  # resolved: bf16 or fp32
         if p.check_collectives:  # before anything is written: a backend that corrupts data stops the run here
             check_collectives(self.ps, self.platform.device, compute_dtype, p.dispatcher)
         if kernel_check_enabled(cfg.check_kernels, self.platform.device_type):  # and so does a wrong kernel
