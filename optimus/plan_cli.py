@@ -21,8 +21,6 @@ from pathlib import Path
 from optimus.config import ConfigError, OptimusConfig
 from optimus.plan import STATE_KEYS, Plan, fits, gib
 
-MODES = ("plan", "dry-run", "predict", "calibrate")
-
 
 def main(argv: list[str]) -> int:
     """`optimus plan ...`: the mode's exit code."""
