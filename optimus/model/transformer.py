@@ -97,7 +97,7 @@ class Transformer(nn.Module):
     def attach_router_stats(self, stats: RouterStats | None) -> None:
         """Hand every MoE layer the collector of its routing statistics and router-loss gradient scale."""
         for moe in self.moe_layers:
-            moe.stats = stats
+            moe.record_stats_to(stats)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] (or hidden states [B, S, D] without the embedding) -> logits [B, S, V] (or hidden).
@@ -122,7 +122,7 @@ class Transformer(nn.Module):
         that holds only some MoE layers (a pipeline stage) would pool those only: validate_pipeline refuses it."""
         pool = PooledBalance()
         for moe in self.moe_layers:
-            moe.pooled_balance = pool
+            moe.pool_balance_with(pool)
 
     def init_weights(self, seed: int | torch.Generator = 0) -> None:
         """Initialise every parameter from `seed` (a Generator stands for its initial seed): see optimus.model.init."""

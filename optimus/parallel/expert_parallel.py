@@ -64,7 +64,6 @@ def apply_expert_parallel(
     options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
-        moe.dispatcher = dispatcher_cls(
-            ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, answers=answers, **options
-        )
+        dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, answers=answers, **options)
+        moe.wire(dispatcher=dispatcher)
     return model

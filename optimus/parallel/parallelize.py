@@ -35,7 +35,7 @@ import torch.nn as nn
 from optimus.config import TORCH_DTYPES, OptimusConfig, ParallelConfig
 from optimus.model import Transformer
 from optimus.model.init import init_parameters
-from optimus.model.moe.router import Router
+from optimus.model.moe.layer import MoE
 from optimus.parallel.activation_checkpointing import apply_activation_checkpointing
 from optimus.parallel.expert_parallel import apply_expert_parallel
 from optimus.parallel.flat_buffer import allocate_flat, param_groups
@@ -108,12 +108,12 @@ def parallelize_model(
 
 
 def install_balance_group(model: nn.Module, ps: ParallelState) -> None:
-    """Routers with aux_loss_scope=global count expert choices over every data-parallel rank (the world)."""
+    """Hand every MoE layer the world's group, over which aux_loss_scope=global counts expert choices."""
     if not ps.is_distributed:
         return
     for module in model.modules():
-        if isinstance(module, Router) and module.aux_loss_scope == "global":
-            module.balance_group = ps.world_group or dist.group.WORLD
+        if isinstance(module, MoE):
+            module.wire(world_group=ps.world_group or dist.group.WORLD)
 
 
 @torch.no_grad()

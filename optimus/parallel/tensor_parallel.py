@@ -188,14 +188,6 @@ def _ffn_plan(ffn: nn.Module, sp: bool) -> dict[str, ParallelStyle | tuple[Paral
     return {"": (route_share, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))}
 
 
-def _fold_moe(moe: MoE, mesh: DeviceMesh) -> None:
-    """The tp ranks route parts of one micro-batch: its router losses are the mean over them (each counts for
-    1/tp of the whole), and its expert counts the sum (micro-batch balancing; global balancing sums over all)."""
-    moe.router_loss_share = 1.0 / mesh.size()
-    if moe.router.aux_loss_scope == "micro_batch":
-        moe.router.balance_group = mesh.get_group()
-
-
 def _apply(module: nn.Module, mesh: DeviceMesh, prefix: str, plan: dict) -> None:
     """parallelize_module for each entry of `plan`: submodule path ("" = the module) -> style or styles."""
     for key, styles in plan.items():
@@ -214,8 +206,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Mo
             _apply(model, mesh, prefix, {"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         _apply(model, mesh, f"{prefix}.attn", _attention_plan(block.attn, sp))
         _apply(model, mesh, f"{prefix}.ffn", _ffn_plan(block.ffn, sp))
-        if block.is_moe:
-            _fold_moe(block.ffn, mesh)
+        if block.is_moe:  # the tp ranks route parts of one micro-batch
+            block.ffn.wire(micro_batch_group=mesh.get_group())
     if getattr(model, "lm_head", None) is not None:
         if sp:
             _apply(model, mesh, "norm", {"": SequenceParallel()})

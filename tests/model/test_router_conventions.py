@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef, validate_model
 from optimus.layout import Layout
+from optimus.model.moe.layer import MoE
 from optimus.model.moe.router import Router
 from optimus.parallel import ParallelState
 from optimus.parallel.parallelize import install_balance_group
@@ -114,11 +115,11 @@ def test_bad_routing_settings_are_config_errors(moe, match):
 
 def global_aux_losses(x_RTD: torch.Tensor, state: dict) -> float:
     """One rank: its aux loss with counts summed over the world (balance group installed from outside)."""
-    router = Router(D, MoEConfig(n_experts=6, top_k=2, aux_loss_scope="global"))
-    router.load_state_dict(state)
+    moe = MoE(D, MoEConfig(n_experts=6, top_k=2, aux_loss_scope="global"))
+    moe.router.load_state_dict(state)
     ps = ParallelState(rank=dist.get_rank(), layout=Layout(world=dist.get_world_size(), ep=1))
-    install_balance_group(router, ps)
-    return router(x_RTD[dist.get_rank()]).aux_loss.item()
+    install_balance_group(moe, ps)
+    return moe.router(x_RTD[dist.get_rank()]).aux_loss.item()
 
 
 def test_global_scope_counts_experts_over_the_data_parallel_ranks():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -75,6 +76,14 @@ def run_experts(experts: GroupedExperts, x_AD: torch.Tensor, counts_E: torch.Ten
     if x_AD.shape[0] == 0 and torch.is_grad_enabled():
         y_AD = y_AD + x_AD + 0.0 * (experts.w13.sum() + experts.w2.sum()).to(y_AD.dtype)
     return y_AD
+
+
+class Dispatcher(Protocol):
+    """The call every dispatcher implements (see the module docstring)."""
+
+    def __call__(
+        self, x_TD: torch.Tensor, routing: Routing, experts: GroupedExperts, shared: SharedExperts | None = None
+    ) -> torch.Tensor: ...
 
 
 class LocalDispatcher:
