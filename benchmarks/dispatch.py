@@ -53,10 +53,8 @@ from optimus.model.mlp import SwiGLU
 from optimus.model.moe.dispatch import LocalDispatcher
 from optimus.model.moe.experts import GroupedExperts
 from optimus.model.moe.router import Router
-from optimus.parallel.allgather_dispatch import AllGatherDispatcher
 from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
-
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+from optimus.parallel.expert_parallel import DISPATCHER_CLASSES
 
 
 class IdentityExperts(nn.Module):
@@ -143,7 +141,7 @@ def bench_rank(args: argparse.Namespace, dispatcher_name: str) -> dict:
     if ep == 1:
         dispatcher = LocalDispatcher()
     else:
-        dispatcher = DISPATCHERS[dispatcher_name](dist.group.WORLD, ep, rank, n_local)
+        dispatcher = DISPATCHER_CLASSES[dispatcher_name](dist.group.WORLD, ep, rank, n_local)
 
     counter = ByteCounter(args.dim)
     counter.on = True
@@ -351,7 +349,7 @@ def run_movement(args: argparse.Namespace) -> dict:
 
     rows = [summarize("local", 1, [bench_rank(args, "local")])]
     for ep in args.ranks:
-        for name in DISPATCHERS:
+        for name in DISPATCHER_CLASSES:
             results = spawn_local(ep, bench_rank, (args, name))
             rows.append(summarize(name, ep, [results[r] for r in sorted(results)]))
     print(

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from optimus.config import ConfigError, OptimusConfig, layout_of, validate
+from optimus.config import ConfigError, OptimusConfig
+from optimus.config_checks import layout_of, validate
 from optimus.recipes import load_config
 
 SCHEDULERS = {

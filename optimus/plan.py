@@ -95,15 +95,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from optimus.config import (
-    TORCH_DTYPES,
-    ConfigError,
-    ModelConfig,
-    OptimusConfig,
-    layout_of,
-    qk_norm_mode,
-    validate,
-)
+from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimusConfig, qk_norm_mode
+from optimus.config_checks import layout_of, validate
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
 from optimus.layout import Layout
 from optimus.model import (

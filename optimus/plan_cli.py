@@ -166,7 +166,7 @@ def _plan(opts: argparse.Namespace) -> int:
 def _dry_run(opts: argparse.Namespace) -> int:
     """One real step of some ranks on fake tensors (optimus.dry_run): 0 when every traced group agrees and every
     traced rank's peak fits the device, 1 otherwise (the figures are printed all the same)."""
-    from optimus.config import layout_of
+    from optimus.config_checks import layout_of
     from optimus.dry_run import (
         busiest_rank,
         check_dry_run_config,

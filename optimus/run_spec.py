@@ -14,7 +14,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from optimus.config import OptimusConfig, layout_of, validate
+from optimus.config import OptimusConfig
+from optimus.config_checks import layout_of, validate
 from optimus.layout import Layout
 from optimus.platform import Platform, resolve_dtype
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from optimus.cli import load_config
-from optimus.config import validate
+from optimus.config_checks import validate
 from optimus.recipes import recipe_groups, recipes_dir
 
 AURORA_TILES = 256 * 12

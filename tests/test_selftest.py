@@ -19,7 +19,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from optimus.cli import main
-from optimus.config import MachineConfig, OptimusConfig, validate_machine_and_data
+from optimus.config import MachineConfig, OptimusConfig
+from optimus.config_checks import validate_machine_and_data
 from optimus.kernels import torch_backend
 from optimus.parallel import collective_check
 from optimus.recipes import load_config

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef, validate_model
+from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef
+from optimus.config_checks import validate_model
 from optimus.hf.formats import QWEN3_MOE, HFFormat, format_of_hf_config
 
 DEFAULT_MAX_POSITIONS = 4096  # Optimus has no position limit (RoPE is computed for any length)

@@ -89,7 +89,7 @@ class AllToAllDispatcher(EPDispatcher):
         self, group, ep_size: int, ep_rank: int, n_local_experts: int, chunks: int = 1, timers=None, answers=None
     ):
         super().__init__(group, ep_size, ep_rank, n_local_experts, timers, answers)
-        self.chunks = chunks  # checked by optimus.config.validate (parallel.ep_overlap_chunks)
+        self.chunks = chunks  # checked by optimus.config_checks.validate (parallel.ep_overlap_chunks)
 
     def plan(self, routing: Routing) -> list[Chunk]:
         """Sort each chunk's assignments by expert and exchange every chunk's counts (one all_to_all)."""

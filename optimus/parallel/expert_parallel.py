@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from optimus.config import DISPATCHERS, ParallelConfig, check_choice
+from optimus.config import ParallelConfig
+from optimus.errors import check_choice
 from optimus.layout import experts_per_rank
 from optimus.model.moe.experts import expert_range
 from optimus.model.moe.layer import MoE
@@ -19,8 +20,14 @@ from optimus.parallel.allgather_dispatch import AllGatherDispatcher
 from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
 from optimus.parallel.state import ParallelState
 
-# One class for each name of config.DISPATCHERS (parallel.dispatcher).
+# The values of parallel.dispatcher, and what each is.
 DISPATCHER_CLASSES = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+
+
+def dispatcher_class(name: str) -> type[AllToAllDispatcher | AllGatherDispatcher]:
+    """The EP dispatcher parallel.dispatcher=`name` asks for; refused in one sentence when none has that name."""
+    check_choice(name, "parallel.dispatcher", tuple(DISPATCHER_CLASSES))
+    return DISPATCHER_CLASSES[name]
 
 
 def shard_experts(moe: MoE, ep: int, ep_rank: int) -> int:
@@ -47,11 +54,11 @@ def apply_expert_parallel(
     """Shard every MoE layer's experts over `ps.ep_group` and install `cfg.dispatcher`; modifies `model` in place.
 
     `equal_tokens`: the caller guarantees that every EP rank brings the same number of tokens to each call
-    (the trainer does: one micro-batch shape on every rank, optimus.config.validate). The all-gather
+    (the trainer does: one micro-batch shape on every rank, optimus.config_checks.validate). The all-gather
     dispatcher then skips its per-call check, a blocking all-gather of the counts and a host sync.
     `timers` (profile.timers): the dispatchers time their exchanges with it. `answers`: a dry run's
     optimus.load_model.LoadAnswers, which answer the dispatchers' value reads (None: a real step)."""
-    check_choice(cfg.dispatcher, "parallel.dispatcher", DISPATCHERS)
+    dispatcher_cls = dispatcher_class(cfg.dispatcher)
     if ps.ep == 1:
         return model
     if ps.ep_group is None:
@@ -59,7 +66,6 @@ def apply_expert_parallel(
     moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not moe_layers:
         experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
-    dispatcher_cls = DISPATCHER_CLASSES[cfg.dispatcher]
     # validate() has checked that only the all-to-all dispatcher is asked for chunks.
     options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:

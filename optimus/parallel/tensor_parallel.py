@@ -19,7 +19,7 @@
                                                                   optimus.model.loss takes the
                                                                   vocab-parallel cross-entropy
 
-GQA keeps whole KV heads per rank (config.validate_tensor_parallel refuses a tp that does not
+GQA keeps whole KV heads per rank (config_checks.validate_tensor_parallel refuses a tp that does not
 divide n_kv_heads). The router, shared experts and routed experts are not split: under TP the
 ranks of a TP group take part in expert parallelism (MoE layers see the stage's dp x tp ranks as
 edp x ep; optimus.parallel.state), each routing a different 1/tp of the sequence, so every token

@@ -25,7 +25,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from optimus.config import ConfigError, OptimusConfig, layout_of
+from optimus.config import ConfigError, OptimusConfig
+from optimus.config_checks import layout_of
 from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.activation_checkpointing import recompute_flops_per_token
@@ -373,7 +374,7 @@ def scaling_points(cfg: OptimusConfig, worlds: list[int]) -> list[dict]:
     """Per world size, the configs `scaling` predicts, each validated: `strong` (the recipe, or None with
     `strong_refused` where its layout does not divide the batch) and `weak` (the batch grown from the first world
     size). A first world size that does not run, or a weak point that does not, is refused here."""
-    from optimus.config import validate
+    from optimus.config_checks import validate
 
     validate(copy.deepcopy(cfg), worlds[0])
     points = []

@@ -20,15 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optimus.config import (
-    TORCH_DTYPES,
-    ConfigError,
-    MachineConfig,
-    OptimusConfig,
-    check_choice,
-    validate_machine_and_data,
-    validate_model,
-)
+from optimus.config import TORCH_DTYPES, ConfigError, MachineConfig, OptimusConfig
+from optimus.config_checks import validate_machine_and_data, validate_model
+from optimus.errors import check_choice
 from optimus.kernels import BACKENDS, KernelUnavailable, get_backend
 from optimus.layout import experts_per_rank
 from optimus.output_dir import check_out_dir, replacing_directory

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from optimus.config import parse_step_window
+from optimus.config_checks import parse_step_window
 
 # Phases in the order a step runs them (the report stacks them in this order).
 PHASES = (

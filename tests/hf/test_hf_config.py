@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig, validate_model
+from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.config_checks import validate_model
 from optimus.hf import MIXTRAL, OLMOE, QWEN3_MOE, format_for_model, from_pretrained, save_pretrained
 from optimus.hf.config_map import TRANSFORMERS_LOSSES, hf_config_from_model, model_config_from_hf
 from optimus.model import Transformer

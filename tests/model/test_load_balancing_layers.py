@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig, validate
+from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.config_checks import validate
 from optimus.model import Transformer, moe_layer_ids
 from optimus.model.moe import RouterStats
 from tests.distributed import run_distributed

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef, validate_model
+from optimus.config import ConfigError, ModelConfig, MoEConfig, moe_aux_loss_coef
+from optimus.config_checks import validate_model
 from optimus.layout import Layout
 from optimus.model.moe.layer import MoE
 from optimus.model.moe.router import Router

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.config import ConfigError, OptimusConfig, ParallelConfig, validate
+from optimus.config import ConfigError, OptimusConfig, ParallelConfig
+from optimus.config_checks import validate
 from optimus.parallel.alltoall_dispatch import token_chunks
 from optimus.parallel.collectives import all_to_all_start
 from optimus.parallel.expert_parallel import apply_expert_parallel

@@ -30,7 +30,8 @@ import random
 
 import pytest
 
-from optimus.config import ConfigError, validate
+from optimus.config import ConfigError
+from optimus.config_checks import validate
 from optimus.recipes import load_config
 from tests.conftest import TINY_MODEL
 from tests.trajectories import assert_same_trajectory, step_records, train_layouts

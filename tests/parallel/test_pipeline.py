@@ -13,7 +13,8 @@ import random
 import pytest
 
 from optimus.cli import load_config, main
-from optimus.config import ConfigError, validate
+from optimus.config import ConfigError
+from optimus.config_checks import validate
 from optimus.layout import Layout
 from optimus.model import padded_vocab_size
 from optimus.parallel.pipeline import balanced_split, rank_stage_indices, stage_costs, stage_layer_ids, stage_sizes

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from optimus.cli import load_config, main
-from optimus.config import ConfigError, validate
+from optimus.config import ConfigError
+from optimus.config_checks import validate
 from optimus.layout import Layout
 from optimus.optim.state_ranges import StateRange, copy_overlap, covered
 from optimus.parallel.state import ParallelState, build_parallel_state

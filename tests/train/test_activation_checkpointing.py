@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from optimus.cli import load_config
-from optimus.config import ConfigError, ModelConfig, MoEConfig, validate
+from optimus.config import ConfigError, ModelConfig, MoEConfig
+from optimus.config_checks import validate
 from optimus.plan import activation_bytes
 from tests.builds import rank_model
 from tests.conftest import TINY_MODEL

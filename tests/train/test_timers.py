@@ -8,7 +8,8 @@ import os
 import pytest
 
 from optimus.cli import load_config
-from optimus.config import ConfigError, parse_step_window
+from optimus.config import ConfigError
+from optimus.config_checks import parse_step_window
 from optimus.train import timers as timers_module
 from optimus.train.timers import Timers
 from optimus.train.trainer import Trainer
