@@ -171,27 +171,27 @@ def _command(command: str, rest: list[str]) -> int:
                 return 0
             return cmd_train(rest)
         if command == "data":
-            from optimus.data.cli import main as data_main
+            from optimus.commands.data import main as data_main
 
             return data_main(rest)
         if command == "launch":
-            from optimus.job_scripts import main as launch_main
+            from optimus.commands.launch import main as launch_main
 
             return launch_main(rest)
         if command == "checkpoint":
-            from optimus.checkpoint_cli import main as checkpoint_main
+            from optimus.commands.checkpoint import main as checkpoint_main
 
             return checkpoint_main(rest)
         if command == "report":
-            from optimus.report.cli import main as report_main
+            from optimus.commands.report import main as report_main
 
             return report_main(rest)
         if command == "selftest":
-            from optimus.selftest import main as selftest_main
+            from optimus.commands.selftest import main as selftest_main
 
             return selftest_main(rest)
         if command == "plan":  # its modes (--dry-run, --predict, --calibrate) are routed by its own parser
-            from optimus.plan_cli import main as plan_main
+            from optimus.commands.plan import main as plan_main
 
             return plan_main(rest)
     except (ConfigError, DataError, LaunchError) as err:  # LaunchError: the launcher's environment is incomplete

@@ -6,7 +6,7 @@ the command's own kind (an earlier output only with --overwrite, and only when i
 such an output is made of: a file the user put there is not the command's to delete); `replacing_directory`
 yields a new sibling to write into, which takes `out`'s place only when the block succeeds. Used by `optimus
 checkpoint import`, the HF export, `optimus plan --dry-run --out`, `optimus selftest --out` and `optimus plan
---calibrate --out` (optimus.selftest.command names their files).
+--calibrate --out` (optimus.commands.selftest names their files).
 """
 
 from __future__ import annotations

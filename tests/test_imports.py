@@ -139,6 +139,17 @@ def test_layering(unit_name, forbidden):
     assert not imported & forbidden, f"optimus.{unit_name} imports {sorted(imported & forbidden)}"
 
 
+def test_the_library_imports_no_command_and_holds_no_main():
+    graph = unit_graph()
+    commands = {"cli", "commands", "__main__"}  # `python -m optimus` is the command too
+    for name, imported in graph.items():
+        if name not in commands:
+            assert not imported & commands, f"optimus.{name} imports the command modules {sorted(imported & commands)}"
+    for path in PACKAGE_DIR.rglob("*.py"):
+        if unit(module_name(path)) not in commands:
+            assert "\ndef main(" not in path.read_text(), f"{path.relative_to(PACKAGE_DIR)} holds a main()"
+
+
 def test_kernels_import_only_torch_and_triton():
     allowed_roots = {"torch", "triton", "optimus"} | set(sys.stdlib_module_names)
     for path in (PACKAGE_DIR / "kernels").rglob("*.py"):

@@ -11,7 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from optimus import job_scripts
+from optimus.commands import launch
 from optimus.config import ConfigError, OptimusConfig
+from optimus.recipes import load_config
 from tests.unchanged import unchanged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,9 +236,9 @@ def test_layout_errors_are_one_clear_sentence():
 
 
 def test_main_prints_the_script_and_where_results_go(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
+    monkeypatch.setattr(launch, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     run_dir = tmp_path / "r"
-    code = job_scripts.main(["--nodes", "2", "--run-dir", str(run_dir), "machine=aurora", "parallel.ep=12"])
+    code = launch.main(["--nodes", "2", "--run-dir", str(run_dir), "machine=aurora", "parallel.ep=12"])
     out, err = capsys.readouterr()
     assert code == 0
     assert out.startswith("#!/bin/bash") and "#PBS -l select=2" in out  # scheduler picked from the machine
@@ -246,13 +248,13 @@ def test_main_prints_the_script_and_where_results_go(monkeypatch, capsys, tmp_pa
 
 
 def test_main_submit_writes_into_run_dir_and_calls_sbatch(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("frontier", ep=8))
+    monkeypatch.setattr(launch, "load_config", lambda overrides: make_cfg("frontier", ep=8))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_exe(bin_dir / "sbatch", f'echo "$@" > {tmp_path}/sbatch_args.txt\necho "Submitted batch job 4242"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run_dir = tmp_path / "run"
-    code = job_scripts.main(
+    code = launch.main(
         ["--nodes", "2", "--submit", "--account", "abc123", "--run-dir", str(run_dir), "machine=frontier"]
     )
     out = capsys.readouterr().out
@@ -278,10 +280,10 @@ def test_resubmitting_keeps_each_earlier_script_that_differs(tmp_path):
 
 
 def test_submit_without_the_scheduler_command_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("aurora", ep=12))
+    monkeypatch.setattr(launch, "load_config", lambda overrides: make_cfg("aurora", ep=12))
     monkeypatch.setenv("PATH", str(tmp_path))  # no qsub anywhere
     with unchanged(tmp_path), pytest.raises(ConfigError, match=r"qsub was not found on PATH"):
-        job_scripts.main(["--nodes", "1", "--submit", "--account", "abc", "--run-dir", str(tmp_path / "run")])
+        launch.main(["--nodes", "1", "--submit", "--account", "abc", "--run-dir", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("machine,scheduler,ep", [("aurora", "qsub", 12), ("frontier", "sbatch", 8)])
@@ -290,29 +292,29 @@ def test_submit_without_an_account_is_refused_where_the_machine_charges_one(
 ):
     """Aurora and Frontier charge every job to a project: a script without -A is refused before anything is
     written or submitted (a fake qsub/sbatch records whether it was called)."""
-    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg(machine, ep=ep))
+    monkeypatch.setattr(launch, "load_config", lambda overrides: make_cfg(machine, ep=ep))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_exe(bin_dir / scheduler, f'echo "$@" > {tmp_path}/submitted.txt\necho "4242"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     argv = ["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")]
     with unchanged(tmp_path), pytest.raises(ConfigError) as refused:
-        job_scripts.main(argv)
+        launch.main(argv)
     assert str(refused.value) == (
         f"machine={machine} charges every job to a project: pass --account <project> with --submit."
     )
-    assert job_scripts.main([*argv, "--account", "abc"]) == 0  # the same command with an account goes through
+    assert launch.main([*argv, "--account", "abc"]) == 0  # the same command with an account goes through
     suffix = job_scripts.SCHEDULERS[job_scripts.DEFAULT_SCHEDULER[machine]][1]
     assert (tmp_path / "submitted.txt").exists() and "-A abc" in (tmp_path / "run" / f"job{suffix}").read_text()
 
 
 def test_machines_without_a_required_account_submit_without_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(job_scripts, "load_config", lambda overrides: make_cfg("nvidia", ep=8))
+    monkeypatch.setattr(launch, "load_config", lambda overrides: make_cfg("nvidia", ep=8))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_exe(bin_dir / "sbatch", 'echo "Submitted batch job 7"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    assert job_scripts.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")]) == 0
+    assert launch.main(["--nodes", "1", "--submit", "--run-dir", str(tmp_path / "run")]) == 0
     assert "#SBATCH -A" not in (tmp_path / "run" / "job.sbatch").read_text()
 
 
@@ -356,7 +358,7 @@ def test_pipeline_experiments_render_and_launch_on_256_aurora_nodes(experiment, 
     bin_dir, python = fakes
     run_dir = tmp_path / "run"
     argv = ["--nodes", "256", "--run-dir", str(run_dir), "--python", str(python), f"experiment={experiment}"]
-    assert job_scripts.main(argv) == 0
+    assert launch.main(argv) == 0
     script, notes = capsys.readouterr()
     assert f"pipeline: {pp} stages of {3072 // pp} ranks ({256 / pp:g} nodes) each" in notes
     bash_syntax_ok(script, tmp_path)
@@ -366,7 +368,7 @@ def test_pipeline_experiments_render_and_launch_on_256_aurora_nodes(experiment, 
     command = [str(python), "-m", "optimus", "train", f"experiment={experiment}", f"run.dir={run_dir}"]
     assert lines(tmp_path / "launcher.txt")[:4] == ["-n", "3072", "--ppn", "12"]
     assert lines(tmp_path / "launcher.txt")[-len(command) :] == command
-    cfg = job_scripts.load_config([f"experiment={experiment}"])
+    cfg = load_config([f"experiment={experiment}"])
     assert (cfg.parallel.pp, cfg.parallel.ep) == (pp, ep)
 
 
@@ -408,7 +410,7 @@ def test_frontier_experiments_render_and_launch(experiment, tmp_path, fakes, cap
     nodes, tp, pp, ep = FRONTIER_EXPERIMENTS[experiment]
     run_dir = tmp_path / "run"
     argv = ["--nodes", str(nodes), "--run-dir", str(run_dir), "--python", str(python), f"experiment={experiment}"]
-    assert job_scripts.main(argv) == 0
+    assert launch.main(argv) == 0
     script, notes = capsys.readouterr()
     ranks = nodes * 8
     assert (f"pipeline: {pp} stages of {ranks // pp} ranks" in notes) == (pp > 1)
@@ -420,5 +422,5 @@ def test_frontier_experiments_render_and_launch(experiment, tmp_path, fakes, cap
     launched = lines(tmp_path / "launcher.txt")
     assert launched[:6] == ["-N", str(nodes), "-n", str(ranks), "--ntasks-per-node=8", "--gpus-per-node=8"]
     assert launched[-2:] == [f"experiment={experiment}", f"run.dir={run_dir}"]
-    cfg = job_scripts.load_config([f"experiment={experiment}"])
+    cfg = load_config([f"experiment={experiment}"])
     assert (cfg.machine.name, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) == ("frontier", tp, pp, ep)

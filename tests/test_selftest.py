@@ -305,7 +305,7 @@ def test_user_errors_are_one_line_before_any_work(args, message, tmp_path, monke
     def work(*args, **kwargs):
         raise AssertionError("the work started before the refusal")
 
-    monkeypatch.setattr("optimus.selftest.command.selftest_rank", work)
+    monkeypatch.setattr("optimus.commands.selftest.selftest_rank", work)
     monkeypatch.chdir(tmp_path)
     code, _, err = run(*args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -1,6 +1,6 @@
 """Scaling-efficiency reports from run directories (`optimus report`)."""
 
-from optimus.report.cli import build_report
+from optimus.report.build import build_report
 from optimus.report.compare import check_comparable
 from optimus.report.runs import ReportError, Run, load_run
 from optimus.report.summary import add_efficiency, summarize_run

@@ -13,9 +13,6 @@ On every device of the node (one process each), the selftest
 
 It prints one table, writes DIR/selftest.json and DIR/machine.yaml with `--out DIR` (optimus.selftest.report), and
 says each failure in one sentence on stderr with exit code 1. `optimus plan --calibrate --out DIR` runs the rates
-and the collectives and writes the same machine.yaml (optimus.plan_cli, through optimus.selftest.command).
+and the collectives and writes the same machine.yaml (optimus.commands.plan, through
+optimus.commands.selftest, which runs both commands' processes).
 """
-
-from optimus.selftest.command import main
-
-__all__ = ["main"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from optimus.cli import main
+from optimus.commands.data import main as data_main
 from optimus.config import DataConfig
 from optimus.data import DataError, build_data, open_tokens
-from optimus.data.cli import main as data_main
 from optimus.data.prepare import prepare  # the package attribute `prepare` may be the submodule
 from optimus.data.tokenizer import load_tokenizer
 from tests.conftest import SMALL_MODEL_RUN, write_corpus

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from optimus.commands.data import main as cli_main
 from optimus.config import ConfigError, DataConfig
 from optimus.data import BatchLoader, DataError, build_data, open_tokens, train_bpe
-from optimus.data.cli import main as cli_main
 from optimus.data.prepare import prepare  # the package attribute `prepare` may be the submodule
 from optimus.data.shards import ShardWriter
 

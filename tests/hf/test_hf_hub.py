@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from optimus.checkpoint_cli import consolidated_state
+from optimus.checkpoint_export import consolidated_state
 from optimus.cli import main
 from optimus.hf import from_pretrained
 from optimus.hf.hub import is_hub_id

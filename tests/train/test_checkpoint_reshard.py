@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from optimus.checkpoint_cli import consolidated_state
+from optimus.checkpoint_export import consolidated_state
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 

@@ -185,7 +185,7 @@ def test_export_refuses_a_corrupt_checkpoint_and_a_failed_read(small_run, tmp_pa
     def failing_load(*args, **kwargs):
         raise CheckpointException("read failed", {})
 
-    monkeypatch.setattr("optimus.checkpoint_cli.dcp.load", failing_load)
+    monkeypatch.setattr("optimus.checkpoint_export.dcp.load", failing_load)
     assert main(["checkpoint", "export", str(step), "--out", out]) == 2
     assert "cannot be read" in error_of(capsys)
     monkeypatch.undo()

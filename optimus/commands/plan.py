@@ -269,8 +269,8 @@ def _predict(opts: argparse.Namespace) -> int:
 
 def _calibrate(opts: argparse.Namespace) -> int:
     """This node's rates and collectives, measured by the selftest's processes and written as DIR/machine.yaml."""
+    from optimus.commands.selftest import CALIBRATE, prepare, run_command
     from optimus.recipes import load_config
-    from optimus.selftest.command import CALIBRATE, prepare, run_command
 
     if opts.nodes is not None or opts.world is not None:
         flag = "--nodes" if opts.nodes is not None else "--world"
