@@ -56,10 +56,11 @@ head all-gather and keep), else 0:
                                  runs the same loss); the vocabulary-parallel one (tp > 1: V/TP logits per
                                  rank, never gathered) the fp32 log-probabilities of its columns, 4 V / TP
 
-The peak is the larger of: everything kept (plus, for the fused head, its working memory,
-fused_head_work_bytes: one chunk's logits in its forward,
+The peak is the larger of: everything kept (plus the head's working memory, head_work_bytes: for the fused
+head one chunk's logits in its forward,
 C V (4 + a) in bf16 and 4 C V in fp32 for C = optimus.model.loss.chunk_rows(V) rows, or its backward's
-gradients V D a + 2 t D a, whichever is larger) as the backward starts, and, for each block, what it and the
+gradients V D a + 2 t D a, whichever is larger; for the vocabulary-parallel head t V a / TP, its logits or
+their gradient in the compute dtype) as the backward starts, and, for each block, what it and the
 blocks before it keep plus its largest recomputed region, alive again during its backward, and two gradients:
 the residual stream's (D a r) and the region's input's (D a; 2 D a in all without TP).
 train.activation_checkpointing (optimus/parallel/activation_checkpointing.py) removes parts:
@@ -334,7 +335,7 @@ def activation_bytes(
     head with `head`) and keeps `in_flight` micro-batches' worth of them until their backward. The head's
     cross-entropy is optimus.model.loss's fused one, or with `tp` > 1 the vocabulary-parallel one on V/tp of the
     logits. `tp` > 1: one rank of a tensor-parallel group, with sequence parallelism when `sp`. `head_work`: also
-    count the fused cross-entropy's working memory (fused_head_work_bytes) beside everything kept; the profiler
+    count the cross-entropy's working memory (head_work_bytes) beside everything kept; the profiler
     books it to the head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it
     out. `staging`: ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at
     its end). `ffn_widths`: as _layer_activations'. `sent_outputs`: a pipeline rank's stage outputs held at the
@@ -358,8 +359,8 @@ def activation_bytes(
     # recomputed once the blocks after it and the head have freed theirs, while the residual stream's gradient
     # and the region's are alive.
     tokens = micro_batch * seq_len
-    # the fused cross-entropy's working memory (it runs on a whole head: tp = 1)
-    work = fused_head_work_bytes(m, tokens, act_bytes) if head_work and head and tp == 1 else 0
+    # the cross-entropy's working memory: the fused one's on a whole head, or the vocabulary-parallel one's
+    work = head_work_bytes(m, tokens, act_bytes, tp) if head_work and head else 0
     peak = tokens * kept + work
     during, at_end = staging
     # the head's backward has freed what it kept; the staged gradients take its place
@@ -371,6 +372,16 @@ def activation_bytes(
             peak = max(peak, tokens * (below + block_recomputed + part["grads"]) + during)
     peak = max(peak, at_end)  # this micro-batch's activations are gone; the last reductions are in flight
     return round(tokens * waiting + peak)
+
+
+def head_work_bytes(m: ModelConfig, tokens: int, act_bytes: int, tp: int) -> int:
+    """Bytes the LM head's cross-entropy holds beyond what it keeps for the backward, at their largest: the fused
+    one's (fused_head_work_bytes), or under tensor parallelism the vocabulary-parallel one's: beside its kept fp32
+    probabilities [T, V/tp], the head's logits in the compute dtype in the forward, and their gradient (cast to
+    it) in the backward (optimus.model.loss)."""
+    if tp == 1:
+        return fused_head_work_bytes(m, tokens, act_bytes)
+    return tokens * padded_vocab_size(m.vocab_size) // tp * act_bytes
 
 
 def fused_head_work_bytes(m: ModelConfig, tokens: int, act_bytes: int) -> int:

@@ -16,9 +16,8 @@ that differ only by the order in which the same fp32 terms are rounded.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 # Rows per chunk: a chunk's fp32 logits (rows x vocab x 4 bytes) stay in the last-level cache, and
 # the chunk's GEMM has enough rows to run near the rate of the whole one: 256 rows of an 8192-word
@@ -92,16 +91,47 @@ def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T:
         return _LinearCrossEntropy.apply(h_TD.to(dtype), weight_VD.to(dtype), targets_T, torch.is_grad_enabled())
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary, each rank holding columns
+    [first_id, first_id + v) of every token's row: two all-reduces in the forward (the row maxima; the sums of
+    exponentials with the target logits), none in the backward, whose gradient softmax - one_hot is local."""
+
+    @staticmethod
+    def forward(ctx, logits_Tv: torch.Tensor, targets_T: torch.Tensor, first_id: int, group) -> torch.Tensor:
+        v = logits_Tv.shape[1]
+        max_T1 = logits_Tv.detach().amax(dim=1, keepdim=True).float()
+        dist.all_reduce(max_T1, op=dist.ReduceOp.MAX, group=group)
+        shifted_Tv = logits_Tv.detach().to(torch.float32, copy=True).sub_(max_T1)  # one fp32 copy, worked in place
+        local_T = targets_T - first_id
+        here_T = (local_T >= 0) & (local_T < v)  # the target is one of this rank's columns
+        column_T1 = local_T.clamp(0, v - 1)[:, None]
+        target_T = shifted_Tv.gather(1, column_T1).squeeze(1) * here_T  # 0 on the ranks that do not hold it
+        probs_Tv = shifted_Tv.exp_()
+        sums_T2 = torch.stack([probs_Tv.sum(dim=1), target_T], dim=1)
+        dist.all_reduce(sums_T2, group=group)
+        loss_T = sums_T2[:, 0].log() - sums_T2[:, 1]
+        probs_Tv.div_(sums_T2[:, :1])
+        ctx.logits_dtype = logits_Tv.dtype
+        ctx.save_for_backward(probs_Tv, column_T1, here_T)
+        return loss_T
+
+    @staticmethod
+    def backward(ctx, grad_loss_T: torch.Tensor):
+        probs_Tv, column_T1, here_T = ctx.saved_tensors
+        # softmax - one_hot over this rank's columns, in place: the saved probabilities are not read again
+        grad_Tv = probs_Tv.scatter_add_(1, column_T1, -here_T[:, None].to(probs_Tv.dtype))
+        grad_Tv.mul_(grad_loss_T.float()[:, None])
+        return grad_Tv.to(ctx.logits_dtype), None, None, None
+
+
 def vocab_parallel_cross_entropy(logits_Tv: torch.Tensor, targets_T: torch.Tensor, mesh) -> torch.Tensor:
     """Per-token cross-entropy [T] (fp32, the same on every rank) of logits split over the vocabulary:
-    this rank's columns [T, V / tp] of the LM head over the tensor-parallel `mesh`. DTensor's loss_parallel
-    reduces the log-sum-exp and the target logits over the ranks; the [T, V] logits are never gathered."""
-    logits = DTensor.from_local(logits_Tv.float(), mesh, [Shard(1)], run_check=False)  # [T, V] over tp ranks
-    # The targets as a DTensor too: the backward runs outside the loss_parallel context, where DTensor's
-    # nll_loss backward would not accept a plain tensor beside the DTensor gradient.
-    targets = DTensor.from_local(targets_T, mesh, [Replicate()], run_check=False)
-    with loss_parallel():
-        return F.cross_entropy(logits, targets, reduction="none").to_local()
+    this rank's columns [T, V / tp] of the LM head over the tensor-parallel `mesh`. The ranks reduce the
+    row maxima, the sums of exponentials and the target logits; the [T, V] logits are never gathered, in the
+    forward or the backward (DTensor's loss_parallel gathers them in the backward outside its context, as a
+    training loop's backward call is)."""
+    first_id = mesh.get_local_rank() * logits_Tv.shape[1]
+    return _VocabParallelCrossEntropy.apply(logits_Tv, targets_T, first_id, mesh.get_group())
 
 
 def mask_padded_logits(logits_Xv: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:

@@ -109,3 +109,45 @@ def test_logit_gradient_is_made_only_under_grad_mode(grad_enabled):
     largest = max(event.cpu_memory_usage for event in prof.events())
     logits_grad_bytes = 256 * 512 * 4
     assert (largest >= logits_grad_bytes) == grad_enabled, largest
+
+
+def _vocab_parallel_rank(logits_TV: torch.Tensor, targets_T: torch.Tensor, grad_T: torch.Tensor):
+    """One rank of a tp group: the loss of its columns of the logits, its columns' gradient, and the collectives
+    its backward ran."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from optimus.model.loss import vocab_parallel_cross_entropy
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    v = logits_TV.shape[1] // dist.get_world_size()
+    mine_Tv = logits_TV[:, dist.get_rank() * v : (dist.get_rank() + 1) * v].detach().clone().requires_grad_()
+    loss_T = vocab_parallel_cross_entropy(mine_Tv, targets_T, mesh)
+    with CommDebugMode() as comms:  # counts c10d's and the functional collectives alike
+        (loss_T * grad_T).sum().backward()
+    return loss_T.detach(), mine_Tv.grad, comms.get_total_counts()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_cross_entropy_matches_the_whole_vocabulary(dtype):
+    from tests.distributed import run_distributed
+
+    gen = torch.Generator().manual_seed(3)
+    T, V, tp = 29, 24, 2
+    logits_TV = (3 * torch.randn(T, V, generator=gen)).to(dtype)
+    logits_TV[:, -5:] = float("-inf")  # padding rows of the head, masked as mask_padded_logits does
+    targets_T = torch.randint(0, V - 5, (T,), generator=gen)
+    grad_T = torch.rand(T, generator=gen)  # weights of a reduction, as the trainer's
+    whole_TV = logits_TV.clone().requires_grad_()
+    expected_T = F.cross_entropy(whole_TV.float(), targets_T, reduction="none")
+    (expected_T * grad_T).sum().backward()
+    ranks = run_distributed(_vocab_parallel_rank, tp, logits_TV, targets_T, grad_T)
+    v = V // tp
+    for rank, (loss_T, grad_Tv, backward_collectives) in enumerate(ranks):
+        assert_relative_error(loss_T, expected_T.detach())
+        expected_grad_Tv = whole_TV.grad[:, rank * v : (rank + 1) * v]
+        assert grad_Tv.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient rounded to bf16, as the plain path's
+        assert_relative_error(grad_Tv, expected_grad_Tv, tol)
+        assert backward_collectives == 0, "the backward's gradient is local: no collective"
