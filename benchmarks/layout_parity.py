@@ -58,7 +58,7 @@ def fp64_step1_norm(work: Path, micro_batch: int) -> float:
     from optimus.train.trainer import Trainer
 
     overrides = [*COMMON, "optim.sharding=none", f"train.micro_batch={micro_batch}", f"run.dir={work / 'fp64'}"]
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer.from_config(load_config(overrides))
     try:
         for batch in trainer.loader.next_step():
             loss = micro_batch_loss(trainer.model, batch, trainer.cfg, trainer.platform)

@@ -82,7 +82,7 @@ def throughput(models: dict[str, list[str]], turns: int, steps_per_turn: int, wo
     trainers = {}
     for name, extra in models.items():
         cfg = load_config([*extra, "logging.progress=false", f"run.dir={work / ('tput-' + name)}"])
-        trainers[name] = Trainer(cfg)
+        trainers[name] = Trainer.from_config(cfg)
     tokens = {name: t.cfg.train.global_batch * t.cfg.train.seq_len for name, t in trainers.items()}
     per_turn: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)

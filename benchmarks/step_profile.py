@@ -69,7 +69,7 @@ def machine_line() -> str:
 
 def build_trainer(overrides: list[str], run_dir: str) -> Trainer:
     cfg = load_config([*ADAMW, f"run.dir={run_dir}", "logging.progress=false", "profile.timers=true", *overrides])
-    return Trainer(cfg)
+    return Trainer.from_config(cfg)
 
 
 def timed_steps(trainer: Trainer, n: int) -> tuple[list[float], dict[str, float]]:

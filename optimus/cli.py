@@ -86,14 +86,12 @@ def _worker(spec: RunSpec) -> dict:
 
     from optimus.platform import keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
     from optimus.ranks import discover, init_process_group
-    from optimus.train.memory_check import check_cpu_memory
     from optimus.train.run_dir import remove_if_empty
     from optimus.train.trainer import Trainer
 
     info = discover()
     platform = spec.platform
     if platform.device_type == "cpu":
-        check_cpu_memory(spec, info.local_world_size)
         share_cpu_threads(info.local_world_size)
         keep_cpu_allocations()
         quiet_gloo_alltoall_fallback()
@@ -135,9 +133,10 @@ def cmd_train(overrides: list[str]) -> int:
     info = discover()
     world_size = info.world_size if info.launcher != "none" else cfg.parallel.nproc
     spec = resolve_run(cfg, world_size, detect_platform(cfg.machine, info.local_rank))  # validated, here only
-    if info.launcher == "none" and cfg.parallel.nproc > 1:
-        if spec.platform.device_type == "cpu":  # the ranks would each refuse: say it once, before starting them
-            check_cpu_memory(spec, cfg.parallel.nproc)
+    spawning = info.launcher == "none" and cfg.parallel.nproc > 1
+    if spec.platform.device_type == "cpu":  # this node's ranks must fit in its memory: said once, before they start
+        check_cpu_memory(spec, cfg.parallel.nproc if spawning else info.local_world_size)
+    if spawning:
         try:
             summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (spec,))[0]
         except SpawnStopped as stopped:  # ended by a stop signal; where they saved first, they said so

@@ -109,7 +109,7 @@ from optimus.model import (
     padded_vocab_size,
 )
 from optimus.model.loss import chunk_rows
-from optimus.optim import SCHEMES, StateBytes, rank_state_bytes, resolve_sharding
+from optimus.optim import SCHEMES, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
 from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.optim.muon import largest_units
@@ -135,39 +135,47 @@ def planned_dtype(cfg: OptimusConfig) -> str:
     return resolve_dtype(cfg.train.dtype, declared_device_type(cfg.machine))
 
 
-def state_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, stage: Layout) -> StateBytes:
-    """Persistent bytes of one rank holding `dense` parameters (its 1/tp slices of the tensor-parallel ones and
-    all the replicated ones) and `expert` (all experts) under `scheme`, in a pipeline stage laid out as `stage`,
-    from the optimizer's own buffer layout (with tp > 1 it shards the dense group over the dp ranks that hold
-    the same slices)."""
-    es, gs = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype]
-    return rank_state_bytes(
-        scheme, dense, expert // stage.ep, stage, es, gs, cfg.optim.zero,
-        state_bytes_per_element=AdamW.state_bytes_per_element,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class PlanInputs:
+    """What every pipeline rank's plan reads besides its own share, resolved once per plan, so that the arithmetic
+    below reads numbers rather than reaching through the config into other modules for each rank."""
+
+    stage: Layout  # one pipeline stage's ranks
+    accum: int  # micro-batches per rank and step
+    compute_dtype: str  # train.dtype as a run on the recipe's machine resolves it (planned_dtype)
+    act_bytes: int  # per element of the compute dtype: parameters and activations
+    grad_bytes: int  # per element of optim.grad_dtype
+    zero: int  # optim.zero
+    scheme: str  # optim.sharding, resolved
+    bucket: int  # elements per gradient bucket (bucket_numel)
+    ffn_widths: int  # F-wide rows per routed row that the expert kernels keep (planned_ffn_widths)
+    largest_units: dict[str, int]  # Muon's largest unit of work per group (optimus.optim.muon.largest_units)
+
+    @classmethod
+    def of(cls, cfg: OptimusConfig, layout: Layout, path: str) -> PlanInputs:
+        o, t = cfg.optim, cfg.train
+        stage = layout.one_stage()
+        compute_dtype = planned_dtype(cfg)
+        act_bytes = DTYPE_BYTES[compute_dtype]
+        return cls(
+            stage, layout.micro_batches(t.global_batch, t.micro_batch), compute_dtype, act_bytes,
+            DTYPE_BYTES[o.grad_dtype],
+            o.zero, resolve_sharding(o.sharding, stage.world),
+            bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, act_bytes),
+            planned_ffn_widths(cfg, path), largest_units(cfg.model),
+        )  # fmt: skip
 
 
-def staging_bytes(cfg: OptimusConfig, scheme: str, dense: int, expert: int, stage: Layout) -> tuple[int, int]:
-    """ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1), from the
-    optimizer's own bucket layout; the arguments are state_bytes'."""
-    if cfg.optim.zero != 2:
-        return 0, 0
-    es, gs, o = DTYPE_BYTES[planned_dtype(cfg)], DTYPE_BYTES[cfg.optim.grad_dtype], cfg.optim
-    bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, es)
-    return rank_zero2_staging_bytes(scheme, dense, expert // stage.ep, stage, es, gs, bucket)
-
-
-def zero2_accumulated_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
+def zero2_accumulated_bytes(inputs: PlanInputs, share: RankShare) -> int:
     """ZeRO-2 reduces in the last micro-batch's backward: with several micro-batches per step the earlier ones'
     gradients add up in a full-size buffer until then (the parameters' .grad, or the hooks' partial sums in
     optim.grad_dtype), alive from the first backward to the end of the step, which is where the peak is."""
-    p = cfg.parallel
-    if cfg.optim.zero != 2 or accum == 1:
+    if inputs.zero != 2 or inputs.accum == 1:
         return 0
-    return DTYPE_BYTES[cfg.optim.grad_dtype] * share.per_device(p.tp, p.ep)
+    return inputs.grad_bytes * share.per_device(inputs.stage.tp, inputs.stage.ep)
 
 
-def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> int:
+def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:
     """The receive buffers torch's PipelineStage keeps for the whole run: one for every micro-batch of the step
     on each stage a rank runs, for its input (all stages but the first) and its output's gradient (all but the
     last), [micro_batch, positions, D] in the compute dtype (positions / TP with sequence parallelism); with
@@ -179,9 +187,9 @@ def pipeline_buffer_bytes(cfg: OptimusConfig, share: RankShare, accum: int) -> i
     if p.pp == 1 or releases_receive_buffers():
         return 0
     n_stages = p.pp * p.pp_virtual
-    positions = t.seq_len // p.tp if p.sp and p.tp > 1 else t.seq_len
+    positions = inputs.stage.residual_seq_len(t.seq_len)
     buffers = sum((i > 0) + (i < n_stages - 1) for i in share.stages)
-    return accum * buffers * t.micro_batch * positions * m.dim * DTYPE_BYTES[planned_dtype(cfg)]
+    return inputs.accum * buffers * t.micro_batch * positions * m.dim * inputs.act_bytes
 
 
 def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
@@ -225,8 +233,9 @@ class RankShare:
         return self.local_dense(tp) + self.expert // ep + self.head_copy
 
 
-def rank_shares(cfg: OptimusConfig, layout: Layout, counts: ParamCounts) -> list[RankShare]:
-    """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline)."""
+def rank_shares(cfg: OptimusConfig, counts: ParamCounts, accum: int) -> list[RankShare]:
+    """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline),
+    with `accum` micro-batches per step."""
     m, p = cfg.model, cfg.parallel
     split_layers, split_embed, split_head = tp_split_params(m) if p.tp > 1 else ([0] * m.n_layers, 0, 0)
     if p.pp == 1:
@@ -235,7 +244,6 @@ def rank_shares(cfg: OptimusConfig, layout: Layout, counts: ParamCounts) -> list
     n_stages = p.pp * p.pp_virtual
     stage_layers = stage_layer_ids(stage_sizes(m, n_stages, p.pp_layers))
     layers, embed, head = part_counts(m)
-    accum = layout.micro_batches(cfg.train.global_batch, cfg.train.micro_batch)
     shares = []
     for rank in range(p.pp):
         stages = rank_stage_indices(rank, p.pp, p.pp_virtual)
@@ -424,25 +432,20 @@ class Plan:
         return asdict(self)
 
 
-def _rank_plan(cfg: OptimusConfig, share: RankShare, layout: Layout, path: str) -> dict:
-    """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank on device path
-    `path` (whose expert kernels decide what the experts keep)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    stage = layout.one_stage()
-    dense = share.local_dense(p.tp)
-    state = {s: state_bytes(cfg, s, dense, share.expert, stage).rounded() for s in SCHEMES}
-    a = DTYPE_BYTES[planned_dtype(cfg)]
+def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict:
+    """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
+    m, t, stage = cfg.model, cfg.train, inputs.stage
+    a = inputs.act_bytes
+    state, staging, update = _optimizer_bytes(cfg.optim.update, inputs, share)
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
-    scheme = resolve_sharding(cfg.optim.sharding, stage.world)
-    staging = staging_bytes(cfg, scheme, dense, share.expert, stage)
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
-        staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // p.tp)
-    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": p.tp, "sp": p.sp,
-             "head_work": True, "staging": staging, "ffn_widths": planned_ffn_widths(cfg, path),
+        staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // stage.tp)
+    where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": stage.tp,
+             "sp": stage.sp, "head_work": True, "staging": staging, "ffn_widths": inputs.ffn_widths,
              "sent_outputs": share.sent_outputs}  # fmt: skip
-    accum = layout.micro_batches(t.global_batch, t.micro_batch)
-    accumulated = zero2_accumulated_bytes(cfg, share, accum) + pipeline_buffer_bytes(cfg, share, accum)
+    buffers = pipeline_buffer_bytes(cfg, inputs, share)
+    accumulated = zero2_accumulated_bytes(inputs, share) + buffers
 
     def peak(mode: str) -> int:
         return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated
@@ -457,28 +460,34 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, layout: Layout, path: str) 
         "configured_mode": t.activation_checkpointing,
         "zero2_staging": staging,  # (during the backward, at its end)
     }
-    chosen = sum(state[scheme][k] for k in STATE_KEYS)
-    update = _update_bytes(cfg, share, scheme, stage)
+    chosen = sum(state[inputs.scheme][k] for k in STATE_KEYS)
     # The optimizer step comes after the backward: its working memory (Muon's update directions) beside the
     # state and the pipeline's receive buffers, which live for the whole run, when that is more than the peak
     # of the activations.
-    step = update["step_work_bytes"] + pipeline_buffer_bytes(cfg, share, accum)
+    step = update["step_work_bytes"] + buffers
     return {"state": state, "activations": act, "step": step, "update": update, "state_total": chosen,
             "total": chosen + max(act["configured"], step), "share": share}  # fmt: skip
 
 
-def _update_bytes(cfg: OptimusConfig, share: RankShare, scheme: str, stage: Layout) -> dict:
-    """What optim.update adds to a step of one pipeline rank (optimus.optim.memory.rank_update_bytes)."""
-    m, o = cfg.model, cfg.optim
-    param_size = DTYPE_BYTES[planned_dtype(cfg)]
-    bucket = bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, param_size)
-    return {
-        "rule": o.update,
-        **rank_update_bytes(
-            o.update, scheme, share.local_dense(stage.tp), share.expert // stage.ep, stage, param_size,
-            largest_units(m), bucket,
-        ),
-    }  # fmt: skip
+def _optimizer_bytes(rule: str, inputs: PlanInputs, share: RankShare) -> tuple[dict, tuple[int, int], dict]:
+    """What the optimizer holds on one pipeline rank, from its own buffer layout (optimus.optim.memory): the state
+    bytes under each sharding scheme (with tp > 1 the dense group is sharded over the dp ranks that hold the same
+    slices), ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1),
+    and what the update rule `rule` adds to a step."""
+    i, stage = inputs, inputs.stage
+    dense, expert = share.local_dense(stage.tp), share.expert // stage.ep
+    per_element = AdamW.state_bytes_per_element
+    state = {
+        scheme: rank_state_bytes(
+            scheme, dense, expert, stage, i.act_bytes, i.grad_bytes, i.zero, state_bytes_per_element=per_element
+        ).rounded()
+        for scheme in SCHEMES
+    }
+    staging = (0, 0)
+    if i.zero == 2:
+        staging = rank_zero2_staging_bytes(i.scheme, dense, expert, stage, i.act_bytes, i.grad_bytes, i.bucket)
+    update = rank_update_bytes(rule, i.scheme, dense, expert, stage, i.act_bytes, i.largest_units, i.bucket)
+    return state, staging, {"rule": rule, **update}
 
 
 def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
@@ -526,15 +535,16 @@ def does_not_fit_line(fit: dict, whose: str) -> str:
 
 def make_plan(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None) -> Plan:
     """The plan of the busiest rank (with pp > 1, of the pipeline rank that needs the most memory; every
-    pipeline rank's figures are in `stages`), for `cfg` on `world` ranks, which it validates."""
+    pipeline rank's figures are in `stages`), for `cfg` on `world` ranks, which it validates, on the device path of
+    the recipe's machine."""
     validate(cfg, world)
-    return plan_layout(cfg, world, counts)
+    return plan_layout(cfg, layout_of(cfg, world), declared_device_path(cfg.machine), counts)
 
 
 def plan_run(spec: RunSpec) -> Plan:
     """make_plan of a run whose settings are resolved and validated already (optimus.run_spec), on its platform's
     device path."""
-    return plan_layout(spec.cfg, spec.world_size, path=spec.platform.path)
+    return plan_layout(spec.cfg, spec.layout, spec.platform.path)
 
 
 def planned_ffn_widths(cfg: OptimusConfig, path: str) -> int:
@@ -548,17 +558,17 @@ def planned_ffn_widths(cfg: OptimusConfig, path: str) -> int:
     return SAVED_FFN_WIDTHS[name]
 
 
-def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = None, path: str | None = None) -> Plan:
-    """make_plan without the validation; on device path `path` (None: the recipe's, declared_device_path)."""
+def plan_layout(cfg: OptimusConfig, layout: Layout, path: str, counts: ParamCounts | None = None) -> Plan:
+    """make_plan without the validation, of `cfg` on the ranks `layout` (config_checks.layout_of), on device path
+    `path`."""
     m, t = cfg.model, cfg.train
-    layout = layout_of(cfg, world)
-    ep, pp, tp = layout.ep, layout.pp, layout.tp
+    world, ep, pp, tp = layout.world, layout.ep, layout.pp, layout.tp
     counts = counts or count_params_of_config(m)
-    path = path or declared_device_path(cfg.machine)
-    ranks = [_rank_plan(cfg, share, layout, path) for share in rank_shares(cfg, layout, counts)]
+    inputs = PlanInputs.of(cfg, layout, path)
+    ranks = [_rank_plan(cfg, share, inputs) for share in rank_shares(cfg, counts, inputs.accum)]
     busiest = max(ranks, key=lambda r: r["total"])
     state, act = busiest["state"], busiest["activations"]
-    compute = planned_dtype(cfg)
+    compute = inputs.compute_dtype
     per_token = flops_per_token(counts, m, t.seq_len)
     per_step = per_token * t.global_batch * t.seq_len
     peak = cfg.machine.peak_flops
@@ -569,7 +579,7 @@ def plan_layout(cfg: OptimusConfig, world: int, counts: ParamCounts | None = Non
         "peak_per_device": peak,
         "step_time_at_peak_s": per_step / world / peak if peak else None,
     }
-    sharding = resolve_sharding(cfg.optim.sharding, layout.stage_size)
+    sharding = inputs.scheme
     device = device_bytes(cfg)
     memory = {"device_bytes": device, "step_bytes": busiest["step"]}
     for key in ("no_checkpointing", "checkpointing", "configured"):

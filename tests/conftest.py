@@ -128,7 +128,7 @@ def small_run(tmp_path_factory, corpus_file):
     overrides = [*SMALL_RUN, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}"]
     with pytest.MonkeyPatch.context() as mp:  # the function-scoped isolated_cache does not reach here
         mp.setenv("OPTIMUS_CACHE", str(tmp_path_factory.getbasetemp() / "optimus-cache"))
-        Trainer(load_config(overrides)).fit()
+        Trainer.from_config(load_config(overrides)).fit()
     return run_dir, overrides
 
 

@@ -52,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/co
 def write_run_info(overrides: list[str], cache: str) -> None:
     """One rank: set up the trainer exactly as `optimus train` does and write run_info.json (no steps)."""
     os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer.from_config(load_config(overrides))
     try:
         trainer.write_run_info()
     finally:

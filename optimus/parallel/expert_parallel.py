@@ -9,6 +9,7 @@ single process would have, since initial values depend on the global expert inde
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from optimus.config import ParallelConfig
@@ -73,3 +74,22 @@ def apply_expert_parallel(
         dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, answers=answers, **options)
         moe.wire(dispatcher=dispatcher)
     return model
+
+
+def parallelize_model(
+    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None, answers=None
+) -> nn.Module:
+    """Expert parallelism for any model with Optimus MoE layers (a library user's own, too): shard the experts
+    over the EP group and install the EP dispatcher (a no-op for EP = 1); hand global load balancing its
+    process group. `equal_tokens`, `timers`, `answers`: see apply_expert_parallel."""
+    install_balance_group(model, ps)
+    return apply_expert_parallel(model, ps, cfg, equal_tokens, timers, answers)
+
+
+def install_balance_group(model: nn.Module, ps: ParallelState) -> None:
+    """Hand every MoE layer the world's group, over which aux_loss_scope=global counts expert choices."""
+    if not ps.is_distributed:
+        return
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.wire(world_group=ps.world_group or dist.group.WORLD)

@@ -29,15 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from optimus.config import TORCH_DTYPES, OptimusConfig, ParallelConfig
+from optimus.config import TORCH_DTYPES, OptimusConfig
 from optimus.model import Transformer
 from optimus.model.init import init_parameters
-from optimus.model.moe.layer import MoE
 from optimus.parallel.activation_checkpointing import apply_activation_checkpointing
-from optimus.parallel.expert_parallel import apply_expert_parallel
+from optimus.parallel.expert_parallel import parallelize_model
 from optimus.parallel.flat_buffer import allocate_flat, param_groups
 from optimus.parallel.pipeline import (
     TiedEmbedding,
@@ -95,25 +93,6 @@ def cut_stages(model: Transformer, n_stages: int, indices: list[int], pp_layers=
         return [model]
     layer_ids = stage_layer_ids(stage_sizes(model.cfg, n_stages, pp_layers))
     return [cut_stage(model, layer_ids[i], embed=i == 0, head=i == n_stages - 1) for i in indices]
-
-
-def parallelize_model(
-    model: nn.Module, ps: ParallelState, cfg: ParallelConfig, equal_tokens: bool = False, timers=None, answers=None
-) -> nn.Module:
-    """Expert parallelism for any model with Optimus MoE layers (a library user's own, too): shard the experts
-    over the EP group and install the EP dispatcher (a no-op for EP = 1); hand global load balancing its
-    process group. `equal_tokens`, `timers`, `answers`: see apply_expert_parallel."""
-    install_balance_group(model, ps)
-    return apply_expert_parallel(model, ps, cfg, equal_tokens, timers, answers)
-
-
-def install_balance_group(model: nn.Module, ps: ParallelState) -> None:
-    """Hand every MoE layer the world's group, over which aux_loss_scope=global counts expert choices."""
-    if not ps.is_distributed:
-        return
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.wire(world_group=ps.world_group or dist.group.WORLD)
 
 
 @torch.no_grad()

@@ -345,8 +345,10 @@ def planned_fit(cfg: OptimusConfig, world: int) -> dict:
     """{fits, peak_bytes, device_bytes} of the layout: `optimus plan`'s peak of its busiest rank against the
     device (the dry runs of a prediction trace the step, not its memory)."""
     from optimus.plan import fit_of, plan_layout
+    from optimus.platform import declared_device_path
 
-    return fit_of(plan_layout(cfg, world).memory["total_configured"], cfg)
+    plan = plan_layout(cfg, layout_of(cfg, world), declared_device_path(cfg.machine))
+    return fit_of(plan.memory["total_configured"], cfg)
 
 
 def predict(cfg: OptimusConfig, world: int, machine: MachineModel | None = None, imbalance: float = 1.0,

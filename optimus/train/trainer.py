@@ -92,13 +92,9 @@ def schedule_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], n: int):
 
 
 class Trainer:
-    def __init__(self, run: OptimusConfig | RunSpec, local_rank: int = 0):
-        """`run`: a RunSpec (optimus.run_spec), or a config, which is resolved and validated here for this process
-        (its device for `local_rank`, the world of the initialised process group)."""
-        if not isinstance(run, RunSpec):
-            world_size = dist.get_world_size() if dist.is_initialized() else 1
-            run = resolve_run(run, world_size, detect_platform(run.machine, local_rank))
-        spec = run
+    def __init__(self, spec: RunSpec, local_rank: int = 0):
+        """`spec`: the run's settings, resolved and validated for its world (optimus.run_spec.resolve_run; or
+        Trainer.from_config)."""
         if spec.platform.path != "cpu":
             torch.get_device_module(spec.platform.device_type).set_device(spec.platform.device)
         self.spec, self.cfg, self.platform, self.device = spec, spec.cfg, spec.platform, spec.platform.device
@@ -329,6 +325,13 @@ class Trainer:
             )
         self._print(line, bar)
 
+    @classmethod
+    def from_config(cls, cfg: OptimusConfig, local_rank: int = 0) -> Trainer:
+        """A trainer of `cfg`, resolved and validated here for this process: its device for `local_rank`, the world
+        of the initialised process group (one process without one)."""
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(resolve_run(cfg, world_size, detect_platform(cfg.machine, local_rank)), local_rank)
+
     def fit(self) -> dict:
         """Train to train.steps. A file of the run directory that cannot be written (a full disk) ends the run
         in one sentence naming the disk and what the run kept; the file is left as it was (optimus.train.metrics)."""
@@ -500,7 +503,3 @@ class Trainer:
             name=Path(self.run_dir).name,
             config=OmegaConf.to_container(OmegaConf.structured(self.cfg)),
         )
-
-
-def train(run: OptimusConfig | RunSpec, local_rank: int = 0) -> dict:
-    return Trainer(run, local_rank).fit()

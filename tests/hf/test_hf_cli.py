@@ -63,7 +63,7 @@ def test_import_continue_pretraining_and_export(tmp_path, corpus_file, tok_file,
     assert (ckpt / "model" / "olmoe-tiny.yaml").is_file() and "checkpoint.load_weights_only=true" in overrides
     assert main(["checkpoint", "import", str(hf_dir), "--out", str(ckpt)]) == 2  # never overwrites
 
-    trainer = Trainer(load_config([*overrides, f"run.dir={tmp_path / 'run'}", *TRAIN]))
+    trainer = Trainer.from_config(load_config([*overrides, f"run.dir={tmp_path / 'run'}", *TRAIN]))
     reference, _ = from_pretrained(hf_dir)
     for key, value in reference.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[key], value), key
@@ -86,7 +86,7 @@ def test_export_of_a_model_no_hf_format_holds_is_refused(tmp_path, corpus_file, 
 
     run = tmp_path / "run"
     data = ["data=text", f"data.path={corpus_file}", "data.vocab_size=300", f"run.dir={run}"]
-    Trainer(load_config([*TINY_MODEL, "model.moe.router=sigmoid", *data, *TRAIN])).fit()
+    Trainer.from_config(load_config([*TINY_MODEL, "model.moe.router=sigmoid", *data, *TRAIN])).fit()
     assert main(["checkpoint", "export", str(run / "checkpoints"), "--format", "hf", "--out", str(tmp_path / "x")]) == 2
     assert "router is sigmoid" in capsys.readouterr().err
 

@@ -73,7 +73,7 @@ def optimus_run(tmp_path, hf_dir, corpus, capsys) -> tuple[list[dict], list[list
     metrics of each step and each step's micro-batches."""
     assert main(["checkpoint", "import", str(hf_dir), "--out", str(tmp_path / "imported")]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1].replace("DATA_PATH", str(corpus))
-    trainer = Trainer(load_config([*shlex.split(command)[2:], *TRAIN, f"run.dir={tmp_path / 'run'}"]))
+    trainer = Trainer.from_config(load_config([*shlex.split(command)[2:], *TRAIN, f"run.dir={tmp_path / 'run'}"]))
     batches, next_step = [], trainer.loader.next_step
     trainer.loader.next_step = lambda: batches.append(next_step()) or batches[-1]
     trainer.fit()

@@ -13,7 +13,7 @@ from optimus.layout import Layout
 from optimus.model.moe.layer import MoE
 from optimus.model.moe.router import Router
 from optimus.parallel import ParallelState
-from optimus.parallel.parallelize import install_balance_group
+from optimus.parallel.expert_parallel import install_balance_group
 from tests.distributed import run_distributed
 
 D = 16

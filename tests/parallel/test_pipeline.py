@@ -232,7 +232,7 @@ def unpacked_at_step(overrides: list[str], cache: str) -> tuple[int, int]:
     from optimus.train.trainer import Trainer
 
     os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer.from_config(load_config(overrides))
     left, reduce_rest = [], sharder.ShardGroup.reduce_rest
 
     def counted(group):

@@ -101,7 +101,9 @@ def train_modes(overrides: list[str], root: str, cache: str) -> dict[str, list[d
     runs = {}
     for mode in MODES:
         run_dir = os.path.join(root, mode)
-        trainer = Trainer(load_config([*overrides, f"run.dir={run_dir}", f"train.activation_checkpointing={mode}"]))
+        trainer = Trainer.from_config(
+            load_config([*overrides, f"run.dir={run_dir}", f"train.activation_checkpointing={mode}"])
+        )
         trainer.fit()
         if trainer.ps.rank == 0:
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:

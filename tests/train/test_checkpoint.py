@@ -89,7 +89,7 @@ def subprocess_env() -> dict:
 def trained(tmp_path_factory, corpus_file):
     """One uninterrupted in-process run, with its live final model state as the reference."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    trainer = Trainer(load_config(overrides(corpus_file, run_dir)))
+    trainer = Trainer.from_config(load_config(overrides(corpus_file, run_dir)))
     trainer.fit()
     live = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     return run_dir, live, trainer.cfg
@@ -129,7 +129,7 @@ def test_load_weights_only_starts_a_new_run(trained, tmp_path, corpus_file):
     run_dir, live, _ = trained
     source = f"checkpoint.load={run_dir / 'checkpoints' / 'step_000006'}"
     weights_only = overrides(corpus_file, tmp_path / "new", source, "checkpoint.load_weights_only=true")
-    trainer = Trainer(load_config(weights_only))
+    trainer = Trainer.from_config(load_config(weights_only))
     try:
         for key, value in trainer.model.state_dict().items():
             assert torch.equal(value, live[key]), key  # router biases included
@@ -144,7 +144,7 @@ def test_resume_restores_counters_and_rng(trained, tmp_path, corpus_file):
     run_dir = tmp_path / "run"
     shutil.copytree(trained[0], run_dir)
     saved = load_everything(run_dir / "checkpoints" / "step_000006")
-    trainer = Trainer(load_config(overrides(corpus_file, run_dir, "train.steps=8")))
+    trainer = Trainer.from_config(load_config(overrides(corpus_file, run_dir, "train.steps=8")))
     try:
         assert trainer.step == STEPS and trainer.tokens_seen == STEPS * 8 * 16
         assert trainer.loader.state_dict()["samples_consumed"] == STEPS * 8

@@ -193,7 +193,7 @@ def how_training_ends(overrides: list[str], cache: str) -> str:
     os.environ["OPTIMUS_CACHE"] = cache
     torch.set_num_threads(1)
     try:
-        Trainer(load_config(overrides)).fit()
+        Trainer.from_config(load_config(overrides)).fit()
     except CheckpointWriteError as err:
         return str(err)
     return "finished"
@@ -273,7 +273,7 @@ def test_an_imported_checkpoint_given_as_plain_load_starts_at_step_0(tmp_path, c
     for name, overrides in {"plain": plain, "weights_only": command}.items():
         data = ["data=text", f"data.path={corpus_file}", "data.vocab_size=300", f"run.dir={tmp_path / name}"]
         with caplog.at_level(logging.WARNING, logger="optimus.checkpoint"):
-            summaries[name] = Trainer(load_config([*overrides, *data, *HF_TRAIN])).fit()
+            summaries[name] = Trainer.from_config(load_config([*overrides, *data, *HF_TRAIN])).fit()
     assert "holds weights only" in caplog.text
     metrics = {name: (tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in summaries}
     losses = {name: [json.loads(line)["loss"] for line in lines[1:]] for name, lines in metrics.items()}  # 1: step 0

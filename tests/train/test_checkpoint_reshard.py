@@ -55,7 +55,7 @@ def train_rank(overrides: list[str], cache: str) -> int:
     from optimus.cli import load_config
     from optimus.train.trainer import Trainer
 
-    return Trainer(load_config(overrides)).fit()["steps"]
+    return Trainer.from_config(load_config(overrides)).fit()["steps"]
 
 
 def run(overrides: list[str], world: int, cache: str) -> None:

@@ -23,7 +23,7 @@ RUN = [
 
 
 def trainer(tmp_path, corpus_file, micro_batch: int) -> Trainer:
-    return Trainer(load_config([*RUN, f"data.path={corpus_file}", f"train.micro_batch={micro_batch}",
+    return Trainer.from_config(load_config([*RUN, f"data.path={corpus_file}", f"train.micro_batch={micro_batch}",
                                 f"run.dir={tmp_path / f'mb{micro_batch}'}"]))  # fmt: skip
 
 

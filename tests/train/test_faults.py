@@ -98,7 +98,7 @@ def faulty_rank(overrides: list[str], cache: str, bad_rank: int, bad_steps: list
     import optimus.train.trainer as trainer_module
     from optimus.cli import load_config
 
-    trainer = trainer_module.Trainer(load_config(overrides))
+    trainer = trainer_module.Trainer.from_config(load_config(overrides))
     rank = dist.get_rank()
     real_loss = step_module.micro_batch_loss
 
@@ -291,7 +291,7 @@ def faulty_pipeline_rank(overrides: list[str], cache: str, bad_rank: int, bad_st
 
     # before the pipeline hands its loss to the schedule
     pipeline_module.Pipeline._loss, pipeline_module.Pipeline.step = poisoned_loss, counting_step
-    trainer = trainer_module.Trainer(load_config(overrides))
+    trainer = trainer_module.Trainer.from_config(load_config(overrides))
     snapshots = []
     real_step = trainer.train_step
 
@@ -402,7 +402,7 @@ def nonfinite_update_rank(overrides: list[str], cache: str, bad_rank: int, bad_u
     module, name, poisoned = poison_update(bad_update, ranks=(bad_rank,))
     setattr(module, name, poisoned)
     try:
-        trainer_module.Trainer(load_config(overrides)).fit()
+        trainer_module.Trainer.from_config(load_config(overrides)).fit()
     except TrainingDiverged as err:
         return str(err)
     return "finished"

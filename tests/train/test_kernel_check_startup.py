@@ -79,7 +79,7 @@ def test_a_wrong_torch_kernel_stops_the_trainer_before_step_1(wrong, monkeypatch
     from optimus.train.trainer import Trainer
 
     with pytest.raises(KernelCheckFailed) as err:
-        Trainer(cfg)
+        Trainer.from_config(cfg)
     sentence = TORCH_FAILURE.fullmatch(str(err.value))
     assert sentence, str(err.value)
     # The SwiGLU MLP's forward is the first kernel run on the grouped GEMM; a dropped row of 16 moves it by about

@@ -175,7 +175,9 @@ def test_without_flock_the_holder_keeps_its_heartbeat_fresh(no_flock, tmp_path, 
 
 def test_a_run_is_refused_a_checkpoint_dir_that_a_run_in_another_run_dir_holds(tmp_path, corpus_file):
     checkpoints = tmp_path / "shared-checkpoints"
-    first = Trainer(load_config(run_overrides(corpus_file, tmp_path / "first", f"checkpoint.dir={checkpoints}")))
+    first = Trainer.from_config(
+        load_config(run_overrides(corpus_file, tmp_path / "first", f"checkpoint.dir={checkpoints}"))
+    )
     try:
         second = run_overrides(corpus_file, tmp_path / "second", f"checkpoint.dir={checkpoints}", "train.steps=2")
         with unchanged(tmp_path):  # the second run's directory is not left behind either
@@ -250,7 +252,7 @@ def test_the_heartbeat_stops_on_a_claim_taken_over(tmp_path, monkeypatch):
 
 def test_the_claim_outlives_a_background_save_when_fit_ends_by_an_exception(tmp_path, corpus_file, monkeypatch):
     run_dir = tmp_path / "run"
-    trainer = Trainer(load_config(run_overrides(corpus_file, run_dir, "checkpoint.async_save=true")))
+    trainer = Trainer.from_config(load_config(run_overrides(corpus_file, run_dir, "checkpoint.async_save=true")))
     claim = run_dir / CLAIM_FILE
     writing = Future()  # a background save still writing when the run fails
     trainer.checkpointer.pending = PendingSave(2, run_dir / "checkpoints" / "step_000002.tmp", writing, 0.0, 0.0)

@@ -38,7 +38,7 @@ class TensorsFromHostData(TorchDispatchMode):
 def test_a_step_fills_its_scalars_on_the_device(tmp_path, corpus_file):
     overrides = [*SMALL_MODEL_RUN, "data=text", f"data.path={corpus_file}", f"run.dir={tmp_path / 'run'}"]
     overrides += ["train.steps=2", "train.micro_batch=4", "optim.update=adamw", "logging.progress=false"]
-    trainer = Trainer(load_config(overrides))
+    trainer = Trainer.from_config(load_config(overrides))
     with TensorsFromHostData() as made:
         trainer.fit()
     assert set(made.by_function) <= READ_BACK_AT_ONCE, made.by_function

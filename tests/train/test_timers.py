@@ -76,7 +76,7 @@ COMM_PHASES = {"dispatch_comm", "combine_comm", "grad_reduce", "param_gather"}
 
 def fit(overrides: list[str], cache: str) -> None:
     os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
-    Trainer(load_config(overrides)).fit()
+    Trainer.from_config(load_config(overrides)).fit()
 
 
 def read_metrics(run_dir) -> list[dict]:
