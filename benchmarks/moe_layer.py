@@ -65,9 +65,9 @@ import torch
 import torch.nn.functional as F
 from moe_peers import peer_steps  # benchmarks/ is the script's directory, first on sys.path
 
+from optimus.cpu_runtime import keep_cpu_allocations
 from optimus.kernels import get_backend, gpu_present, reference
 from optimus.kernels.dtypes import math_dtype
-from optimus.platform import keep_cpu_allocations
 
 SHAPES = {
     "S1": dict(T=4096, D=512, F=1024, E=8, K=2),

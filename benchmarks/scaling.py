@@ -82,7 +82,7 @@ def probe_peak() -> float:
     """fp32 matmul FLOP/s of one thread (every rank runs one), best of three: one peak for every run's MFU."""
     import torch
 
-    from optimus.platform import cpu_matmul_probe
+    from optimus.peak_flops import cpu_matmul_probe
 
     torch.set_num_threads(1)
     return max(cpu_matmul_probe(torch.float32) for _ in range(3))

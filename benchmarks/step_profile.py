@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from memory import ADAMW  # benchmarks/ is the script's directory, first on sys.path
 
+from optimus.cpu_runtime import keep_cpu_allocations
 from optimus.kernels import torch_backend
-from optimus.platform import cpu_matmul_probe, keep_cpu_allocations
+from optimus.peak_flops import cpu_matmul_probe
 from optimus.recipes import load_config
 from optimus.train.step import autocast_context
 from optimus.train.trainer import Trainer

@@ -84,7 +84,7 @@ def _worker(spec: RunSpec) -> dict:
     """Body of one rank: join the process group (if any), train, leave."""
     import torch.distributed as dist
 
-    from optimus.platform import keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
+    from optimus.cpu_runtime import keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
     from optimus.ranks import discover, init_process_group
     from optimus.train.run_dir import remove_if_empty
     from optimus.train.trainer import Trainer

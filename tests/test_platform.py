@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from optimus import device_memory, peak_flops
 from optimus import platform as plat
 from optimus.config import ConfigError, MachineConfig
 
@@ -43,7 +44,9 @@ def test_auto_prefers_xpu_and_uses_xccl_without_oneccl(devices):
     p = plat.detect_platform(MachineConfig(), local_rank=7)
     assert (p.device_type, p.vendor, p.backend) == ("xpu", "intel", "xccl")
     assert p.device == torch.device("xpu", 7)
-    assert p.engines == 448 and plat.peak_flops_per_device(p, MachineConfig())[0] == pytest.approx(367.0e12, rel=1e-3)
+    assert p.engines == 448 and peak_flops.peak_flops_per_device(p, MachineConfig())[0] == pytest.approx(
+        367.0e12, rel=1e-3
+    )
 
 
 def test_xpu_uses_ccl_when_oneccl_bindings_import(devices):
@@ -114,7 +117,7 @@ def test_explicit_device_must_exist(devices):
 )
 def test_peak_table(name, flops):
     p = plat.Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", name)
-    assert plat.peak_flops_per_device(p, MachineConfig()) == (flops, "table")
+    assert peak_flops.peak_flops_per_device(p, MachineConfig()) == (flops, "table")
 
 
 @pytest.mark.parametrize(
@@ -125,30 +128,30 @@ def test_peak_table(name, flops):
 def test_the_peak_counts_the_engines_the_device_has(engines, flops):
     # Intel's figure is for a tile with all 512 engines; Aurora's have 448 active (ALCF's machine overview).
     p = plat.Platform("xpu", "intel", torch.device("cpu"), "xccl", "Intel(R) Data Center GPU Max 1550", engines)
-    assert plat.peak_flops_per_device(p, MachineConfig()) == (pytest.approx(flops), "table")
+    assert peak_flops.peak_flops_per_device(p, MachineConfig()) == (pytest.approx(flops), "table")
 
 
 def test_peak_config_wins_and_unknown_is_zero(caplog):
     p = plat.Platform("cuda", "nvidia", torch.device("cuda", 0), "nccl", "NVIDIA Mystery 9000")
-    assert plat.peak_flops_per_device(p, MachineConfig(peak_flops=123e12)) == (123e12, "config")
-    assert plat.peak_flops_per_device(p, MachineConfig()) == (0.0, "unknown")
+    assert peak_flops.peak_flops_per_device(p, MachineConfig(peak_flops=123e12)) == (123e12, "config")
+    assert peak_flops.peak_flops_per_device(p, MachineConfig()) == (0.0, "unknown")
     assert "NVIDIA Mystery 9000" in caplog.text and "machine.peak_flops" in caplog.text
     caplog.clear()
-    plat.peak_flops_per_device(p, MachineConfig())
+    peak_flops.peak_flops_per_device(p, MachineConfig())
     assert caplog.text == "", "the warning for an unknown device is given once"
 
 
 def test_cpu_probe_measures_a_positive_rate():
     threads = torch.get_num_threads()
-    assert plat.cpu_matmul_probe(n=128, seconds=0.05) > 0
-    assert plat.cpu_matmul_probe(torch.float32, n=256, seconds=0.05) > 0
+    assert peak_flops.cpu_matmul_probe(n=128, seconds=0.05) > 0
+    assert peak_flops.cpu_matmul_probe(torch.float32, n=256, seconds=0.05) > 0
     assert torch.get_num_threads() == threads, "the probe must restore torch's thread count"
     cpu = plat.Platform("cpu", "cpu", torch.device("cpu"), "gloo", "some cpu")
-    flops, source = plat.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32)
+    flops, source = peak_flops.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32)
     assert flops > 0 and source == "cpu-probe"
-    assert plat.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32) == (flops, "cpu-probe")  # cached
-    assert plat.memory_allocated(cpu) == 0
-    plat.synchronize(cpu)  # a no-op on CPU, must not raise
+    assert peak_flops.peak_flops_per_device(cpu, MachineConfig(), dtype=torch.float32) == (flops, "cpu-probe")  # cached
+    assert device_memory.memory_allocated(cpu) == 0
+    device_memory.synchronize(cpu)  # a no-op on CPU, must not raise
 
 
 @pytest.mark.parametrize("name", ["local", "aurora", "frontier", "nvidia"])
@@ -162,14 +165,14 @@ def test_machine_recipes_match_the_schema(name):
     if name in ("aurora", "frontier"):  # their peak is per device (tile / GCD), as in the table
         device_name = {"aurora": "Intel(R) Data Center GPU Max 1550", "frontier": "AMD Instinct MI250X"}[name]
         engines = {"aurora": 448, "frontier": None}[name]  # Aurora's tiles: 448 of 512 engines active
-        assert machine.peak_flops == pytest.approx(plat.lookup_peak_flops(device_name, engines), rel=1e-3)
+        assert machine.peak_flops == pytest.approx(peak_flops.lookup_peak_flops(device_name, engines), rel=1e-3)
         assert machine.memory_gb == 64
 
 
 def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
     import torch
 
-    from optimus.platform import share_cpu_threads
+    from optimus.cpu_runtime import share_cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -187,7 +190,7 @@ def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
 _MMAPPED_BYTES_AROUND_A_64MB_TENSOR = """
 import ctypes, sys
 import torch
-from optimus.platform import keep_cpu_allocations
+from optimus.cpu_runtime import keep_cpu_allocations
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -223,7 +226,8 @@ def test_kept_cpu_allocations_are_not_mmapped():
 
 _RESIDENT_DROP_AFTER_RELEASE = """
 import torch
-from optimus.platform import keep_cpu_allocations, proc_bytes, release_free_cpu_memory
+from optimus.cpu_runtime import keep_cpu_allocations, release_free_cpu_memory
+from optimus.device_memory import proc_bytes
 
 assert keep_cpu_allocations()
 big = torch.ones(16 * 2**20)  # 64 MB, touched, from the heap
@@ -239,7 +243,7 @@ def test_released_free_cpu_memory_leaves_the_resident_set():
     """A freed 64 MB block inside the kept heap stays resident until release_free_cpu_memory hands it back."""
     import subprocess
 
-    if plat.proc_bytes("/proc/self/status", "VmRSS") is None:
+    if device_memory.proc_bytes("/proc/self/status", "VmRSS") is None:
         pytest.skip("needs /proc (Linux)")
     out = subprocess.run([sys.executable, "-c", _RESIDENT_DROP_AFTER_RELEASE], capture_output=True, text=True)
     if out.returncode and "AssertionError" in out.stderr:
@@ -254,6 +258,6 @@ def test_peak_resident_bytes_never_goes_down(monkeypatch):
     """VmHWM can read a little lower after memory is unmapped (the kernel folds per-thread counts in lazily):
     the peak reported so far stays the largest seen."""
     readings = iter([500 * 2**20, 499 * 2**20, 510 * 2**20])
-    monkeypatch.setattr(plat, "_highest_resident", 0)
-    monkeypatch.setattr(plat, "proc_bytes", lambda path, field: next(readings))
-    assert [plat.peak_resident_bytes() for _ in range(3)] == [500 * 2**20, 500 * 2**20, 510 * 2**20]
+    monkeypatch.setattr(device_memory, "_highest_resident", 0)
+    monkeypatch.setattr(device_memory, "proc_bytes", lambda path, field: next(readings))
+    assert [device_memory.peak_resident_bytes() for _ in range(3)] == [500 * 2**20, 500 * 2**20, 510 * 2**20]

@@ -240,7 +240,7 @@ def test_is_view():
 
 def test_the_dtensor_logger_is_where_the_gloo_message_comes_from():
     """platform.py filters one message of DTensor's private module by its logger's name."""
-    from optimus.platform import GLOO_ALLTOALL_FALLBACK
+    from optimus.cpu_runtime import GLOO_ALLTOALL_FALLBACK
 
     module = pytest.importorskip(tp.DTENSOR_COLLECTIVE_LOGGER, reason=moved("DTENSOR_COLLECTIVE_LOGGER"))
     assert GLOO_ALLTOALL_FALLBACK in inspect.getsource(module), moved("DTENSOR_COLLECTIVE_LOGGER")

@@ -28,9 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from optimus.device_memory import max_memory_allocated, reset_peak_memory, synchronize
 from optimus.dry_run import FakeBatches, dry_run_rank
 from optimus.operators import OperatorCounter
-from optimus.platform import detect_platform, max_memory_allocated, reset_peak_memory, synchronize
+from optimus.platform import detect_platform
 from optimus.recipes import load_config
 from optimus.run_spec import resolve_run
 

@@ -3,7 +3,7 @@
 glibc's bytes in use (mallinfo2: what live tensors and other objects hold) and the resident set, every
 half millisecond from a daemon thread, in every process of a run (the ranks too: they start Python
 afresh). The resident set counts more than the bytes in use: freed heap pages glibc keeps for reuse
-(optimus.platform.keep_cpu_allocations) and the libraries' code pages; the bytes in use are what
+(optimus.cpu_runtime.keep_cpu_allocations) and the libraries' code pages; the bytes in use are what
 `optimus plan` models. At exit, writes `<pid>.json` to $OPTIMUS_HEAP_SAMPLES: the samples at the
 largest bytes in use and at the largest resident set, and the first sample taken while the main thread
 was in `build_model` (the trainer's "before the model" moment). Does nothing without that variable

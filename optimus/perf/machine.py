@@ -359,10 +359,10 @@ def _moved(x: torch.Tensor, y: torch.Tensor) -> int:
 
 def measure_cpu(threads: int, seconds: float = 0.3) -> dict:
     """This CPU's rates with `threads` threads, with glibc keeping freed memory as a training run does
-    (optimus.platform.keep_cpu_allocations): matrix FLOP/s (bf16, fp32) at a training-like size and of causal
+    (optimus.cpu_runtime.keep_cpu_allocations): matrix FLOP/s (bf16, fp32) at a training-like size and of causal
     attention (the fastest of repeated runs: a shared machine's undisturbed rate); the median bytes/s of a
     basket of elementwise kernels at four sizes; the host's time per operator (a tiny add; a view)."""
-    from optimus.platform import keep_cpu_allocations
+    from optimus.cpu_runtime import keep_cpu_allocations
 
     keep_cpu_allocations()
     torch.set_num_threads(threads)
@@ -547,7 +547,7 @@ _local_cache: dict[int, MachineModel] = {}
 
 def measure_local(nproc: int) -> MachineModel:
     """This machine for `nproc` ranks, each with its share of the cores (as `optimus train` gives them)."""
-    from optimus.platform import available_cores
+    from optimus.cpu_runtime import available_cores
 
     if nproc not in _local_cache:
         threads = max(1, len(available_cores()) // nproc)

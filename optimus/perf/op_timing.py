@@ -126,7 +126,7 @@ def time_signatures(signatures: list[str], threads: int, rounds: int = _ROUNDS) 
     moment's load on a shared machine reaches one sample of each, not every sample of one), with `threads`
     threads and glibc keeping freed memory as a training run does (run it in a fresh process: both settings
     stay there)."""
-    from optimus.platform import keep_cpu_allocations
+    from optimus.cpu_runtime import keep_cpu_allocations
 
     keep_cpu_allocations()
     torch.set_num_threads(threads)

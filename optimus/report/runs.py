@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from optimus.config import ConfigError
-from optimus.platform import parse_cpu_list
+from optimus.cpu_runtime import parse_cpu_list
 
 
 class ReportError(ConfigError):
@@ -173,7 +173,7 @@ def _check_per_rank(per_rank: object, path: Path) -> None:
 
 
 def _is_cpu_share(rank: dict) -> bool:
-    """A per-rank record as optimus.platform.cpu_share writes it."""
+    """A per-rank record as optimus.cpu_runtime.cpu_share writes it."""
     try:
         cores = parse_cpu_list(rank["cpus"]) if isinstance(rank["cpus"], str) else set()
     except ValueError:

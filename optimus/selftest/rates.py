@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 
 from optimus.config import TORCH_DTYPES, MachineConfig, ModelConfig
+from optimus.device_memory import proc_bytes
 from optimus.model import moe_layer_ids
-from optimus.platform import Platform, peak_flops_per_device, proc_bytes
+from optimus.peak_flops import peak_flops_per_device
+from optimus.platform import Platform
 
 GPU_REPS = 20
 CPU_REPS = 10
@@ -82,7 +84,7 @@ def gemm_shape(model: ModelConfig, tokens: int) -> tuple[int, int, int]:
 
 def peak_flops(platform: Platform, machine: MachineConfig, dtype: torch.dtype) -> tuple[float, str]:
     """(matrix FLOP/s of `dtype` per device, its source): the peak gemm_efficiency is a fraction of. bf16 and a
-    CPU's fp32 as MFU takes them (optimus.platform.peak_flops_per_device); fp32 on an accelerator as the
+    CPU's fp32 as MFU takes them (optimus.peak_flops.peak_flops_per_device); fp32 on an accelerator as the
     performance model takes it (optimus.perf.machine.machine_model: machine.perf.peak_flops_fp32, else a
     quarter of the bf16 peak)."""
     if dtype == torch.float32 and platform.device_type != "cpu":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from optimus.config import ConfigError
-from optimus.platform import proc_bytes
+from optimus.device_memory import proc_bytes
 from optimus.run_spec import RunSpec
 
 GIB = 2**30

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from optimus import fake_device
 from optimus.config import ConfigError, MoEConfig, OptimusConfig
+from optimus.device_memory import synchronize
 from optimus.kernels import KernelUnavailable, get_backend
 from optimus.model import Transformer, build_model, moe_layer_ids
 from optimus.model.moe import RouterStats, router_loss
@@ -27,7 +28,7 @@ from optimus.optim import build_optimizer, lr_at
 from optimus.parallel import ParallelState, build_parallel_state
 from optimus.parallel.parallelize import parallelize
 from optimus.parallel.pipeline import Pipeline
-from optimus.platform import Platform, synchronize
+from optimus.platform import Platform
 from optimus.run_spec import RunSpec
 from optimus.train.faults import (
     TrainingDiverged,

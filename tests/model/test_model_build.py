@@ -107,13 +107,13 @@ def test_a_pipeline_stage_of_dense_layers_only_builds_under_expert_parallelism(s
 
 
 # Peak resident memory of a child process that builds EP rank 0 of 2's model, read by the child itself
-# after the build. VmHWM (optimus.platform.peak_resident_bytes) counts the child's own process image only:
+# after the build. VmHWM (optimus.device_memory.peak_resident_bytes) counts the child's own process image only:
 # getrusage's ru_maxrss would start from this test runner's peak, which fork and exec carry over.
 _PEAK_CHILD = """
 import sys
 from optimus.config import ModelConfig, MoEConfig
 from optimus.parallel import build_parallel_state
-from optimus.platform import peak_resident_bytes
+from optimus.device_memory import peak_resident_bytes
 from tests.builds import fake_process_group, rank_model
 cfg = ModelConfig(n_layers=1, dim=256, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=256,
                   moe=MoEConfig(n_experts=int(sys.argv[1]), top_k=2, expert_dim=256))

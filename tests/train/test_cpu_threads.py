@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from optimus import platform
-from optimus.platform import cpu_list, parse_cpu_list, share_cpu_threads
+from optimus import cpu_runtime
+from optimus.cpu_runtime import cpu_list, parse_cpu_list, share_cpu_threads
 
 
 def openmp_settings(**user: str) -> str:
@@ -48,7 +48,7 @@ def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch, restore_thread
     """Local ranks split the cores of their affinity; one process keeps torch's default, one thread per core of
     its affinity (torch's OpenMP runtime counts those, as `taskset` would show)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(platform, "available_cores", lambda: set(range(cores)))
+    monkeypatch.setattr(cpu_runtime, "available_cores", lambda: set(range(cores)))
     torch.set_num_threads(cores)  # what torch starts with on `cores` cores
     assert share_cpu_threads(local_ranks) == threads == torch.get_num_threads()
 

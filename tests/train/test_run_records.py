@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from optimus.cli import main
-from optimus.platform import GLOO_ALLTOALL_FALLBACK, available_cores, cpu_list
+from optimus.cpu_runtime import GLOO_ALLTOALL_FALLBACK, available_cores, cpu_list
 from optimus.train.metrics import MetricsLog, expert_load_imbalance, wandb_refusal
 from tests.conftest import SMALL_MODEL_RUN
 from tests.trajectories import assert_same_trajectory, read_metrics, step_records
@@ -96,7 +96,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._collective_utils import shard_dim_alltoall
 
 if sys.argv[1] == "quiet":
-    from optimus.platform import quiet_gloo_alltoall_fallback
+    from optimus.cpu_runtime import quiet_gloo_alltoall_fallback
 
     quiet_gloo_alltoall_fallback()
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
