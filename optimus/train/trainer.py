@@ -24,6 +24,7 @@ from tqdm import tqdm
 from optimus.config import TORCH_DTYPES, ConfigError, OptimusConfig
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.host_syncs import HostSyncCounter
+from optimus.local_launcher import report_saved_at_stop
 from optimus.model import count_params, count_params_of_config, flops_per_token
 from optimus.parallel import ParallelState
 from optimus.parallel.collective_check import check_collectives
@@ -36,7 +37,6 @@ from optimus.platform import (
     release_free_cpu_memory,
     reset_peak_memory,
 )
-from optimus.ranks import report_saved_at_stop
 from optimus.run_spec import RunSpec, resolve_run
 from optimus.train import step_memory
 from optimus.train.checkpoint import Checkpointer, candidates
