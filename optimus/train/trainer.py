@@ -39,7 +39,8 @@ from optimus.platform import (
 )
 from optimus.run_spec import RunSpec, resolve_run
 from optimus.train import step_memory
-from optimus.train.checkpoint import Checkpointer, candidates
+from optimus.train.checkpoint import Checkpointer
+from optimus.train.checkpoint_dirs import candidates
 from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,
