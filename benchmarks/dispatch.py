@@ -4,7 +4,7 @@
     python benchmarks/dispatch.py --parts overlap [--overlap-tokens 2048] [--overlap-dim 256] [--expert-dim 64]
 
 Part `movement`: for each dispatcher (alltoall, allgather) and EP size, one MoE layer's
-dispatch and combine run on gloo ranks started by optimus.ranks.spawn_local (the path of
+dispatch and combine run on gloo ranks started by optimus.local_launcher.spawn_local (the path of
 `optimus train parallel.nproc=N`). The experts are the identity, so the time is the
 token movement alone (permute, collectives, regroup, combine); the local dispatcher
 at 1 rank is the baseline. Bytes are counted at the collectives, per rank, for one
@@ -345,7 +345,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def run_movement(args: argparse.Namespace) -> dict:
-    from optimus.ranks import spawn_local
+    from optimus.local_launcher import spawn_local
 
     rows = [summarize("local", 1, [bench_rank(args, "local")])]
     for ep in args.ranks:
@@ -362,7 +362,7 @@ def run_movement(args: argparse.Namespace) -> dict:
 
 
 def run_overlap(args: argparse.Namespace) -> dict:
-    from optimus.ranks import spawn_local
+    from optimus.local_launcher import spawn_local
 
     results = []
     for ep in args.overlap_ranks:

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.config import ConfigError
 from optimus.data.cache import atomic_path, default_file_mode
-from optimus.train.checkpoint import inspect, resolve_checkpoint
 from optimus.train.checkpoint_checks import read_meta, verify_files
+from optimus.train.checkpoint_dirs import inspect, resolve_checkpoint
 from optimus.train.dcp_warning import no_single_process_warning
 
 EXPERT_KEY = re.compile(r"^model/(?P<name>.+)/expert_(?P<g>\d+)$")

@@ -112,8 +112,9 @@ def _spawned_worker(spec: RunSpec) -> dict:
     device. A user error goes to the parent, which says it once."""
     from optimus.config import ConfigError
     from optimus.data.errors import DataError
+    from optimus.local_launcher import report_user_error
     from optimus.platform import detect_platform
-    from optimus.ranks import LaunchError, discover, report_user_error
+    from optimus.ranks import LaunchError, discover
 
     try:
         return _worker(spec.for_rank(detect_platform(spec.cfg.machine, discover().local_rank)))
@@ -123,8 +124,9 @@ def _spawned_worker(spec: RunSpec) -> dict:
 
 
 def cmd_train(overrides: list[str]) -> int:
+    from optimus.local_launcher import SpawnStopped, spawn_local
     from optimus.platform import detect_platform
-    from optimus.ranks import SpawnStopped, discover, spawn_local
+    from optimus.ranks import discover
     from optimus.recipes import load_config
     from optimus.run_spec import resolve_run
     from optimus.train.memory_check import check_cpu_memory
@@ -157,7 +159,8 @@ def _command(command: str, rest: list[str]) -> int:
     """Run one command; its user errors and failures as one line each."""
     from optimus.config import ConfigError
     from optimus.data.errors import DataError
-    from optimus.ranks import LaunchError, SpawnError
+    from optimus.local_launcher import SpawnError
+    from optimus.ranks import LaunchError
     from optimus.train.faults import TrainingDiverged
 
     try:
@@ -217,8 +220,8 @@ class StopRequested(BaseException):
 
 
 RAISED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGINT raises KeyboardInterrupt already
-# The stop signals, as optimus.ranks.FORWARDED_SIGNALS and optimus.train.faults.STOP_SIGNALS (both import torch;
-# tests/test_signals.py holds the three equal).
+# The stop signals, as optimus.local_launcher.FORWARDED_SIGNALS and optimus.train.faults.STOP_SIGNALS (both import
+# torch; tests/test_signals.py holds the three equal).
 ENDING_SIGNALS = (signal.SIGINT, *RAISED_SIGNALS)
 
 

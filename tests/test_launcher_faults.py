@@ -1,4 +1,4 @@
-"""Faults around the local launcher (`parallel.nproc=N`, optimus.ranks.spawn_local), issue 34: ranks end with
+"""Faults around the local launcher (`parallel.nproc=N`, optimus.local_launcher.spawn_local), issue 34: ranks end with
 their launcher, a rank that dies is named with the signal that ended it, and stop signals that reach the ranks
 before they can save end in one line."""
 
@@ -16,14 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.ranks import (
-    SpawnError,
-    SpawnStopped,
-    discover,
-    init_process_group,
-    report_saved_at_stop,
-    spawn_local,
-)
+from optimus.local_launcher import SpawnError, SpawnStopped, report_saved_at_stop, spawn_local
+from optimus.ranks import discover, init_process_group
 from tests.train.test_faults import COMMON, _alive, _descendants
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
@@ -177,12 +171,12 @@ def test_killing_the_launcher_ends_its_ranks_after_they_saved(tmp_path, corpus_f
 
 WATCHED_RANK = """
 import os, signal, sys, time
-import optimus.ranks as ranks
+import optimus.local_launcher as local_launcher
 
-ranks._set_parent_death_signal = lambda sig: None  # as where prctl is missing: polling the parent must do
-ranks.LAUNCHER_POLL_S, ranks.ORPHAN_EXIT_S = 0.05, 1.0
+local_launcher._set_parent_death_signal = lambda sig: None  # as where prctl is missing: polling the parent must do
+local_launcher.LAUNCHER_POLL_S, local_launcher.ORPHAN_EXIT_S = 0.05, 1.0
 signal.signal(signal.SIGTERM, lambda signum, frame: open(sys.argv[1], "w").write("asked to stop"))
-ranks._LauncherWatch(os.getppid()).start()
+local_launcher._LauncherWatch(os.getppid()).start()
 open(sys.argv[1] + ".ready", "w").close()
 time.sleep(120)  # stuck (in a collective, say): it does not stop by itself
 """

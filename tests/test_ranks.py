@@ -8,15 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from optimus.local_launcher import SpawnError, spawn_local
 from optimus.ranks import (
     LaunchError,
     RankInfo,
-    SpawnError,
     discover,
     first_host_of_pbs_nodefile,
     init_process_group,
     parse_slurm_nodelist,
-    spawn_local,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +224,7 @@ def test_spawn_local_surfaces_the_child_exception():
 
 def _refuse_on_rank_one() -> int:
     """Rank 1 meets a user error; rank 0 waits in a collective it will never complete."""
-    from optimus.ranks import report_user_error
+    from optimus.local_launcher import report_user_error
 
     info = discover()
     init_process_group(info, "gloo", torch.device("cpu"), timeout_s=300)
@@ -312,7 +311,7 @@ def test_ctrl_c_held_keeps_a_ctrl_c_from_helpers_but_not_from_this_process(with_
     import threading
     import time
 
-    from optimus.ranks import ctrl_c_held
+    from optimus.local_launcher import ctrl_c_held
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # a thread that does not block SIGINT

@@ -26,9 +26,10 @@ from optimus.cpu_runtime import share_cpu_threads
 from optimus.errors import check_choice
 from optimus.kernels import BACKENDS, KernelUnavailable, get_backend
 from optimus.layout import experts_per_rank
+from optimus.local_launcher import SpawnStopped, report_user_error, spawn_local
 from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.platform import Platform, declared_device_type, detect_platform, resolve_dtype
-from optimus.ranks import RankInfo, SpawnStopped, discover, init_process_group, report_user_error, spawn_local
+from optimus.ranks import RankInfo, discover, init_process_group
 from optimus.selftest import report as rp
 from optimus.selftest.collectives import run_collectives
 from optimus.selftest.kernels import DENSE, check_kernels, kernel_cases

@@ -25,8 +25,8 @@ from optimus.hf.hub import hub_snapshot, is_hub_id
 from optimus.hf.io import check_save, from_pretrained, read_hf_config, recipe_name, save_state
 from optimus.kernels.torch_private import is_view
 from optimus.output_dir import check_out_dir, replacing_directory
-from optimus.train.checkpoint import META, inspect
 from optimus.train.checkpoint_checks import hash_files, read_meta
+from optimus.train.checkpoint_dirs import META, inspect
 from optimus.train.checkpoint_state import model_state
 from optimus.train.dcp_warning import no_single_process_warning
 

@@ -145,7 +145,7 @@ PRIVATE_API: dict[str, PrivateName] = {
     ),
     "process_context": PrivateName(
         "torch.distributed.elastic.multiprocessing.api.MultiprocessContext._pc",
-        "optimus/ranks.py (each local rank's exit code, to name the rank that failed first)",
+        "optimus/local_launcher.py (each local rank's exit code, to name the rank that failed first)",
         f"none in torch {CHECKED_TORCH} (PContext.wait() reports failures only once torch has reaped them all)",
         "no rank is seen failing before torch's own poll: the launcher names the failure torch reports.",
     ),

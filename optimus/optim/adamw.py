@@ -91,7 +91,7 @@ def _single_tensor_chunk(p, g, m, v, *, lr: float, step: int, h: AdamWHyper, wei
 
 class AdamW:
     """The AdamW update rule on the fp32 slices a sharder owns: two fp32 moments per owned element, in one
-    flat tensor per parameter group, indexed like the group's shard (optimus.optim.sharder.OwnedSlice.lo)."""
+    flat tensor per parameter group, indexed like the group's shard (optimus.optim.shard_group.OwnedSlice.lo)."""
 
     name = "adamw"  # optim.update
     state_kinds = ("exp_avg", "exp_avg_sq")

@@ -212,7 +212,7 @@ def fresh_process_context():
     from a forkserver where there is one (a process that imported torch and optimus.perf and built nothing,
     so a child starts in a fraction of a second instead of importing torch again), spawned elsewhere. Its
     processes end with the command that started them (`_CommandBound`)."""
-    from optimus.ranks import quiet_resource_tracker
+    from optimus.local_launcher import quiet_resource_tracker
 
     quiet_resource_tracker()  # shared with the processes: no warning about the semaphores of one that was killed
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -229,7 +229,7 @@ def _start_forkserver() -> None:
     ignores SIGINT itself."""
     from multiprocessing import forkserver
 
-    from optimus.ranks import ctrl_c_held
+    from optimus.local_launcher import ctrl_c_held
 
     with ctrl_c_held():
         forkserver.ensure_running()
@@ -265,7 +265,7 @@ def _stop_signals_held():
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets Python's signals
         yield
         return
-    from optimus.ranks import FORWARDED_SIGNALS  # the stop signals
+    from optimus.local_launcher import FORWARDED_SIGNALS  # the stop signals
 
     held = []
     previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in FORWARDED_SIGNALS}

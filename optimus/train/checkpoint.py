@@ -1,16 +1,12 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): save, publish, keep, find, validate, load.
 
-On disk (`checkpoint.dir`, default <run.dir>/checkpoints):
-
-    step_000100.tmp/   being written by every rank; never read
-    step_000100/       published: DCP files (.metadata + one file per rank), meta.json, config.yaml
-    latest             the name of the newest published checkpoint, replaced atomically
-
-A save writes into the .tmp directory; only after DCP has finished on every rank
-(its last step gathers all ranks' results to rank 0, which then writes .metadata)
-does rank 0 rename it and move `latest`. A crash during a save therefore leaves
-the previous checkpoint as the latest, and a directory without the .tmp suffix is
-always complete. What the keys mean is in optimus.train.checkpoint_state.
+What a checkpoint directory holds (its step_* directories and `latest`) and which of its
+checkpoints a run tries is in optimus.train.checkpoint_dirs. A save writes into the .tmp
+directory; only after DCP has finished on every rank (its last step gathers all ranks'
+results to rank 0, which then writes .metadata) does rank 0 rename it and move `latest`.
+A crash during a save therefore leaves the previous checkpoint as the latest, and a
+directory without the .tmp suffix is always complete. What the keys mean is in
+optimus.train.checkpoint_state.
 
 A save that fails (a full disk, on any rank, while writing or publishing) ends the run
 with CheckpointWriteError, one sentence naming the cause and the last good checkpoint;
@@ -35,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -58,8 +53,24 @@ from optimus.train.checkpoint_checks import (
     model_differences,
     read_meta,
     run_identity,
-    untrusted_record,
     verify_files,
+)
+from optimus.train.checkpoint_dirs import (
+    LATEST,
+    META,
+    TMP_SUFFIX,
+    CheckpointWriteError,
+    candidates,
+    checkpoint_root,
+    dir_bytes,
+    fsync_dir,
+    holds_weights_only,
+    inspect,
+    published,
+    resolve_checkpoint,
+    step_dir_name,
+    step_of,
+    write_failure,
 )
 from optimus.train.checkpoint_state import (
     apply_model_state,
@@ -73,127 +84,17 @@ from optimus.train.checkpoint_state import (
 )
 from optimus.train.dcp_warning import no_single_process_warning
 from optimus.train.intervals import due_every
-from optimus.train.metrics import write_problem, write_text_atomic
+from optimus.train.metrics import write_text_atomic
+from optimus.train.run_dir import next_command
 
 log = logging.getLogger("optimus.checkpoint")
 
-LATEST = "latest"
-META = "meta.json"
-TMP_SUFFIX = ".tmp"
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_KEYS = ("trainer/step", "trainer/samples_consumed", "trainer/skipped_in_row", "trainer/world", "optim/step")
 
 
 def _shown(value: Any) -> str:
     """A setting's value as it is written on the command line (true, null, 0.01, full)."""
     return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def checkpoint_root(cfg: OptimusConfig, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
-
-
-def published(root: Path) -> list[Path]:
-    """Published checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def candidates(root: Path) -> list[Path]:
-    """Checkpoints to try, in order: the one `latest` names, then older published ones, newest first."""
-    all_ = published(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if STEP_DIR.match(name) and (root / name) in all_:
-            older = [p for p in all_ if _step_of(p) < _step_of(root / name)]
-            return [root / name, *reversed(older)]
-    return list(reversed(all_))
-
-
-def has_checkpoint(root: Path) -> bool:
-    return bool(candidates(root))
-
-
-def _step_of(path: Path) -> int:
-    return int(STEP_DIR.match(path.name).group(1))
-
-
-def resolve_checkpoint(path: str | Path, key: str = "checkpoint.load") -> Path:
-    """A step directory, or a checkpoint root whose `latest` (or newest) checkpoint is taken."""
-    p = Path(path)
-    if (p / ".metadata").is_file():
-        return p
-    found = candidates(p) if p.is_dir() else []
-    if not found:
-        raise ConfigError(
-            f"{key}={path} is not a checkpoint: give a step directory (holding .metadata) or a checkpoint "
-            "directory that holds step_* directories."
-        )
-    return found[0]
-
-
-def inspect(path: Path, resume: bool = False) -> tuple[str | None, Any]:
-    """(why `path` cannot be loaded, or None; its DCP metadata): checks .metadata, file sizes, and that
-    meta.json vouches for every file (with `resume`, also for the run's settings)."""
-    if not (path / META).is_file():
-        return f"{path / META} is missing", None
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # unpickling garbage raises anything
-        return f"its .metadata is unreadable ({type(err).__name__}: {err})", None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in sorted(needed.items()):
-        f = path / rel
-        if not f.is_file():
-            return f"{f} is missing", None
-        if f.stat().st_size < size:
-            return f"{f} is truncated ({f.stat().st_size} of {size} bytes)", None
-    problem = untrusted_record(path, {".metadata", *needed}, resume)
-    return (problem, None) if problem else (None, metadata)
-
-
-def holds_weights_only(path: Path) -> bool:
-    """Whether checkpoint `path` has model entries and no optimizer state (`optimus checkpoint import`'s)."""
-    try:
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception:  # unreadable: loading it reports why
-        return False
-    return any(k.startswith("model/") for k in keys) and not any(k.startswith("optim/") for k in keys)
-
-
-class CheckpointWriteError(ConfigError):
-    """A checkpoint could not be written (disk full, quota, permissions). Said in one sentence like a user
-    error: what to fix is the file system, after which the same command resumes from the last good one."""
-
-
-def write_failure(err: BaseException, root: Path) -> tuple[str, str]:
-    """(the cause of a failed save in words, what to do), from the errors that DCP collected from the ranks and
-    what each was raised from (see write_problem)."""
-    found = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
-    for e in list(found):  # and what each was raised from (the error itself comes first)
-        found += [c for c in (e.__cause__, e.__context__) if c is not None and c not in found]
-    return write_problem(found, root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 @dataclass
@@ -435,11 +336,9 @@ class Checkpointer:
     def _failure_message(self, step: int, cause: str, remedy: str) -> str:
         """One sentence: what failed, why, the checkpoint the same command would resume from, and that command
         (without a checkpoint, the run's records are refused unless run.overwrite=true starts it over)."""
-        from optimus.train.run_dir import next_command  # which imports this module
-
         good = candidates(self.root)  # what the same command would resume from
         kept = (
-            f"the last good checkpoint is step {_step_of(good[0])} ({good[0]})"
+            f"the last good checkpoint is step {step_of(good[0])} ({good[0]})"
             if good
             else "no checkpoint of this run was saved before it"
         )
@@ -471,14 +370,14 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
         write_text_atomic(self.root / LATEST, final.name + "\n")
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.last_save = {"step": step, "seconds": total_s, "blocking_seconds": blocking_s, "bytes": dir_bytes(final)}
         self._retain(final)
 
     def _retain(self, newest: Path) -> None:
         """Keep the `keep` newest up to `newest`; newer ones belong to a timeline this run abandoned
         (it resumed from an older checkpoint because they could not be loaded)."""
-        history = [p for p in published(self.root) if _step_of(p) <= _step_of(newest)]
+        history = [p for p in published(self.root) if step_of(p) <= step_of(newest)]
         keep = set(history[-self.cfg.checkpoint.keep :])
         for path in published(self.root):
             if path not in keep:

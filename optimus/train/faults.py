@@ -34,7 +34,7 @@ class StopSignal:
     """Turns SIGTERM / SIGUSR1 / SIGINT into a flag the trainer reads at step boundaries (instead of dying
     mid-step). A second Ctrl-C interrupts a process that runs alone (optimus.cli says so in one line); a rank
     of several gets every Ctrl-C twice (from the terminal and from its launcher), so there the launcher
-    decides (see optimus.ranks.spawn_local)."""
+    decides (see optimus.local_launcher.spawn_local)."""
 
     def __init__(self):
         self.received: str | None = None  # name of the first stop signal

@@ -26,16 +26,17 @@ from optimus.cpu_runtime import cpu_share, release_free_cpu_memory
 from optimus.data import BatchLoader, build_data, eval_batches, eval_set_size
 from optimus.device_memory import peak_memory_bytes, reset_peak_memory
 from optimus.host_syncs import HostSyncCounter
+from optimus.local_launcher import report_saved_at_stop
 from optimus.model import count_params, count_params_of_config, flops_per_token
 from optimus.parallel import ParallelState
 from optimus.parallel.collective_check import check_collectives
 from optimus.parallel.collective_trace import CollectiveTrace, write_trace
 from optimus.peak_flops import peak_flops_per_device
 from optimus.platform import detect_platform
-from optimus.ranks import report_saved_at_stop
 from optimus.run_spec import RunSpec, resolve_run
 from optimus.train import step_memory
-from optimus.train.checkpoint import Checkpointer, candidates
+from optimus.train.checkpoint import Checkpointer
+from optimus.train.checkpoint_dirs import candidates
 from optimus.train.faults import (
     StopSignal,
     TrainingDiverged,

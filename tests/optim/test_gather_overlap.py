@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-import optimus.optim.sharder as sharder
+import optimus.optim.shard_group as shard_group
 from optimus.config import OptimConfig, ParallelConfig
 from optimus.model import Transformer
 from optimus.optim import ShardedAdamW, lr_at
@@ -62,7 +62,7 @@ def train(ep: int, scheme: str, cfg: OptimConfig, dtype: torch.dtype, mode: str,
     """Body: STEPS steps with the lazy all-gather. `mode`: "sync" (step() waits), "overlap" (the blocks wait),
     "no_waits" (step() leaves the gathers in flight and nothing waits before the forward reads the parameters).
     `fused_loss`: the trainer's loss (the head's cross-entropy fused into the model's forward)."""
-    sharder._all_gather = lazy_all_gather  # this child process's own copy of the module
+    shard_group._all_gather = lazy_all_gather  # this child process's own copy of the module
     ps = build_parallel_state(ep)
     model = new_model(dtype)
     parallelize_model(model, ps, ParallelConfig(ep=ep))
@@ -135,14 +135,14 @@ def gathers_leave_versions(_) -> tuple[list[int], list[int]]:
     opt = ShardedAdamW(model, optim_cfg(1, bucket_mb=0.01, max_numel=2**28), ps, GRAD_CLIP, "standard")
     opt.overlap_param_gather([model])
     launched: list[int] = []
-    real_all_gather = sharder._all_gather
+    real_all_gather = shard_group._all_gather
 
     def recording_all_gather(out, mine, group=None, async_op=False):
         if not launched:
             launched.extend(p._version for p in model.parameters())
         return real_all_gather(out, mine, group=group, async_op=async_op)
 
-    sharder._all_gather = recording_all_gather  # this child process's own copy of the module
+    shard_group._all_gather = recording_all_gather  # this child process's own copy of the module
     mb = batches()[0][ps.rank]
     model(mb[:, :-1], mb[:, 1:]).mean().backward()
     opt.step(1e-3)

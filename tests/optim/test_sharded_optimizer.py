@@ -413,14 +413,14 @@ def staged_peaks(bucket_mb: float) -> dict[str, tuple[int, int, int]]:
     """Body: one ZeRO-2 backward on 2 ranks; per group, (the most gradient bytes staged or in flight at
     once, counting gloo's receive buffer for each reduction in flight; zero2_staging_bytes; the group's
     whole gradient in bytes)."""
-    from optimus.optim import memory, sharder
+    from optimus.optim import memory, shard_group
 
     ps = build_parallel_state(1)
     model = new_model()
     opt = ShardedAdamW(model, optim_cfg(2, bucket_mb=bucket_mb), ps, GRAD_CLIP, "ep_aware")
     groups = opt.sharder.groups
     peaks = dict.fromkeys(groups, 0)
-    launch = sharder.ShardGroup.launch
+    launch = shard_group.ShardGroup.launch
 
     def watched(group, src, out):  # right after each launch, when the most is in flight
         launch(group, src, out)
@@ -429,12 +429,12 @@ def staged_peaks(bucket_mb: float) -> dict[str, tuple[int, int, int]]:
         kind = next(k for k, g in groups.items() if g is group)
         peaks[kind] = max(peaks[kind], staged * 4)
 
-    sharder.ShardGroup.launch = watched
+    shard_group.ShardGroup.launch = watched
     try:
         loss_of(model, batches()[0, ps.rank], 1).backward()
         opt.step(1e-3)
     finally:
-        sharder.ShardGroup.launch = launch
+        shard_group.ShardGroup.launch = launch
     bucket = lambda g: memory.bucket_numel(int(bucket_mb * 2**20), 2**62, 4)  # noqa: E731
     return {
         kind: (peaks[kind], max(memory.zero2_staging_bytes(g.flat.numel, g.comm.shard_world, 4, 4, bucket(g))),

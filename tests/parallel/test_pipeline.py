@@ -228,22 +228,22 @@ def unpacked_at_step(overrides: list[str], cache: str) -> tuple[int, int]:
     """One rank: one training step; (ZeRO-2 gradient slots the backward left for step() to pack, all slots)."""
     import os
 
-    from optimus.optim import sharder
+    from optimus.optim import shard_group
     from optimus.train.trainer import Trainer
 
     os.environ["OPTIMUS_CACHE"] = cache  # forked ranks share the test session's tokenizer cache
     trainer = Trainer.from_config(load_config(overrides))
-    left, reduce_rest = [], sharder.ShardGroup.reduce_rest
+    left, reduce_rest = [], shard_group.ShardGroup.reduce_rest
 
     def counted(group):
         left.append(sum(not packed for packed in group.packed))
         reduce_rest(group)
 
-    sharder.ShardGroup.reduce_rest = counted
+    shard_group.ShardGroup.reduce_rest = counted
     try:
         trainer.train_step()
     finally:
-        sharder.ShardGroup.reduce_rest = reduce_rest
+        shard_group.ShardGroup.reduce_rest = reduce_rest
         trainer.loader.close()
     return sum(left), sum(len(g.flat.slots) for g in trainer.optimizer.sharder.groups.values())
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from optimus.cli import load_config, main
 from optimus.model import Transformer
-from optimus.train.checkpoint import candidates, inspect
+from optimus.train.checkpoint_dirs import candidates, inspect
 from optimus.train.dcp_warning import no_single_process_warning
 from optimus.train.trainer import Trainer
 from tests.conftest import SMALL_MODEL_RUN

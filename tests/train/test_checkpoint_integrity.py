@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_files
 
 from optimus.cli import load_config, main
-from optimus.train.checkpoint import CheckpointWriteError
+from optimus.train.checkpoint_dirs import CheckpointWriteError
 from optimus.train.trainer import Trainer
 from tests.conftest import SMALL_MODEL_RUN, copy_small_run
 from tests.distributed import run_distributed
@@ -285,7 +285,7 @@ def test_a_full_disk_is_named_even_when_it_interrupted_another_error(tmp_path):
     """ENOSPC raised while another error was being handled: the disk is the cause to report, not the other."""
     import errno
 
-    from optimus.train.checkpoint import write_failure
+    from optimus.train.checkpoint_dirs import write_failure
 
     try:
         try:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.cli import main
 from optimus.train import metrics as metrics_module
-from optimus.train.checkpoint import write_failure
+from optimus.train.checkpoint_dirs import write_failure
 from tests.conftest import SMALL_MODEL_RUN
 from tests.train.test_run_safety import error_of, steps_of
 

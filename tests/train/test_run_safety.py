@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError
-from optimus.train.checkpoint import inspect
+from optimus.train.checkpoint_dirs import inspect
 from tests.conftest import copy_small_run
 from tests.unchanged import unchanged
 
