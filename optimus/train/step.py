@@ -12,8 +12,8 @@ its step number, whether a stop was asked for and a collective recorder are argu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -125,6 +125,13 @@ class TrainStep:
         if cfg.optim.overlap_param_gather:  # the modules this rank runs forward wait for their own parameters
             self.optimizer.overlap_param_gather(parts.stages)
 
+    @contextmanager
+    def _optimizer_phase(self, collectives) -> Iterator[None]:
+        """The optimizer's part of the step: timed as `optimizer`, its collectives marked as the optimizer's
+        (`collectives`: a CollectiveTrace, or None)."""
+        with self.timers("optimizer"), collectives.phase("optimizer") if collectives is not None else nullcontext():
+            yield
+
     def run(
         self, micro_batches: list[torch.Tensor], step: int, stop_requested: Callable[[], bool], collectives=None
     ) -> tuple[dict, bool]:
@@ -156,8 +163,7 @@ class TrainStep:
         self.optimizer.wait_for_params()  # (the forward has waited for their all-gathers)
         params_finite = parameters_finite(self.model)
         stop = stop_requested()
-        optimizer_phase = collectives.phase("optimizer") if collectives is not None else nullcontext()
-        with timers("optimizer"), optimizer_phase:
+        with self._optimizer_phase(collectives):
             sq_norm = self.optimizer.reduce_gradients()  # the gradients' reductions end here
         # One reduction and one read agree on the losses, on which ranks saw a non-finite loss, on a stop signal, on
         # whether the last update left non-finite parameters, on the gradient norm and on the tokens per expert: a
@@ -177,8 +183,7 @@ class TrainStep:
         means = agreed.means
 
         lr = lr_at(step, cfg.optim, cfg.train.steps)
-        optimizer_phase = collectives.phase("optimizer") if collectives is not None else nullcontext()
-        with timers("optimizer"), optimizer_phase:
+        with self._optimizer_phase(collectives):
             if agreed.nonfinite_ranks:  # every rank skips: no update, no bias update (the batch is consumed)
                 grad_norm = float("nan")
             else:
