@@ -80,9 +80,10 @@ buffers are not a term: Optimus's stages hold one only while its micro-batch nee
 (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
 torch where they cannot be released). (The tensor-parallel embedding's backward
 keeps only its rank's rows: optimus.parallel.tensor_parallel.) The optimizer step comes after the
-backward: with Muon its working memory (optimus.optim.memory.rank_update_bytes' step_work_bytes: the fp32
-update directions, at most) beside the state and the pipeline's receive buffers is the peak where that is more
-(the totals, and so the dry run's planned figure, take the larger). Not included: allocator fragmentation and
+backward: with Muon its working memory (the fp32 update directions of the busiest rank, sized by the
+ownership code a run executes, on the parameters' shapes: optimus.optim.muon_plan) beside the state and the
+pipeline's receive buffers is the peak where that is more (the totals, and so the dry run's planned figure,
+take the larger). Not included: allocator fragmentation and
 cached blocks, the libraries' own workspaces (on a CPU MKL's and SDPA's, about 10 MiB), the TP
 all-gathers' and reduce-scatters' buffers, AdamW's temporaries of the optimizer step (after the backward, below
 the peak; with optim.overlap_param_gather its all-gathers' sent shards live on into the next forward and are freed
@@ -94,34 +95,24 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimusConfig, qk_norm_mode
 from optimus.config_checks import layout_of, validate
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
 from optimus.layout import Layout
-from optimus.model import (
-    ParamCounts,
-    Transformer,
-    count_params_of_config,
-    flops_per_token,
-    moe_layer_ids,
-    padded_vocab_size,
-)
+from optimus.model import ParamCounts, count_params_of_config, flops_per_token, moe_layer_ids, padded_vocab_size
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
-from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
-from optimus.optim.muon import largest_units
-from optimus.parallel.pipeline import (
-    PartCounts,
-    in_flight_chunks,
-    part_counts,
-    rank_stage_indices,
-    stage_layer_ids,
-    stage_sizes,
+from optimus.optim.memory import (
+    bucket_numel,
+    rank_update_bytes,
+    rank_zero2_staging_bytes,
+    shard_worlds,
+    zero_bucket_bytes,
 )
+from optimus.optim.muon_plan import planned_muon_step_bytes
 from optimus.parallel.pipeline_stage import releases_receive_buffers
+from optimus.plan_shares import RankShare, meta_model, rank_param_shapes, rank_shares, tp_split_names
 from optimus.platform import TORCH_DEVICE_OF_PATH, declared_device_path, declared_device_type, resolve_dtype
 from optimus.run_spec import RunSpec
 
@@ -143,26 +134,27 @@ class PlanInputs:
     stage: Layout  # one pipeline stage's ranks
     accum: int  # micro-batches per rank and step
     compute_dtype: str  # train.dtype as a run on the recipe's machine resolves it (planned_dtype)
-    act_bytes: int  # per element of the compute dtype: parameters and activations
     grad_bytes: int  # per element of optim.grad_dtype
     zero: int  # optim.zero
     scheme: str  # optim.sharding, resolved
     bucket: int  # elements per gradient bucket (bucket_numel)
     ffn_widths: int  # F-wide rows per routed row that the expert kernels keep (planned_ffn_widths)
-    largest_units: dict[str, int]  # Muon's largest unit of work per group (optimus.optim.muon.largest_units)
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of the compute dtype: parameters and activations."""
+        return DTYPE_BYTES[self.compute_dtype]
 
     @classmethod
     def of(cls, cfg: OptimusConfig, layout: Layout, path: str) -> PlanInputs:
         o, t = cfg.optim, cfg.train
         stage = layout.one_stage()
         compute_dtype = planned_dtype(cfg)
-        act_bytes = DTYPE_BYTES[compute_dtype]
         return cls(
-            stage, layout.micro_batches(t.global_batch, t.micro_batch), compute_dtype, act_bytes,
-            DTYPE_BYTES[o.grad_dtype],
+            stage, layout.micro_batches(t.global_batch, t.micro_batch), compute_dtype, DTYPE_BYTES[o.grad_dtype],
             o.zero, resolve_sharding(o.sharding, stage.world),
-            bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, act_bytes),
-            planned_ffn_widths(cfg, path), largest_units(cfg.model),
+            bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, DTYPE_BYTES[compute_dtype]),
+            planned_ffn_widths(cfg, path),
         )  # fmt: skip
 
 
@@ -190,78 +182,6 @@ def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankSha
     positions = inputs.stage.residual_seq_len(t.seq_len)
     buffers = sum((i > 0) + (i < n_stages - 1) for i in share.stages)
     return inputs.accum * buffers * t.micro_batch * positions * m.dim * inputs.act_bytes
-
-
-def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
-    """(per layer, embedding, final norm + LM head): the parameters that tensor parallelism splits over the tp
-    ranks (attention's q/k/v/out projections, dense SwiGLU layers, embedding and LM head rows), counted on the
-    meta device; norms, routers, shared and routed experts stay whole on every tp rank."""
-    with torch.device("meta"):
-        model = Transformer(m, kernels="torch")
-
-    def split(block: torch.nn.Module) -> int:
-        attention = sum(getattr(block.attn, name).weight.numel() for name in ("wq", "wk", "wv", "wo"))
-        if block.attn.qk_norm == "full":  # its weights are split like the q and k columns they scale
-            attention += block.attn.q_norm.weight.numel() + block.attn.k_norm.weight.numel()
-        return attention + (0 if block.is_moe else sum(p.numel() for p in block.ffn.parameters()))
-
-    return [split(b) for b in model.layers.values()], model.embed.weight.numel(), model.lm_head.weight.numel()
-
-
-@dataclass
-class RankShare:
-    """What one pipeline rank holds (the whole model when pp = 1)."""
-
-    pp_rank: int
-    stages: list[int]
-    layers: list[int]
-    embed: bool
-    head: bool
-    dense: int  # parameters, all experts counted in `expert`
-    expert: int
-    in_flight: float  # micro-batches' worth of its layers' activations held at the peak
-    head_copy: int = 0  # tie_embeddings: the last stage's copy of the embedding, held but not optimised
-    tp_split: int = 0  # the part of `dense` that tensor parallelism splits (whole-model count)
-    sent_outputs: float = 0  # stage outputs held at the peak: torch's schedule keeps each until its backward
-
-    def local_dense(self, tp: int) -> int:
-        """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
-        return self.dense - self.tp_split + self.tp_split // tp
-
-    def per_device(self, tp: int, ep: int) -> int:
-        """Parameters one device of this pipeline rank holds: its dense slices, its experts, a tied head's copy."""
-        return self.local_dense(tp) + self.expert // ep + self.head_copy
-
-
-def rank_shares(cfg: OptimusConfig, counts: ParamCounts, accum: int) -> list[RankShare]:
-    """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline),
-    with `accum` micro-batches per step."""
-    m, p = cfg.model, cfg.parallel
-    split_layers, split_embed, split_head = tp_split_params(m) if p.tp > 1 else ([0] * m.n_layers, 0, 0)
-    if p.pp == 1:
-        split = sum(split_layers) + split_embed + split_head
-        return [RankShare(0, [0], list(range(m.n_layers)), True, True, counts.dense, counts.expert, 1, 0, split)]
-    n_stages = p.pp * p.pp_virtual
-    stage_layers = stage_layer_ids(stage_sizes(m, n_stages, p.pp_layers))
-    layers, embed, head = part_counts(m)
-    shares = []
-    for rank in range(p.pp):
-        stages = rank_stage_indices(rank, p.pp, p.pp_virtual)
-        ids = [i for stage in stages for i in stage_layers[stage]]
-        first, last = 0 in stages, n_stages - 1 in stages
-        held = [layers[i] for i in ids] + [embed] * first + [head] * last
-        total = sum(held, PartCounts())
-        split = sum(split_layers[i] for i in ids) + split_embed * first + split_head * last
-        head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and last else 0
-        chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
-        # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
-        # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
-        sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
-        shares.append(
-            RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
-                      head_copy, split, sent)
-        )  # fmt: skip
-    return shares
 
 
 def _layer_activations(
@@ -432,11 +352,11 @@ class Plan:
         return asdict(self)
 
 
-def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict:
+def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs, rule_step: tuple[int, int]) -> dict:
     """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
     m, t, stage = cfg.model, cfg.train, inputs.stage
     a = inputs.act_bytes
-    state, staging, update = _optimizer_bytes(cfg.optim.update, inputs, share)
+    state, staging, update = _optimizer_bytes(cfg.optim.update, inputs, share, rule_step)
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
@@ -469,11 +389,14 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict
             "total": chosen + max(act["configured"], step), "share": share}  # fmt: skip
 
 
-def _optimizer_bytes(rule: str, inputs: PlanInputs, share: RankShare) -> tuple[dict, tuple[int, int], dict]:
+def _optimizer_bytes(
+    rule: str, inputs: PlanInputs, share: RankShare, rule_step: tuple[int, int]
+) -> tuple[dict, tuple[int, int], dict]:
     """What the optimizer holds on one pipeline rank, from its own buffer layout (optimus.optim.memory): the state
     bytes under each sharding scheme (with tp > 1 the dense group is sharded over the dp ranks that hold the same
     slices), ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1),
-    and what the update rule `rule` adds to a step."""
+    and what the update rule `rule` adds to a step (`rule_step`: its working bytes and bytes received,
+    rule_steps)."""
     i, stage = inputs, inputs.stage
     dense, expert = share.local_dense(stage.tp), share.expert // stage.ep
     per_element = AdamW.state_bytes_per_element
@@ -486,8 +409,25 @@ def _optimizer_bytes(rule: str, inputs: PlanInputs, share: RankShare) -> tuple[d
     staging = (0, 0)
     if i.zero == 2:
         staging = rank_zero2_staging_bytes(i.scheme, dense, expert, stage, i.act_bytes, i.grad_bytes, i.bucket)
-    update = rank_update_bytes(rule, i.scheme, dense, expert, stage, i.act_bytes, i.largest_units, i.bucket)
+    update = rank_update_bytes(i.scheme, dense, expert, stage, i.act_bytes, rule_step)
     return state, staging, {"rule": rule, **update}
+
+
+def rule_steps(cfg: OptimusConfig, inputs: PlanInputs, shares: list[RankShare]) -> list[tuple[int, int]]:
+    """Per pipeline rank: (working bytes, bytes received) that optim.update adds to a step of its busiest
+    data-parallel rank. AdamW's step works in place; Muon's is planned from the parameters' shapes by the
+    ownership code a run executes (optimus.optim.muon_plan)."""
+    if cfg.optim.update != "muon":
+        return [(0, 0)] * len(shares)
+    stage, model = inputs.stage, meta_model(cfg.model)
+    split = tp_split_names(model) if stage.tp > 1 else set()
+    dtype, worlds = TORCH_DTYPES[inputs.compute_dtype], shard_worlds(inputs.scheme, stage)
+    ns_dtype = TORCH_DTYPES[cfg.optim.muon_ns_dtype]
+    steps = []
+    for share in shares:
+        groups, split_dims = rank_param_shapes(model, share, cfg.parallel, stage, split)
+        steps.append(planned_muon_step_bytes(groups, worlds, dtype, inputs.bucket, split_dims, stage.tp, ns_dtype))
+    return steps
 
 
 def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
@@ -565,7 +505,9 @@ def plan_layout(cfg: OptimusConfig, layout: Layout, path: str, counts: ParamCoun
     world, ep, pp, tp = layout.world, layout.ep, layout.pp, layout.tp
     counts = counts or count_params_of_config(m)
     inputs = PlanInputs.of(cfg, layout, path)
-    ranks = [_rank_plan(cfg, share, inputs) for share in rank_shares(cfg, counts, inputs.accum)]
+    shares = rank_shares(cfg, counts, inputs.accum)
+    steps = rule_steps(cfg, inputs, shares)
+    ranks = [_rank_plan(cfg, share, inputs, step) for share, step in zip(shares, steps)]
     busiest = max(ranks, key=lambda r: r["total"])
     state, act = busiest["state"], busiest["activations"]
     compute = inputs.compute_dtype

@@ -280,7 +280,7 @@ def test_a_dry_run_that_does_not_fit_says_so_first(tmp_path, capsys):
 
 def test_a_muon_dry_run_is_measured_against_the_plans_one_figure():
     """With few activations Muon's step, after the backward, is the peak (its update directions beside the
-    state): `optimus plan`'s total counts it (an upper bound, `at most`), and the dry run prints that total.
+    state): `optimus plan`'s total counts it (the busiest rank's), and the dry run prints that total.
     Nor does it print the warnings every dry run raised (fake storages' addresses, MemTracker's None outputs)."""
     cfg = load_config([*TINY_MODEL, "optim.update=muon", "train.dtype=fp32", "train.seq_len=32",
                        "train.micro_batch=1", "train.global_batch=2"])  # fmt: skip

@@ -313,10 +313,10 @@ def _update_line(update: dict) -> str:
         return f"optimizer update: {update['rule']}; {gather}"
     return (
         f"optimizer update: muon (AdamW state layout, no extra persistent bytes); during the step "
-        f"at most +{gib(update['step_work_bytes'])} of fp32 update directions (in the totals above where the step "
-        "needs more than the backward), and its exchange of whole matrices "
-        f"receives at most +{gib(update['gather_received_bytes'])} per step (run_info.json: the layout's own "
-        f"figures), beside {gather}"
+        f"+{gib(update['step_work_bytes'])} of fp32 update directions on the busiest rank (in the totals above "
+        "where the step needs more than the backward), and its exchange of whole matrices "
+        f"receives +{gib(update['gather_received_bytes'])} per step (run_info.json: each rank's own figures), "
+        f"beside {gather}"
     )
 
 

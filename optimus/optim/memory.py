@@ -97,63 +97,47 @@ def rank_state_bytes(
 MUON_DIRECTION_BYTES = 4  # per element: the fp32 update direction that Muon moves whole (optimus.optim.muon)
 
 
-def muon_work_numel(shard: int, owned: int, received: int, split: int, tp: int) -> int:
-    """Elements one Muon step holds beside the parameters and their state (optimus.optim.muon): the direction
-    shard, the units the rank owns and their stacked copy for Newton-Schulz (whole matrices), the exchanges'
-    send and receive buffers (`received` elements each way over both rounds), and for the `split` elements of
-    owned tensor-parallel matrices this rank's halves joined, the `tp` peers' halves gathered and the whole
-    matrices."""
-    stacked = owned - split + tp * split
-    tp_buffers = (1 + 2 * tp) * split if split else 0
-    return shard + owned + 2 * received + stacked + tp_buffers
+def newton_schulz_batch_bytes(shape: tuple[int, int], count: int, ns_bytes: int) -> int:
+    """Bytes one batch of `count` [rows, cols] matrices takes in Muon's orthogonalisation (optimus.optim.muon
+    newton_schulz, one call per shape): their fp32 stack, and the larger of the iteration's working set (with m x n
+    the matrix laid wide, m <= n, in its dtype of `ns_bytes` per element: two iterates [count, m, n] and two Gram
+    products [count, m, m]) and its result beside one matrix's fp32 copy."""
+    m, n = sorted(shape)
+    stack = count * m * n * MUON_DIRECTION_BYTES
+    iteration = 2 * ns_bytes * count * (m * n + m * m)
+    result = ns_bytes * count * m * n + MUON_DIRECTION_BYTES * m * n
+    return stack + max(iteration, result)
 
 
-def muon_step_bytes(
-    numel: int, shard_world: int, param_size: int, largest_unit: int, bucket: int, tp_split: bool = False,
-    tp: int = 1,
-) -> tuple[int, int]:  # fmt: skip
-    """(working bytes, bytes received) of one Muon step on a rank, at most, from the sizes alone: a group of
-    `numel` local elements split over `shard_world` owners in buckets of `bucket` elements, whose largest unit
-    of work (a matrix, or one expert's matrices) has `largest_unit` elements (optimus.optim.muon_exchange; a
-    run reports its own layout's figures). Per bucket, a rank's slice takes part in at most two units it does
-    not hold whole (one straddling each end, or two larger than the slice), so with several owners it sends at
-    most its shard or two units per bucket, and receives as much back plus at most two units per bucket of
-    the units it owns. `tp_split`: the group's matrices are split by tensor parallelism over `tp` ranks, and
-    the owner gathers the other halves."""
-    shard = padded_numel(numel, shard_world, param_size) // shard_world
-    n_buckets = len(bucket_sizes(numel, shard_world, param_size, bucket)) if numel else 0
-    if shard_world == 1:
-        owned, received = shard, 0  # every unit, assembled from the shard alone
-    else:
-        sent = min(shard, 2 * n_buckets * largest_unit)
-        remote_of_owned = min(numel, 2 * n_buckets * largest_unit)
-        owned, received = min(numel, shard + remote_of_owned), sent + remote_of_owned
-    split = owned if tp_split and tp > 1 else 0
-    work = muon_work_numel(shard, owned, received, split, tp)
-    return work * MUON_DIRECTION_BYTES, (received + (tp - 1) * split) * MUON_DIRECTION_BYTES
+def muon_group_work_bytes(
+    shard: int, owned: int, exchanged: int, split: int, tp: int, batches: dict[tuple[int, int], int], ns_bytes: int
+) -> int:
+    """Bytes one group's part of a Muon step holds on a rank at its peak (optimus.optim.muon: a group's buffers
+    are freed before the next group's step, a batch's before the next batch): the fp32 directions of the rank's
+    `shard` elements and of the `owned` elements of the units it owns whole, and the larger of one exchange (the
+    `exchanged` elements it sends and receives) and the orthogonalisation: with tensor parallelism, for the
+    `split` elements of owned matrices that `tp` ranks split, this rank's halves joined, the peers' halves and
+    the whole matrices, beside the largest of the `batches` (shape -> matrices, newton_schulz_batch_bytes)."""
+    d = MUON_DIRECTION_BYTES
+    tp_buffers = (1 + 2 * tp) * split * d if split else 0
+    batch = max((newton_schulz_batch_bytes(shape, n, ns_bytes) for shape, n in batches.items()), default=0)
+    return (shard + owned) * d + max(exchanged * d, tp_buffers + batch)
 
 
 def rank_update_bytes(
-    rule: str, scheme: str, dense: int, expert_local: int, stage: Layout, param_size: int,
-    largest_units: dict[str, int] | None = None, bucket: int = 2**62,
-) -> dict[str, int]:  # fmt: skip
-    """What the update rule `rule` adds to one optimizer step of a rank (the arguments of rank_state_bytes):
-    `step_work_bytes` alive during the step only, `gather_received_bytes` received by the rule's own collectives,
-    beside `param_gather_received_bytes`, the parameters' all-gather that every rule has. `largest_units`:
-    Muon's largest unit of work per group, whole (optimus.optim.muon.largest_units); `bucket`: elements per
-    bucket (bucket_numel)."""
-    worlds, tp = shard_worlds(scheme, stage), stage.tp
-    out = {"step_work_bytes": 0, "gather_received_bytes": 0, "param_gather_received_bytes": 0}
+    scheme: str, dense: int, expert_local: int, stage: Layout, param_size: int, rule_step: tuple[int, int] = (0, 0)
+) -> dict[str, int]:
+    """What the update rule adds to one optimizer step of a rank (the arguments of rank_state_bytes):
+    `step_work_bytes` alive during the step only and `gather_received_bytes` received by the rule's own
+    collectives, which `rule_step` gives ((0, 0) for AdamW; Muon's: optimus.optim.muon_plan), beside
+    `param_gather_received_bytes`, the parameters' all-gather that every rule has."""
+    worlds = shard_worlds(scheme, stage)
+    gathered = 0
     for numel, kind in ((dense, "dense"), (expert_local, "expert")):
         n = padded_numel(numel, worlds[kind], param_size)
-        out["param_gather_received_bytes"] += (n - n // worlds[kind]) * param_size
-        if rule == "muon":
-            largest = (largest_units or {}).get(kind, 0)
-            split = kind == "dense" and tp > 1
-            work, received = muon_step_bytes(numel, worlds[kind], param_size, largest, bucket, split, tp)
-            out["step_work_bytes"] += work
-            out["gather_received_bytes"] += received
-    return out
+        gathered += (n - n // worlds[kind]) * param_size
+    work, received = rule_step
+    return {"step_work_bytes": work, "gather_received_bytes": received, "param_gather_received_bytes": gathered}
 
 
 def zero_bucket_bytes(bucket_mb: float, zero: int) -> int:

@@ -33,13 +33,15 @@ elements stays zero, so checkpoints key both rules' state alike (optimus.optim.s
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from optimus.optim.adamw import AdamW, AdamWHyper, adamw_update
-from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_work_numel
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_group_work_bytes
 from optimus.optim.muon_exchange import EXPERT_W2, EXPERT_W13, MuonExchange
 from optimus.parallel.flat_buffer import FlatParams, ParamSlot, Segment
 from optimus.parallel.tensor_parallel import SPLIT
@@ -74,20 +76,6 @@ def unit_blocks(slot: ParamSlot, unit: torch.Tensor) -> list[torch.Tensor]:
     if slot.name.endswith(EXPERT_W2):
         return [unit.view(slot.local.shape[1:]).T]  # [F, D] -> down [D, F]
     return [unit.view(slot.local.shape)]
-
-
-def largest_units(m) -> dict[str, int]:
-    """Elements of the largest unit of Newton-Schulz work in each group of a model with config `m` (an
-    optimus.config.ModelConfig), whole (before a tensor-parallel split): a dense matrix, or one routed expert's
-    gate and up."""
-    heads = m.n_heads * (m.dim // m.n_heads)
-    dense = [m.dim * heads]
-    if m.moe.n_experts == 0 or m.first_k_dense > 0:
-        dense.append(m.dim * m.ffn_dim)
-    if m.moe.n_experts and m.moe.n_shared_experts:
-        dense.append(m.dim * m.moe.expert_dim * m.moe.n_shared_experts)
-    expert = 2 * m.dim * m.moe.expert_dim if m.moe.n_experts else 0
-    return {"dense": max(dense), "expert": expert}
 
 
 def lr_ratio(shape: tuple[int, int], adjust: str) -> float:
@@ -136,45 +124,52 @@ class Muon(AdamW):
         return self._exchanges[kind]
 
     def step_bytes(self, sharder) -> tuple[int, int]:
-        """(working bytes, bytes received by its exchanges) of one step, from this rank's plan
-        (optimus.optim.memory.muon_work_numel says what is held)."""
+        """(working bytes, bytes received by its exchanges and tp gathers) of one step on this rank, from its
+        plan: the largest group's working memory (optimus.optim.memory.muon_group_work_bytes says what is held),
+        the groups' receipts summed."""
         work = received = 0
         for kind, group in sharder.groups.items():
             plan = self.exchange(kind, group)
             if plan is None:
                 continue
+            tp = group.tp_world()
             split = sum(u.numel for u in plan.owned if tp_split_dim(group, u.slot) is not None)
-            tp = group.tp_world() if split else 1
+            batches = batch_shapes(plan.owned, partial(tp_split_dim, group), tp)
             exchanged = plan.received_numel()
-            work += muon_work_numel(group.flat.shard_numel, plan.buf_numel, exchanged, split, tp)
-            received += exchanged + (tp - 1) * split
-        return work * MUON_DIRECTION_BYTES, received * MUON_DIRECTION_BYTES
+            shard = group.flat.shard_numel
+            ns_bytes = self.muon.ns_dtype.itemsize
+            work = max(work, muon_group_work_bytes(shard, plan.buf_numel, exchanged, split, tp, batches, ns_bytes))
+            received += (exchanged + (tp - 1) * split) * MUON_DIRECTION_BYTES
+        return work, received
 
     def step(self, sharder, lr: float, step: int, grad_scale: float) -> None:
         for kind, group in sharder.groups.items():
-            flat, plan = group.flat, self.exchange(kind, group)
-            slots = plan.slots if plan else []
-            u_shard = torch.zeros(flat.shard_numel if plan else 0, dtype=torch.float32, device=flat.device)
-            muon_runs = []  # per owned slice: (slice, Muon's runs in it)
-            for owned, bucket in zip(group.owned_slices(kind), flat.buckets):
-                lo, hi = bucket.owned(flat.world, flat.rank)
-                runs, adamw_runs = split_runs(owned.segments, slots, lo, hi)
-                m, v = (self.state[kind][k][owned.lo : owned.lo + hi - lo] for k in self.state_kinds)
-                adamw_update(adamw_runs, owned.param, owned.grad, m, v, lr, step, self.hyper, grad_scale)
-                u = u_shard[owned.lo : owned.lo + hi - lo]
-                for a, z in runs:
-                    self._momentum(owned.grad[a:z], m[a:z], u[a:z], grad_scale)
-                muon_runs.append((owned, runs))
-            if plan is None:
-                continue
-            units = plan.gather(u_shard, group.exchange_shard)  # [owned units' elements]
-            self._orthogonalise(plan, units, group, lr)
-            plan.scatter(units, u_shard, group.exchange_shard)  # u_shard now holds the scaled updates
-            decay = 1 - lr * self.hyper.weight_decay  # AdamW's decoupled decay, the same key
-            for owned, runs in muon_runs:
-                u = u_shard[owned.lo : owned.lo + owned.param.numel()]
-                for a, z in runs:
-                    owned.param[a:z].mul_(decay).sub_(u[a:z])
+            self._step_group(kind, group, lr, step, grad_scale)  # its buffers are freed before the next group's
+
+    def _step_group(self, kind: str, group, lr: float, step: int, grad_scale: float) -> None:
+        flat, plan = group.flat, self.exchange(kind, group)
+        slots = plan.slots if plan else []
+        u_shard = torch.zeros(flat.shard_numel if plan else 0, dtype=torch.float32, device=flat.device)
+        muon_runs = []  # per owned slice: (slice, Muon's runs in it)
+        for owned, bucket in zip(group.owned_slices(kind), flat.buckets):
+            lo, hi = bucket.owned(flat.world, flat.rank)
+            runs, adamw_runs = split_runs(owned.segments, slots, lo, hi)
+            m, v = (self.state[kind][k][owned.lo : owned.lo + hi - lo] for k in self.state_kinds)
+            adamw_update(adamw_runs, owned.param, owned.grad, m, v, lr, step, self.hyper, grad_scale)
+            u = u_shard[owned.lo : owned.lo + hi - lo]
+            for a, z in runs:
+                self._momentum(owned.grad[a:z], m[a:z], u[a:z], grad_scale)
+            muon_runs.append((owned, runs))
+        if plan is None:
+            return
+        units = plan.gather(u_shard, group.exchange_shard)  # [owned units' elements]
+        self._orthogonalise(plan, units, group, lr)
+        plan.scatter(units, u_shard, group.exchange_shard)  # u_shard now holds the scaled updates
+        decay = 1 - lr * self.hyper.weight_decay  # AdamW's decoupled decay, the same key
+        for owned, runs in muon_runs:
+            u = u_shard[owned.lo : owned.lo + owned.param.numel()]
+            for a, z in runs:
+                owned.param[a:z].mul_(decay).sub_(u[a:z])
 
     def _momentum(self, grad: torch.Tensor, m: torch.Tensor, u: torch.Tensor, grad_scale: float) -> None:
         g = grad.float() * grad_scale
@@ -202,13 +197,17 @@ class Muon(AdamW):
                     pending[tuple(block.shape)].append((block, (block, None)))
         tp_rank = group.tp.rank if group.tp is not None else 0
         for shape, items in pending.items():
-            stack_BMN = torch.stack([m for m, _ in items])
-            o_BMN = newton_schulz(stack_BMN, self.muon.ns_steps, self.muon.ns_coefficients, self.muon.ns_dtype)
-            ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
-            for (_, (out, dim)), o in zip(items, o_BMN):
-                if dim is not None:  # this rank's half of the whole matrix's update
-                    o = o.narrow(dim, tp_rank * out.shape[dim], out.shape[dim])
-                out.copy_(o.float()).mul_(ratio)
+            self._orthogonalise_batch(shape, items, lr, tp_rank)  # its stack and result freed before the next
+
+    def _orthogonalise_batch(self, shape: tuple[int, int], items: list, lr: float, tp_rank: int) -> None:
+        """One Newton-Schulz call on the matrices of one shape, each result written (scaled) where `items` say."""
+        stack_BMN = torch.stack([m for m, _ in items])
+        o_BMN = newton_schulz(stack_BMN, self.muon.ns_steps, self.muon.ns_coefficients, self.muon.ns_dtype)
+        ratio = lr * lr_ratio(shape, self.muon.adjust_lr)
+        for (_, (out, dim)), o in zip(items, o_BMN):
+            if dim is not None:  # this rank's half of the whole matrix's update
+                o = o.narrow(dim, tp_rank * out.shape[dim], out.shape[dim])
+            out.copy_(o.float()).mul_(ratio)
 
 
 def tp_split_dim(group, slot: ParamSlot) -> int | None:
@@ -216,6 +215,23 @@ def tp_split_dim(group, slot: ParamSlot) -> int | None:
     if group.tp is None or group.tp.roles.get(slot.name) != SPLIT:
         return None
     return 1 if slot.cols is not None else 0
+
+
+def batch_shapes(units: Iterable, split_dim: Callable[[ParamSlot], int | None], tp: int) -> Counter:
+    """How many matrices of each shape the orthogonalisation of `units` (each with a .slot and a .numel: owned
+    Units, or the Placements of optimus.optim.muon_exchange) stacks into one Newton-Schulz batch: a unit's
+    blocks (unit_blocks, read on the meta device), or, for a matrix that tensor parallelism splits along
+    `split_dim(slot)`, the whole matrix of its `tp` peers' halves."""
+    shapes: Counter = Counter()
+    for u in units:
+        dim = split_dim(u.slot)
+        if dim is None:
+            shapes.update(tuple(b.shape) for b in unit_blocks(u.slot, torch.empty(u.numel, device="meta")))
+        else:
+            whole = list(u.slot.local.shape)
+            whole[dim] *= tp
+            shapes[tuple(whole)] += 1
+    return shapes
 
 
 def muon_slots_of(flat: FlatParams) -> list[ParamSlot]:

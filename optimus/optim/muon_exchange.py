@@ -21,16 +21,17 @@ shapes), so the exchanges need no metadata. One step:
     3. `scatter`: each owner sends every piece's update back to the rank that holds it (the reverse all_to_all)
 
 Per bucket, a rank's slice has at most two units straddling its ends and takes part in at most two units larger
-than itself, so what a rank sends, and what it receives of the units it owns, is at most two units per bucket
-(optimus.optim.memory.muon_step_bytes bounds it so); an all-gather of the directions would bring every rank the
-whole group. With one owner (a shard world of 1) nothing travels.
+than itself, so what a rank sends, and what it receives of the units it owns, is at most two units per bucket;
+an all-gather of the directions would bring every rank the whole group. With one owner (a shard world of 1)
+nothing travels. `every_ranks_work` sizes every rank's part in one pass, for `optimus plan`
+(optimus.optim.muon_plan).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,98 @@ def units_of(slot: ParamSlot) -> list[tuple[int, int]]:
     return [(slot.start + i * per_unit, slot.start + (i + 1) * per_unit) for i in range(n_experts)]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one unit lies and who owns it: held[i] of its elements are in rank first + i's slices."""
+
+    slot: ParamSlot
+    index: int
+    lo: int
+    hi: int
+    first: int
+    held: list[int]
+    owner: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def crosses(self) -> bool:
+        return sum(1 for n in self.held if n) > 1
+
+
+def _cuts(flat: FlatParams, starts: list[int], lo: int, hi: int):
+    """Per bucket that [lo, hi) meets: (bucket, slice size, first and last element there, first and last rank);
+    `starts`: the buckets' first elements."""
+    for bi in range(bisect.bisect_right(starts, lo) - 1, len(flat.buckets)):
+        b = flat.buckets[bi]
+        if b.start >= hi:
+            return
+        size = (b.end - b.start) // flat.world
+        a, z = max(lo, b.start), min(hi, b.end)
+        yield b, size, a, z, (a - b.start) // size, (z - 1 - b.start) // size
+
+
+def _held(flat: FlatParams, starts: list[int], lo: int, hi: int) -> tuple[int, list[int]]:
+    """(r, held): held[i] elements of [lo, hi) are in rank r + i's slices, for the ranks from the first to the
+    last that hold some. Plain ints: the plan is made under a dry run's fake tensors and on meta shapes too."""
+    cuts = list(_cuts(flat, starts, lo, hi))
+    r0, r1 = min(c[4] for c in cuts), max(c[5] for c in cuts)
+    held = [0] * (r1 - r0 + 1)
+    for b, size, a, z, first, last in cuts:
+        held[first + 1 - r0 : last - r0] = [n + size for n in held[first + 1 - r0 : last - r0]]
+        held[first - r0] += min(z, b.start + (first + 1) * size) - a
+        if last > first:
+            held[last - r0] += z - (b.start + last * size)
+    return r0, held
+
+
+def placements(flat: FlatParams, slots: list[ParamSlot]) -> Iterator[Placement]:
+    """Every unit of `slots` in flat order with its owner (the rule in the module docstring): the same on every
+    rank, from the layout alone."""
+    load = [0] * flat.world  # elements owned so far, per rank
+    starts = [b.start for b in flat.buckets]
+    for slot in slots:
+        for i, (lo, hi) in enumerate(units_of(slot)):
+            first, held = _held(flat, starts, lo, hi)
+            most = max(held)
+            owner = min((load[first + j], first + j) for j, n in enumerate(held) if n == most)[1]
+            load[owner] += hi - lo
+            yield Placement(slot, i, lo, hi, first, held, owner)
+
+
+@dataclass
+class RankWork:
+    """One rank's part of a Muon step in its shard group: the units it owns and the elements its two exchanges
+    receive."""
+
+    owned: list[Placement] = field(default_factory=list)
+    received: int = 0
+
+    @property
+    def owned_numel(self) -> int:
+        return sum(u.hi - u.lo for u in self.owned)
+
+
+def every_ranks_work(flat: FlatParams, slots: list[ParamSlot]) -> list[RankWork]:
+    """RankWork of each rank of `flat`'s shard group, in one pass over the placements (what each rank's
+    MuonExchange finds). A rank receives the pieces of its units that others hold (gather) and its pieces of
+    their units back (scatter); nothing travels when no unit crosses two slices."""
+    work = [RankWork() for _ in range(flat.world)]
+    units = list(placements(flat, slots))
+    crosses = any(u.crosses for u in units)
+    for u in units:
+        work[u.owner].owned.append(u)
+        if not crosses:
+            continue
+        work[u.owner].received += u.hi - u.lo - u.held[u.owner - u.first]
+        for i, n in enumerate(u.held):
+            if u.first + i != u.owner:
+                work[u.first + i].received += n
+    return work
+
+
 class MuonExchange:
     """One shard group's units (of `slots`, the Muon matrices), their owners, and this rank's two exchanges."""
 
@@ -93,54 +186,26 @@ class MuonExchange:
         self.units: list[Unit] = []  # those this rank owns or holds a piece of, in flat order
         self.owned: list[Unit] = []
         self.crosses = False  # whether any unit spans two ranks' slices (else no exchange is needed)
-        self.load = [0] * self.world  # elements owned so far, per rank
-        for slot in slots:
-            for i, (lo, hi) in enumerate(units_of(slot)):
-                self._add_unit(slot, i, lo, hi)
+        for place in placements(flat, slots):
+            self.crosses = self.crosses or place.crosses
+            self._add_unit(place)
         self.buf_numel = 0
         for u in self.owned:
             u.buf_lo, self.buf_numel = self.buf_numel, self.buf_numel + u.numel
         self._plan_exchanges()
 
-    def _add_unit(self, slot: ParamSlot, index: int, lo: int, hi: int) -> None:
-        first, held = self._held(lo, hi)
-        most = max(held)
-        owner = min((self.load[first + i], first + i) for i, n in enumerate(held) if n == most)[1]
-        self.load[owner] += hi - lo
-        self.crosses = self.crosses or sum(1 for n in held if n) > 1
-        mine = list(self._pieces(lo, hi, None if owner == self.rank else self.rank))
+    def _add_unit(self, place: Placement) -> None:
+        owner = place.owner
+        mine = list(self._pieces(place.lo, place.hi, None if owner == self.rank else self.rank))
         if mine:
-            unit = Unit(slot, index, lo, hi, owner, pieces=mine)
+            unit = Unit(place.slot, place.index, place.lo, place.hi, owner, pieces=mine)
             self.units.append(unit)
             if owner == self.rank:
                 self.owned.append(unit)
 
-    def _cuts(self, lo: int, hi: int):
-        """Per bucket that [lo, hi) meets: (bucket, slice size, first and last element there, first and last rank)."""
-        for bi in range(bisect.bisect_right(self._bucket_starts, lo) - 1, len(self.flat.buckets)):
-            b = self.flat.buckets[bi]
-            if b.start >= hi:
-                return
-            size = (b.end - b.start) // self.world
-            a, z = max(lo, b.start), min(hi, b.end)
-            yield b, size, a, z, (a - b.start) // size, (z - 1 - b.start) // size
-
-    def _held(self, lo: int, hi: int) -> tuple[int, list[int]]:
-        """(r, held): held[i] elements of [lo, hi) are in rank r + i's slices, for the ranks from the first to
-        the last that hold some. Plain ints: the plan is made under a dry run's fake tensors too."""
-        cuts = list(self._cuts(lo, hi))
-        r0, r1 = min(c[4] for c in cuts), max(c[5] for c in cuts)
-        held = [0] * (r1 - r0 + 1)
-        for b, size, a, z, first, last in cuts:
-            held[first + 1 - r0 : last - r0] = [n + size for n in held[first + 1 - r0 : last - r0]]
-            held[first - r0] += min(z, b.start + (first + 1) * size) - a
-            if last > first:
-                held[last - r0] += z - (b.start + last * size)
-        return r0, held
-
     def _pieces(self, lo: int, hi: int, rank: int | None = None):
         """The pieces of [lo, hi), bucket by bucket and rank by rank (of `rank` alone when given)."""
-        for b, size, a, z, first, last in self._cuts(lo, hi):
+        for b, size, a, z, first, last in _cuts(self.flat, self._bucket_starts, lo, hi):
             for r in range(first, last + 1) if rank is None else [rank] if first <= rank <= last else []:
                 slice_lo = b.start + r * size
                 p_lo, p_hi = max(a, slice_lo), min(z, slice_lo + size)

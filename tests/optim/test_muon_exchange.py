@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_step_bytes, muon_work_numel
-from optimus.optim.muon import muon_slots_of
-from optimus.optim.muon_exchange import MuonExchange, units_of
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_group_work_bytes
+from optimus.optim.muon import batch_shapes, muon_slots_of
+from optimus.optim.muon_exchange import MuonExchange, every_ranks_work, units_of
+from optimus.optim.muon_plan import planned_muon_step_bytes
 from optimus.parallel.flat_buffer import FlatParams
 from tests.distributed import run_distributed
 
@@ -118,18 +119,31 @@ def test_units_that_cover_several_slices_take_turns():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_plan_bounds_every_ranks_step(seed):
-    """`optimus plan`'s bound (optim.memory.muon_step_bytes) against each rank's own plan, for random shapes,
-    worlds and bucket sizes (units within slices, across slices, across buckets)."""
+def test_every_ranks_work_is_each_ranks_own_plan(seed):
+    """`optimus plan`'s sizing of a Muon step (every_ranks_work, one pass over the units) against each rank's own
+    exchange plan (the units it owns, the pieces it sends and receives), for random shapes, worlds and bucket
+    sizes (units within slices, across slices, across buckets); and planned_muon_step_bytes is the busiest
+    rank's figure, with the attention matrix counted as split by tensor parallelism."""
     g = torch.Generator().manual_seed(100 + seed)
     named = random_params(seed)
-    numel = sum(p.numel() for _, p in named)
+    tp, split_dims = 2, {"layers.0.attn.wq.weight": 0}
     for world in (2, 3, 4, 8):
         for bucket in (2**62, int(torch.randint(64, 4000, (1,), generator=g))):
             every = plans(named, world, bucket)
-            largest = max(u.numel for p in every for u in p.owned)
-            bound_work, bound_received = muon_step_bytes(numel, world, 4, largest, bucket)
-            for p in every:
-                work = muon_work_numel(p.flat.shard_numel, p.buf_numel, p.received_numel(), 0, 1)
-                assert work * MUON_DIRECTION_BYTES <= bound_work, (world, bucket, p.rank)
-                assert p.received_numel() * MUON_DIRECTION_BYTES <= bound_received, (world, bucket, p.rank)
+            sized = every_ranks_work(every[0].flat, every[0].slots)
+            assert [[(u.slot.name, u.index) for u in r.owned] for r in sized] == [
+                [(u.slot.name, u.index) for u in p.owned] for p in every
+            ], (world, bucket)
+            assert [r.received for r in sized] == [p.received_numel() for p in every], (world, bucket)
+            work = received = 0
+            for p in every:  # each rank's own figures, from its own plan
+                split = sum(u.numel for u in p.owned if u.slot.name in split_dims)
+                batches = batch_shapes(p.owned, lambda slot: split_dims.get(slot.name), tp)
+                figures = (p.flat.shard_numel, p.buf_numel, p.received_numel(), split, tp, batches, 2)
+                work = max(work, muon_group_work_bytes(*figures))
+                received = max(received, (p.received_numel() + (tp - 1) * split) * MUON_DIRECTION_BYTES)
+            shapes = {"dense": [(n, tuple(q.shape)) for n, q in named]}
+            planned = planned_muon_step_bytes(
+                shapes, {"dense": world}, torch.float32, bucket, split_dims, tp, torch.bfloat16
+            )
+            assert planned == (work, received), (world, bucket)

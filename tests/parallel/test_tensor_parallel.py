@@ -114,7 +114,7 @@ def _split_model_grads(sp: bool, qk_norm: str, dense_first: int):
 
     from optimus.config import ModelConfig, MoEConfig
     from optimus.parallel.tensor_parallel import PARTIAL, tp_grad_roles
-    from optimus.plan import tp_split_params
+    from optimus.plan_shares import tp_split_params
     from tests.builds import rank_model
 
     ps = build_parallel_state(1, 60, tp=2, sp=sp)
