@@ -242,10 +242,10 @@ class _Forwarder:
                 pass  # that rank has already ended
 
 
-def _failed_ranks(ranks: Any) -> dict[int, int]:
-    """{rank: exit code} of the ranks that have ended with a failure (negative: the signal that ended them).
-    torch's process context keeps the processes; only it can tell each one's exit code."""
-    codes = {rank: process.exitcode for rank, process in enumerate(process_context_processes(ranks))}
+def _failed_ranks(processes: list) -> dict[int, int]:
+    """{rank: exit code} of the rank `processes` (torch's process context keeps them: only they can tell each
+    one's exit code) that have ended with a failure (negative: the signal that ended them)."""
+    codes = {rank: process.exitcode for rank, process in enumerate(processes)}
     return {rank: code for rank, code in codes.items() if code not in (None, 0)}
 
 
@@ -254,9 +254,10 @@ def _wait(ranks: Any, log_dir: Path, forwarder: _Forwarder) -> tuple[Any, dict[i
     codes (the others mostly fail because of them). Once one has failed, the others are stuck in a collective:
     after a short grace they are killed, rather than waited for until a timeout."""
     failed_at, first_failed = None, {}
+    processes = process_context_processes(ranks)
     while True:
-        forwarder.kill_if_requested(process_context_processes(ranks))
-        first_failed = first_failed or _failed_ranks(ranks)  # before torch's poll reaps the rest
+        forwarder.kill_if_requested(processes)
+        first_failed = first_failed or _failed_ranks(processes)  # before torch's poll reaps the rest
         if (result := ranks.wait(timeout=0)) is not None:
             break
         if failed_at is None and (any(log_dir.glob("user-error-*")) or any(log_dir.rglob("error.json"))):

@@ -103,13 +103,7 @@ from optimus.model import ParamCounts, count_params_of_config, flops_per_token, 
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
-from optimus.optim.memory import (
-    bucket_numel,
-    rank_update_bytes,
-    rank_zero2_staging_bytes,
-    shard_worlds,
-    zero_bucket_bytes,
-)
+from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.optim.muon_plan import planned_muon_step_bytes
 from optimus.parallel.pipeline_stage import releases_receive_buffers
 from optimus.plan_shares import RankShare, meta_model, rank_param_shapes, rank_shares, tp_split_names
@@ -406,10 +400,10 @@ def _optimizer_bytes(
         ).rounded()
         for scheme in SCHEMES
     }
+    update = rank_update_bytes(i.scheme, dense, expert, stage, i.act_bytes, rule_step)
     staging = (0, 0)
     if i.zero == 2:
         staging = rank_zero2_staging_bytes(i.scheme, dense, expert, stage, i.act_bytes, i.grad_bytes, i.bucket)
-    update = rank_update_bytes(i.scheme, dense, expert, stage, i.act_bytes, rule_step)
     return state, staging, {"rule": rule, **update}
 
 
@@ -421,12 +415,11 @@ def rule_steps(cfg: OptimusConfig, inputs: PlanInputs, shares: list[RankShare]) 
         return [(0, 0)] * len(shares)
     stage, model = inputs.stage, meta_model(cfg.model)
     split = tp_split_names(model) if stage.tp > 1 else set()
-    dtype, worlds = TORCH_DTYPES[inputs.compute_dtype], shard_worlds(inputs.scheme, stage)
-    ns_dtype = TORCH_DTYPES[cfg.optim.muon_ns_dtype]
+    dtype, ns_dtype = TORCH_DTYPES[inputs.compute_dtype], TORCH_DTYPES[cfg.optim.muon_ns_dtype]
     steps = []
     for share in shares:
         groups, split_dims = rank_param_shapes(model, share, cfg.parallel, stage, split)
-        steps.append(planned_muon_step_bytes(groups, worlds, dtype, inputs.bucket, split_dims, stage.tp, ns_dtype))
+        steps.append(planned_muon_step_bytes(groups, inputs.scheme, stage, dtype, inputs.bucket, split_dims, ns_dtype))
     return steps
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_group_work_bytes
+from optimus.layout import Layout
+from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_group_work_bytes, shard_worlds
 from optimus.optim.muon import batch_shapes, muon_slots_of
 from optimus.optim.muon_exchange import every_ranks_work
 from optimus.parallel.flat_buffer import FlatParams
@@ -20,22 +21,24 @@ NamedShapes = list[tuple[str, tuple[int, ...]]]
 
 
 def planned_muon_step_bytes(
-    groups: dict[str, NamedShapes], shard_worlds: dict[str, int], dtype: torch.dtype, bucket: int,
-    tp_split: dict[str, int], tp: int, ns_dtype: torch.dtype,
+    groups: dict[str, NamedShapes], scheme: str, stage: Layout, dtype: torch.dtype, bucket: int,
+    tp_split: dict[str, int], ns_dtype: torch.dtype,
 ) -> tuple[int, int]:  # fmt: skip
-    """(working bytes, bytes received) of one Muon step on the busiest rank: per group ("dense", "expert") the
-    largest figure of any rank of its shard group (`shard_worlds[group]` ranks, buckets of `bucket` elements,
-    parameters stored in `dtype`, the Newton-Schulz iteration in `ns_dtype`); the step's working memory is the
+    """(working bytes, bytes received) of one Muon step on the busiest rank of a pipeline stage laid out as
+    `stage`: per group ("dense", "expert") the largest figure of any rank of its shard group (under sharding
+    `scheme`: optimus.optim.memory.shard_worlds), with buckets of `bucket` elements, parameters stored in
+    `dtype` and the Newton-Schulz iteration in `ns_dtype`; the step's working memory is the
     largest group's (a group's buffers are freed before the next), what is received the groups' sum.
-    `tp_split`: the matrices tensor parallelism splits over `tp` ranks (name -> the dimension split), whose
+    `tp_split`: the matrices tensor parallelism splits over the stage's tp ranks (name -> the dimension split), whose
     owners gather their peers' halves. The sum of receipts is the busiest rank's when one rank is the busiest
     of both groups, and at most one unit's share above it otherwise."""
+    worlds, tp = shard_worlds(scheme, stage), stage.tp
     work = received = 0
     for kind, named in groups.items():
         if not named:
             continue
         params = [(name, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))) for name, shape in named]
-        flat = FlatParams(params, shard_worlds[kind], 0, bucket)
+        flat = FlatParams(params, worlds[kind], 0, bucket)
         slots = muon_slots_of(flat)
         if not slots:
             continue

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from optimus.layout import Layout
 from optimus.optim.memory import MUON_DIRECTION_BYTES, muon_group_work_bytes
 from optimus.optim.muon import batch_shapes, muon_slots_of
 from optimus.optim.muon_exchange import MuonExchange, every_ranks_work, units_of
@@ -143,7 +144,8 @@ def test_every_ranks_work_is_each_ranks_own_plan(seed):
                 work = max(work, muon_group_work_bytes(*figures))
                 received = max(received, (p.received_numel() + (tp - 1) * split) * MUON_DIRECTION_BYTES)
             shapes = {"dense": [(n, tuple(q.shape)) for n, q in named]}
+            stage = Layout(world=world * tp, tp=tp)  # ep_aware: the dense group's owners are the tp rank's peers
             planned = planned_muon_step_bytes(
-                shapes, {"dense": world}, torch.float32, bucket, split_dims, tp, torch.bfloat16
+                shapes, "ep_aware", stage, torch.float32, bucket, split_dims, torch.bfloat16
             )
             assert planned == (work, received), (world, bucket)
