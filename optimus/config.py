@@ -92,6 +92,9 @@ class MachinePerfConfig:
     # A rank's step time varies about its mean by this fraction (a coefficient of variation), independently of
     # the others'; a synchronous step waits for the slowest rank (optimus.perf.stragglers). Null: none.
     rank_variability: float | None = None
+    # Seconds (us) every collective costs beyond its transfer where the ranks wake each other on the cores they
+    # compute on (a CPU: optimus.perf.rank_sync); null: none, as for GPUs, whose ranks wait on their streams.
+    sync_cost_us: float | None = None
     # The range of each number above that is not a count, as {key: [low, high]}, holding its value: a measured
     # number a narrow one, an assumed one a wide one (the recipe says why beside each). `optimus plan --predict`
     # reports the step at both ends (optimus.perf.machine). A number without a range is taken as exact.
@@ -101,7 +104,7 @@ class MachinePerfConfig:
 # The machine.perf numbers that may carry a range: all but the counts (devices per package, NICs per node).
 RANGED_PERF_KEYS = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth_gbs",
                     "kernel_floor_us", "package_gbs", "package_latency_us", "node_gbs", "node_latency_us", "nic_gbs",
-                    "network_latency_us", "rank_variability")  # fmt: skip
+                    "network_latency_us", "rank_variability", "sync_cost_us")  # fmt: skip
 
 
 @dataclass
@@ -113,6 +116,9 @@ class MachineConfig:
     peak_flops: float | None = None  # bf16 FLOP/s per device; null = table or CPU probe
     memory_gb: float | None = None  # memory per device, for the planner
     account_required: bool = False  # its scheduler rejects a job without a project to charge (launch --account)
+    # A machine.yaml that `optimus plan --calibrate` (or `optimus selftest`) wrote: its keys replace the recipe's
+    # machine (optimus.recipes.load_config); machine.* overrides on the command line still come last.
+    calibration: str | None = None
     perf: MachinePerfConfig = field(default_factory=MachinePerfConfig)
 
 

@@ -59,6 +59,27 @@ def unknown_keys(node: dict, schema: type, prefix: str = "") -> list[str]:
     return out
 
 
+def _apply_calibration(composed, overrides: list[str]) -> None:
+    """machine.calibration: the keys of that machine.yaml (`optimus plan --calibrate`'s) over the recipe's machine,
+    then the command line's machine.* overrides again, which come last as everywhere else."""
+    from omegaconf import OmegaConf, open_dict
+
+    path = composed.machine.get("calibration")
+    if not path:
+        return
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(
+            f"machine.calibration={path} is not a file: run `optimus plan --calibrate --out DIR` on a node of the "
+            "machine and pass DIR/machine.yaml."
+        )
+    explicit = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("machine.")]
+    with open_dict(composed):  # machine.perf.ranges is free-form: the file's ranges are new keys there
+        composed.machine = OmegaConf.merge(composed.machine, OmegaConf.load(file))
+        composed.machine = OmegaConf.merge(composed.machine, OmegaConf.from_dotlist(explicit).get("machine", {}))
+    composed.machine.calibration = str(file)
+
+
 def load_config(overrides: list[str]) -> OptimusConfig:
     """Compose recipes + overrides into a typed, validated-for-types OptimusConfig."""
     from hydra import compose, initialize_config_dir
@@ -71,6 +92,7 @@ def load_config(overrides: list[str]) -> OptimusConfig:
     try:
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             composed = compose(config_name="config", overrides=list(overrides))
+        _apply_calibration(composed, overrides)
         unknown = unknown_keys(OmegaConf.to_container(composed), OptimusConfig)
         if unknown:  # `+key=value` adds keys that Hydra's struct mode lets through
             raise ConfigError(

@@ -121,9 +121,10 @@ def test_machine_yaml_is_a_recipe_of_the_measured_numbers(selftest_dir):
     assert machine.perf.gemm_efficiency == four_digits(min(1.0, rates["gemm_fraction_of_peak"]))
     assert machine.perf.memory_bandwidth_gbs == four_digits(rates["memory_bandwidth_bytes_per_s"] / 1e9)
     assert machine.perf.kernel_floor_us == four_digits(rates["kernel_floor_s"] * 1e6)
-    # fp32 products on a CPU: the probed fp32 peak is the model's fp32 peak; machine=local's name would make the
-    # model measure on the spot instead of reading these numbers
-    assert machine.perf.peak_flops_fp32 == four_digits(rates["peak_flops"]) and machine.peak_flops is None
+    # fp32 products on a CPU: the probed fp32 peak is the model's fp32 peak, and its bf16 peak is probed too (the
+    # model's peak_flops); machine=local's name would make the model measure on the spot instead of reading these
+    assert machine.perf.peak_flops_fp32 == four_digits(rates["peak_flops"])
+    assert machine.peak_flops == four_digits(rates["bf16_peak"]["flops_per_s"]) > 0
     assert machine.name == "calibrated" and machine.device == "cpu" and machine.ranks_per_node == 1
     assert machine.perf.node_gbs is None and machine.perf.node_latency_us is None  # one process: no link
     # each measured number's range (for --predict's interval): +-10% around it, at most 1 for a fraction
@@ -242,10 +243,16 @@ def test_two_processes_check_and_time_every_collective_on_gloo(tmp_path):
     else:  # noise: the larger no slower than the smaller
         bandwidth = large / all_reduce[-1] / 1e9
     assert machine.perf.node_gbs == float(f"{bandwidth:.4g}") and machine.ranks_per_node == 2
+    # the ranks' wake-up cost and variability (optimus.perf.rank_sync), written where the fit is above 0
+    sync = c["sync"]
+    assert sync["sync_cost_s"] >= 0 and sync["rank_variability"] >= 0
+    fitted = {key: value > 0 for key, value in (("sync_cost_us", sync["sync_cost_s"]),
+                                                ("rank_variability", sync["rank_variability"]))}  # fmt: skip
     assert measured_keys((out / "machine.yaml").read_text(), "optimus selftest") == MEASURED | {
         "node_gbs",
         "node_latency_us",
-    }
+    } | {key for key, written in fitted.items() if written}
+    assert machine.perf.sync_cost_us == (float(f"{sync['sync_cost_s'] * 1e6:.4g}") if fitted["sync_cost_us"] else None)
     assert "collectives: gloo, WORLD group of 2 processes, fp32" in done.stdout
 
 
@@ -285,6 +292,37 @@ def test_plan_calibrate_writes_the_same_machine_yaml_and_replaces_only_its_own(s
     key_lines = lambda text: [line.split(":")[0] for line in text.splitlines() if not line.startswith("#")]  # noqa: E731
     assert key_lines(calibrated) == key_lines(from_selftest)
     assert loaded_machine(out / "machine.yaml").perf.gemm_efficiency > 0
+
+
+def test_a_calibration_round_trip_predicts_with_its_numbers(tmp_path):
+    """`optimus plan --calibrate` on two gloo processes, then `--predict machine.calibration=DIR/machine.yaml`: the
+    prediction runs on the file's numbers (the measured link, the ranks' wake-up cost and variability where
+    measured) with their ranges, its point inside its interval, and a machine.* override still wins."""
+    out = tmp_path / "cal"
+    code, table, err = run("plan", "--calibrate", "--out", str(out), "--nproc", "2", *SMALL)
+    assert code == 0, err
+    text = (out / "machine.yaml").read_text()
+    assert {"node_gbs", "node_latency_us"} <= measured_keys(text, "optimus plan --calibrate")
+    machine = loaded_machine(out / "machine.yaml")
+    layout = ["--world", "2", *SMALL, "train.global_batch=4", f"machine.calibration={out / 'machine.yaml'}"]
+    code, printed, err = run("plan", "--predict", "--json", *layout, "machine.memory_gb=64")
+    assert code == 0, err
+    prediction = json.loads(printed)
+    numbers = prediction["machine_numbers"]
+    assert prediction["machine"] == "calibrated" and numbers["ranks_per_node"] == 2
+    assert numbers["node"]["bandwidth"] == pytest.approx(machine.perf.node_gbs * 1e9)
+    assert numbers["gemm_efficiency"] == machine.perf.gemm_efficiency
+    assert numbers["sync_cost"] == pytest.approx((machine.perf.sync_cost_us or 0) * 1e-6)
+    assert numbers["rank_variability"] == (machine.perf.rank_variability or 0)
+    assert prediction["device_bytes"] == 64 * 2**30  # the command line's override, after the file's null
+    low, high = prediction["step_time_s_range"]
+    assert low < prediction["step_time_s"] < high  # the measured numbers' +-10% ranges
+
+
+def test_a_calibration_file_that_is_not_there_is_one_line(tmp_path):
+    code, _, err = run("plan", "model=tiny", f"machine.calibration={tmp_path / 'machine.yaml'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"machine.calibration={tmp_path / 'machine.yaml'} is not a file: run `optimus plan --calibrate" in err
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,8 @@ LINKS = ("package", "node", "network")
 # its step is too: the two ends of MachineModel.at_end bound it over every combination inside the ranges.
 FASTER_WHEN_HIGHER = ("peak_flops_fp32", "gemm_efficiency", "attention_efficiency", "memory_bandwidth",
                       "package.bandwidth", "node.bandwidth", "network.bandwidth")  # fmt: skip
-SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency", "rank_variability")
+SLOWER_WHEN_HIGHER = ("kernel_floor", "package.latency", "node.latency", "network.latency", "rank_variability",
+                      "sync_cost")  # fmt: skip
 
 # machine.perf.<key> (optimus.config.RANGED_PERF_KEYS) -> (the number's name in the model, the unit's scale).
 _MODEL_NUMBER = {
@@ -59,6 +60,7 @@ _MODEL_NUMBER = {
     "package_latency_us": ("package.latency", 1e-6), "node_gbs": ("node.bandwidth", 1e9),
     "node_latency_us": ("node.latency", 1e-6), "nic_gbs": ("network.bandwidth", 1e9),
     "network_latency_us": ("network.latency", 1e-6), "rank_variability": ("rank_variability", 1.0),
+    "sync_cost_us": ("sync_cost", 1e-6),
 }  # fmt: skip
 
 
@@ -140,8 +142,8 @@ class MachineModel:
 
 
 # The recipe keys every cluster needs, and what to write when one is missing.
-_REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us",
-             "nic_gbs", "nics_per_node", "network_latency_us")  # fmt: skip
+_NETWORK = ("nic_gbs", "nics_per_node", "network_latency_us")
+_REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us", *_NETWORK)
 
 
 def times_operators(machine: MachineConfig) -> bool:
@@ -155,7 +157,10 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     if times_operators(machine):
         return measure_local(nproc)
     p = machine.perf
-    missing = [f"machine.perf.{key}" for key in _REQUIRED if getattr(p, key) is None]
+    # Ranks on one node send nothing over a network: a machine measured on one node (a calibration) has no NIC.
+    one_node = bool(machine.ranks_per_node) and nproc <= machine.ranks_per_node
+    required = [key for key in _REQUIRED if not (one_node and key in _NETWORK)]
+    missing = [f"machine.perf.{key}" for key in required if getattr(p, key) is None]
     missing += [f"machine.{key}" for key in ("peak_flops", "ranks_per_node") if not getattr(machine, key)]
     if missing:
         raise ConfigError(
@@ -163,6 +168,8 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
             f"recipes/machine/{machine.name}.yaml (or as overrides), with each number's source."
         )
     node = Link(p.node_gbs * 1e9, p.node_latency_us * 1e-6)
+    has_network = None not in (p.nic_gbs, p.network_latency_us)
+    network = Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6) if has_network else node  # one node: unused
     package_latency = p.package_latency_us if p.package_latency_us is not None else p.node_latency_us
     package = Link(p.package_gbs * 1e9, package_latency * 1e-6) if p.package_gbs else node
     return MachineModel(
@@ -177,11 +184,12 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
         devices_per_package=p.devices_per_package,
         package=package,
         node=node,
-        network=Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6),
-        nics_per_node=p.nics_per_node,
+        network=network,
+        nics_per_node=p.nics_per_node or 1,
         library=library_of(machine.device, machine.backend),
         rank_variability=p.rank_variability or 0.0,
-        sources={"recipe": f"recipes/machine/{machine.name}.yaml"},
+        sync_cost=(p.sync_cost_us or 0.0) * 1e-6,
+        sources={"recipe": machine.calibration or f"recipes/machine/{machine.name}.yaml"},
         ranges=model_ranges(p),
     )
 

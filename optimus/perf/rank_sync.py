@@ -51,6 +51,16 @@ def sync_rank(rank: int, world: int, init_file: str, results) -> None:
     a barrier's time when the ranks arrive together)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    measured, aligned = meetings()
+    if rank == 0:
+        results.put((measured, aligned))
+    dist.destroy_process_group()
+
+
+def meetings() -> tuple[list[tuple[float, float]], float]:
+    """Every rank of the default process group computes the same stretches of matrix products and meets the others
+    at a barrier after each: ([(stretch, seconds per meeting beyond it)] for the short and the long stretch, a
+    barrier's time when the ranks arrive together), this rank's (fit_sync reads them)."""
     a = torch.randn(256, 256)
     per_product = _stretch_of(a, 50) / 50
     dist.barrier()
@@ -70,6 +80,4 @@ def sync_rank(rank: int, world: int, init_file: str, results) -> None:
             work += _stretch_of(a, int(products))
             dist.barrier()
         measured.append((work / MEETINGS, (time.perf_counter() - start - work) / MEETINGS))
-    if rank == 0:
-        results.put((measured, statistics.median(aligned)))
-    dist.destroy_process_group()
+    return measured, statistics.median(aligned)

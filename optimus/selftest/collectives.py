@@ -27,6 +27,7 @@ from optimus.config import TORCH_DTYPES
 from optimus.parallel import collective_check as cc
 from optimus.parallel.collectives import _all_gather_tensor, reduce_scatter_sum
 from optimus.perf.collectives import ring_steps
+from optimus.perf.rank_sync import fit_sync, meetings
 from optimus.selftest.rates import median_seconds
 
 KIB, MIB = 2**10, 2**20
@@ -146,6 +147,7 @@ def run_collectives(device: torch.device, compute_dtype: torch.dtype) -> dict:
         })  # fmt: skip
     all_reduce = kinds[0]["seconds"]
     return {
+        "sync": measured_sync(n) if device.type == "cpu" and n > 1 else None,
         "backend": backend,
         "group": GROUP,
         "processes": n,
@@ -154,6 +156,17 @@ def run_collectives(device: torch.device, compute_dtype: torch.dtype) -> dict:
         "kinds": kinds,
         "node_link": fit_node_link(n, sizes, all_reduce) if all_reduce else None,
     }
+
+
+def measured_sync(n: int) -> dict:
+    """{sync_cost_s, rank_variability}: what a collective costs these CPU ranks beyond its transfer when they arrive
+    from computing on the cores they share, and how far apart they arrive (optimus.perf.rank_sync), each the
+    largest any rank fitted."""
+    measured, aligned = meetings()
+    fitted_2 = torch.tensor(fit_sync(measured, aligned, n), dtype=torch.float64)
+    dist.all_reduce(fitted_2, op=dist.ReduceOp.MAX)
+    sync_cost, variability = fitted_2.tolist()
+    return {"sync_cost_s": sync_cost, "rank_variability": variability}
 
 
 def _timed(kind: Kind, sizes, dtype: torch.dtype, device: torch.device, reps: int) -> list[float]:

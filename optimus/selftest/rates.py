@@ -157,4 +157,7 @@ def measure_rates(platform: Platform, machine: MachineConfig, model: ModelConfig
     """Every rate of this module on this rank's device."""
     gemm = measure_gemm(platform, machine, gemm_shape(model, tokens), dtype)
     bandwidth, floor = measure_memory_and_floor(platform.device)
-    return {"gemm": gemm, "memory_bandwidth": bandwidth, "kernel_floor": floor}
+    rates = {"gemm": gemm, "memory_bandwidth": bandwidth, "kernel_floor": floor}
+    if platform.device_type == "cpu" and dtype != torch.bfloat16:  # the model's bf16 peak, which this run lacks
+        rates["bf16_peak"] = dict(zip(("flops_per_s", "source"), peak_flops(platform, machine, torch.bfloat16)))
+    return rates

@@ -49,6 +49,7 @@ def _rates(ranks: list[dict]) -> dict:
         "gemm_dtype": gemm["dtype"],
         "peak_flops": gemm["peak_flops"],
         "peak_source": gemm["peak_source"],
+        "bf16_peak": per_rank[0].get("bf16_peak"),  # a CPU's, where the GEMM ran in fp32
         "memory_bandwidth_bytes_per_s": statistics.median(r["memory_bandwidth"]["bytes_per_s"] for r in per_rank),
         "memory_bandwidth_how": per_rank[0]["memory_bandwidth"]["how"],
         "kernel_floor_s": statistics.median(r["kernel_floor"]["seconds"] for r in per_rank),
@@ -210,12 +211,19 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
     bandwidth = rates["memory_bandwidth_bytes_per_s"] / 1e9
     values["perf.memory_bandwidth_gbs"] = (bandwidth, rates["memory_bandwidth_how"], True)
     values["perf.kernel_floor_us"] = (rates["kernel_floor_s"] * 1e6, rates["kernel_floor_how"], True)
-    link = report["collectives"].get("node_link")
+    c = report["collectives"]
+    link = c.get("node_link")
     if link:
-        c = report["collectives"]
         how = f"all_reduce over {c['processes']} processes on {c['backend']}, fitted as optimus.perf.costs prices it"
         values["perf.node_gbs"] = (link["gbs"], how, True)
         values["perf.node_latency_us"] = (link["latency_us"], how, True)
+    sync = c.get("sync")
+    if sync:
+        how = f"{c['processes']} {c['backend']} processes computing and meeting, fitted as optimus.perf.rank_sync"
+        if sync["sync_cost_s"] > 0:  # a fit of 0 (no cost seen) stays null: none
+            values["perf.sync_cost_us"] = (sync["sync_cost_s"] * 1e6, how, True)
+        if sync["rank_variability"] > 0:
+            values["perf.rank_variability"] = (sync["rank_variability"], how, True)
     values["ranks_per_node"] = (device["processes"], "the processes measured, one per device", False)
     # The peak of the GEMM's dtype, where the model reads it: bf16's, or a CPU's probed fp32 peak (an
     # accelerator's fp32 peak is derived from the bf16 one, optimus.selftest.rates.peak_flops).
@@ -223,6 +231,9 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
         values["peak_flops"] = (peak, f"the bf16 peak ({rates['peak_source']})", False)
     elif peak and device["type"] == "cpu":
         values["perf.peak_flops_fp32"] = (peak, f"the fp32 peak ({rates['peak_source']})", False)
+        if rates.get("bf16_peak"):
+            bf16 = rates["bf16_peak"]
+            values["peak_flops"] = (bf16["flops_per_s"], f"the bf16 peak ({bf16['source']})", False)
     if device.get("memory_bytes"):
         values["memory_gb"] = (device["memory_bytes"] / 2**30, "the device's memory in GiB", False)
     return values

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from optimus.config import RANGED_PERF_KEYS
+from optimus.config import RANGED_PERF_KEYS, ConfigError
 from optimus.perf.machine import (
     _MODEL_NUMBER,
     FASTER_WHEN_HIGHER,
@@ -75,6 +75,19 @@ def test_every_cluster_number_has_a_range_that_holds_it(machine):
         if value is not None and not stands_in and not spec_peak:
             low, high = perf.ranges[key]
             assert low <= value <= high, key
+
+
+def test_a_machine_without_a_network_predicts_one_node_only():
+    """A machine measured on one node (a calibration) has no NIC numbers: its model serves a world that fits on
+    the node, whose ranks send nothing over a network, and refuses a larger one naming what is missing."""
+    no_nic = ["machine=frontier", "machine.perf.nic_gbs=null", "machine.perf.network_latency_us=null",
+              "machine.perf.nics_per_node=null", "~machine.perf.ranges.nic_gbs",
+              "~machine.perf.ranges.network_latency_us"]  # fmt: skip
+    cfg = load_config(no_nic)
+    model = machine_model(cfg.machine, cfg.machine.ranks_per_node)
+    assert model.network == model.node and model.nics_per_node == 1
+    with pytest.raises(ConfigError, match=r"machine.perf.nic_gbs, machine.perf.nics_per_node, machine.perf.network"):
+        machine_model(cfg.machine, cfg.machine.ranks_per_node + 1)
 
 
 def _traced_small_step(pp: int):
