@@ -15,6 +15,11 @@ expert-data-parallel group (same experts) by ep; the pipeline group (the ranks a
 stage, which pass activations along) strides by S, so stages span nodes. With tp = 1 the data-parallel
 group is the whole stage.
 
+Hierarchical sharding (optim.shard_ranks = R): the optimizer splits its state over the data-parallel and the
+expert-data-parallel groups; with R set, each such group is cut into shard groups of R consecutive members
+(position // R: with tp = 1 the dense group's are consecutive ranks, the experts' ranks ep apart), which split
+the state, and replica groups (position % R), whose members hold the same shard.
+
 `Layout` holds these numbers, checked once when it is made; the planner, the dry run, the predictor, the
 optimizer's memory arithmetic, the run records and the trainer read them from it (ParallelState is a Layout
 plus this rank and its process groups). Names say what they hold everywhere: `dp` is the data-parallel

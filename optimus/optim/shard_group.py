@@ -9,7 +9,10 @@ micro-batch, seen by a tensor hook (which also fires in a zero-bubble pipeline s
 autograd's accumulation and its hooks are skipped), so the `micro_batches`-th arrival is the step's last; no
 caller has to say which backward is the last. A parameter that missed a micro-batch is reduced in `reduce()`. A
 group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
-its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold.
+its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. With
+hierarchical sharding (optim.shard_ranks: a GroupComm with a replica group) the reduce-scatter runs inside the shard
+group and, once it has finished, the shard it produced is all-reduced over the replica group (in flight beside the
+next buckets' reduce-scatters, holding no staged copy); `reduce_rest` waits for those too.
 
 Apart from the GradSharder (optimus.optim.sharder), which chooses each group's ranks by scheme (GroupComm), hooks
 its parameters' gradients to these groups and runs a step over them: everything done bucket by bucket and slot by

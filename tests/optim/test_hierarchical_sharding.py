@@ -1,21 +1,26 @@
-"""Hierarchical sharding (optim.shard_ranks): the collectives one step issues, and the checkpoint's write.
+"""Hierarchical sharding (optim.shard_ranks): the collectives one step issues, and who counts a shard in the norm.
 
 On 4 ranks with shard_ranks=2 the state of both groups is split inside shard groups {0, 1} and {2, 3} and each
 shard is replicated in replica groups {0, 2} and {1, 3} (optimus.layout). A step must reduce-scatter each bucket
 inside the shard group, in optim.grad_dtype, all-reduce that shard (half the bucket) over the replica group,
 gather the updated parameters inside the shard group, and span all 4 ranks only with the gradient norm's fp64
-sum. (That the values are right is tests/optim/test_sharded_optimizer.py's and test_muon.py's.)
+sum. And for pipeline and tensor-parallel layouts too large to run here, every rank's choice of groups: each shard
+counted in the norm by one rank. (That the values are right is tests/optim/test_sharded_optimizer.py's and
+test_muon.py's.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch.distributed as dist
 
 from optimus.config import ParallelConfig
+from optimus.layout import Layout
 from optimus.optim import ShardedAdamW, ShardedMuon
-from optimus.parallel import build_parallel_state, parallelize_model
+from optimus.optim.sharder import group_comms
+from optimus.parallel import ParallelState, build_parallel_state, parallelize_model
 from optimus.parallel.collective_trace import CollectiveTrace
 from tests.distributed import run_distributed
 from tests.optim.test_sharded_optimizer import GRAD_CLIP, batches, loss_of, new_model, optim_cfg
@@ -67,3 +72,32 @@ def test_a_step_reduces_inside_the_shard_group_and_over_the_replicas():
             assert len(muon) == result["exchanges"] and (update == "adamw" or muon), where
             world = [c for c in calls if c["ranks"] == [0, 1, 2, 3]]
             assert [(c["op"], c["dtype"]) for c in world] == [("all_reduce", "float64")], where  # the norm
+
+
+@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(world=16, pp=2, tp=2, ep=2, shard_ranks=2),
+        Layout(world=8, ep=2, shard_ranks=2),
+        Layout(world=8, ep=4, shard_ranks=1),
+    ],
+    ids=str,
+)
+def test_each_shard_is_counted_in_the_norm_by_one_rank(layout, scheme):
+    """Every rank's GroupComm (the choice is arithmetic: built here without process groups): each group's state is
+    split over shard_ranks ranks, and every shard of the same elements (dense: a stage's tp rank's slices, which
+    standard's EP ranks with tp = 1 all hold; experts: an EP rank's) is counted in the norm by exactly one rank."""
+    counters: dict[tuple, list[int]] = {}
+    for rank in range(layout.world):
+        ps = ParallelState(rank=rank, layout=layout).stage()
+        comms = group_comms(ps, scheme)
+        for kind, comm in comms.items():
+            assert comm.shard_world == layout.shard_ranks
+            place = ps.ep_rank if kind == "expert" else ps.tp_rank
+            key = (kind, layout.pp_rank(rank), place, comm.shard_rank)
+            counters.setdefault(key, [])
+            if comm.counts_in_norm:
+                counters[key].append(rank)
+    shards = layout.pp * (layout.ep + layout.tp) * layout.shard_ranks  # (stage, ep or tp rank, shard rank)
+    assert len(counters) == shards and all(len(ranks) == 1 for ranks in counters.values()), counters
