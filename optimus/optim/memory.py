@@ -11,7 +11,7 @@ group's state (its owner ranks) follows the scheme; a pipeline stage's ranks are
     ep_aware   stage / tp (every rank of the stage when tp = 1)      stage / ep
 
 With optim.shard_ranks = S (hierarchical sharding) both sharded schemes' owners are S for each group: the state is
-split over S ranks and each shard held by owners / S of them (shard_worlds).
+split over S ranks, and the group's other owners above hold copies of the same shards (shard_worlds).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ through the export's consolidation). The standard scheme with EP 2 writes its de
 optimizer shards from both EP ranks under the same keys (DCP keeps one).
 The sigmoid router makes the router biases (model buffers) part of what must carry over.
 Hierarchical sharding (optim.shard_ranks): the reference's checkpoint continues with the state in shard groups
-of 2, and one written with shard groups of 2 (each shard written once, though two ranks hold it) continues at
-world 2 with shard_ranks=1.
+of 2, and one written with shard groups of 2 (each shard written once, though two ranks hold it) continues in 2
+pipeline stages with shard_ranks=1.
 
 Pipeline stages: a checkpoint written at pp=2 (EP 2, ZeRO-2, 1F1B) continues the same
 trajectory at pp=1 (one process) and at pp=4 (GPipe): a layer's keys carry its global
@@ -114,19 +114,20 @@ def checkpoint_bytes(step_dir) -> int:
     return sum(f.stat().st_size for f in step_dir.glob("*.distcp"))
 
 
-def test_hierarchical_checkpoint_is_written_once_and_continues_at_another_world(
+def test_hierarchical_checkpoint_is_written_once_and_continues_in_pipeline_stages(
     hierarchical_reference, reference, corpus_file, tmp_path
 ):
     """The replicas of each shard write the same keys, which DCP writes once: the checkpoint is no larger than
     one saved with the state split over all 4 ranks (with both copies its optimizer state would be twice that).
-    It continues at world 2 with shard_ranks=1 (every rank holding all of the state)."""
+    It continues in 2 pipeline stages of 2 ranks with shard_ranks=1 (every rank holding all of its stage's state,
+    summed over its stage's other rank)."""
     ref_dir, cache = hierarchical_reference
     step = "checkpoints/step_000002"
     assert checkpoint_bytes(ref_dir / step) < 1.05 * checkpoint_bytes(reference[0] / step)
     run_dir = tmp_path / "run"
-    layout = ["parallel.nproc=2", "optim.sharding=standard", "optim.shard_ranks=1"]
+    layout = ["parallel.nproc=4", "parallel.pp=2", "optim.sharding=standard", "optim.shard_ranks=1"]
     load = f"checkpoint.load={ref_dir / step}"
-    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], 2, cache)
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], 4, cache)
     assert_continues(run_dir, ref_dir)
 
 
