@@ -295,7 +295,9 @@ class ShardGroup:
         work.wait()
         if copy_to is not None:
             copy_to.copy_(src)
-        if shard is not None:
+        if shard is not None:  # here, where every rank issues it in the same order among its other collectives (not
+            # when its reduce-scatter happens to finish: ranks that order two groups' collectives differently can
+            # deadlock on a GPU, where each communicator's collectives run in issue order)
             self.replica_works.append(dist.all_reduce(shard, group=self.comm.replica_group, async_op=True))
 
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
