@@ -189,6 +189,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     sharding: str = "auto"  # auto (ep_aware when world > 1, else none) | ep_aware | standard | none
+    # Hierarchical sharding: each group's state split over groups of this many consecutive ranks of its shard world
+    # (dense: dp ranks; experts: edp ranks) and replicated across the groups; null = over all of them; 1 = DDP-like
+    shard_ranks: int | None = None
     # muon | adamw: Muon for the hidden matrices (experts per expert), AdamW with the keys above for the embedding,
     # LM head, router and vectors (optimus/optim/muon.py); the same lr, schedule and weight decay drive both.
     # Muon is the default run's (docs/ARCHITECTURE.md, "The default run"); every experiment recipe and the command

@@ -31,6 +31,7 @@ from optimus.config import (
 from optimus.errors import ConfigError, check_choice
 from optimus.kernels import BACKENDS as KERNEL_BACKENDS
 from optimus.layout import Layout, experts_per_rank
+from optimus.optim import resolve_sharding
 from optimus.parallel.expert_parallel import dispatcher_class
 
 
@@ -150,7 +151,8 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
     fix = "choose a global batch that is a multiple of the micro batch."
     _divides(t.micro_batch, "train.micro_batch", t.global_batch, "train.global_batch", fix)
     validate_pipeline(cfg, world_size)
-    layout = layout_of(cfg, world_size)
+    layout = layout_of(cfg, world_size)  # refuses an optim.shard_ranks that does not divide dp and edp
+    validate_shard_ranks(cfg.optim, layout.stage_size)
     validate_tensor_parallel(cfg)
     layout.micro_batches(t.global_batch, t.micro_batch)
     validate_micro_batches(cfg, layout)
@@ -160,7 +162,20 @@ def validate(cfg: OptimusConfig, world_size: int = 1) -> None:
 def layout_of(cfg: OptimusConfig, world_size: int) -> Layout:
     """The run's rank layout on `world_size` ranks, from parallel.*; refused when its degrees do not divide."""
     p = cfg.parallel
-    return Layout(world=world_size, pp=p.pp, tp=p.tp, ep=p.ep, sp=p.sp, pp_virtual=p.pp_virtual)
+    return Layout(
+        world=world_size, pp=p.pp, tp=p.tp, ep=p.ep, sp=p.sp, pp_virtual=p.pp_virtual, shard_ranks=cfg.optim.shard_ranks
+    )
+
+
+def validate_shard_ranks(o: OptimConfig, stage_size: int) -> None:
+    """optim.shard_ranks splits a sharded scheme's state: without one (sharding=none, or auto on a stage of one
+    rank) there is nothing to split."""
+    if o.shard_ranks is not None and resolve_sharding(o.sharding, stage_size) == "none":
+        raise ConfigError(
+            f"optim.shard_ranks={o.shard_ranks} needs a sharded optimizer, which optim.sharding={o.sharding} on "
+            f"{stage_size} rank(s) per pipeline stage is not: set optim.shard_ranks=null, or optim.sharding=ep_aware "
+            "or standard."
+        )
 
 
 def validate_optim(o: OptimConfig) -> None:

@@ -15,6 +15,11 @@ expert-data-parallel group (same experts) by ep; the pipeline group (the ranks a
 stage, which pass activations along) strides by S, so stages span nodes. With tp = 1 the data-parallel
 group is the whole stage.
 
+Hierarchical sharding (optim.shard_ranks = R): the optimizer splits its state over the data-parallel and the
+expert-data-parallel groups; with R set, each such group is cut into shard groups of R consecutive members
+(position // R: with tp = 1 the dense group's are consecutive ranks, the experts' ranks ep apart), which split
+the state, and replica groups (position % R), whose members hold the same shard.
+
 `Layout` holds these numbers, checked once when it is made; the planner, the dry run, the predictor, the
 optimizer's memory arithmetic, the run records and the trainer read them from it (ParallelState is a Layout
 plus this rank and its process groups). Names say what they hold everywhere: `dp` is the data-parallel
@@ -23,6 +28,7 @@ degree (ranks that read different batches), `edp` the expert-data-parallel degre
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from optimus.errors import ConfigError
@@ -36,6 +42,9 @@ class Layout:
     ep: int = 1  # expert-parallel degree (MoE layers; innermost too)
     sp: bool = False  # sequence parallelism: with tp > 1 the residual stream holds seq_len / tp positions
     pp_virtual: int = 1  # stages per rank (interleaved schedules)
+    # optim.shard_ranks: ranks that split each optimizer group's state, consecutive in the group's rank order; the
+    # group's other ranks hold replicas of the same shards (hierarchical sharding). None: all of the group's ranks.
+    shard_ranks: int | None = None
 
     def __post_init__(self):
         for key, size in (("parallel.pp", self.pp), ("parallel.tp", self.tp), ("parallel.ep", self.ep)):
@@ -51,6 +60,24 @@ class Layout:
                 raise ConfigError(f"{key}={size} does not divide {where}: choose a {key[9:]} that divides it.")
         if self.sp and self.tp == 1:
             object.__setattr__(self, "sp", False)  # nothing to split the sequence over
+        self._check_shard_ranks()
+
+    def _check_shard_ranks(self) -> None:
+        """optim.shard_ranks must cut both optimizer groups' ranks (dp and edp: every sharded scheme splits its
+        dense state over one of them and its expert state over edp) into whole groups."""
+        s = self.shard_ranks
+        if s is None:
+            return
+        if not (isinstance(s, int) and s >= 1):
+            raise ConfigError(
+                f"optim.shard_ranks={s} must be a positive whole number, or null (all of a group's ranks)."
+            )
+        if self.dp % s or self.edp % s:
+            raise ConfigError(
+                f"optim.shard_ranks={s} does not divide the {self.dp} data-parallel and {self.edp} "
+                f"expert-data-parallel ranks of a pipeline stage: choose a shard_ranks that divides "
+                f"{math.gcd(self.dp, self.edp)}, or null."
+            )
 
     @property
     def stage_size(self) -> int:
@@ -72,7 +99,7 @@ class Layout:
         parallelism work in): itself when pp = 1."""
         if self.pp == 1:
             return self
-        return Layout(world=self.stage_size, tp=self.tp, ep=self.ep, sp=self.sp)
+        return Layout(world=self.stage_size, tp=self.tp, ep=self.ep, sp=self.sp, shard_ranks=self.shard_ranks)
 
     def residual_seq_len(self, seq_len: int) -> int:
         """Positions of the residual stream (what blocks and pipeline stages pass on) on each rank."""
@@ -117,6 +144,34 @@ class Layout:
 
     def pp_groups(self) -> list[list[int]]:
         return [list(range(local, self.world, self.stage_size)) for local in range(self.stage_size)]
+
+    # Hierarchical sharding (optim.shard_ranks = S): a group of n ranks that shares an optimizer group's state (its
+    # shard world: the data-parallel group, the stage's ranks with tp = 1, or the expert-data-parallel group) is cut
+    # into n / S shard groups of S consecutive members, which split the state; the members at the same place in
+    # each shard group (its replica group) hold the same shard.
+    def shard_size(self, ranks: int) -> int:
+        """Ranks that split the state of a group whose shard world is `ranks`: optim.shard_ranks, else all."""
+        return ranks if self.shard_ranks is None else self.shard_ranks
+
+    def shard_replicas(self, ranks: int) -> int:
+        """Shard groups of a shard world of `ranks`: the copies of each shard."""
+        return ranks // self.shard_size(ranks)
+
+    def shard_place(self, position: int, ranks: int) -> tuple[int, int]:
+        """(replica, shard rank): which shard group the member at `position` of a shard world of `ranks` is in,
+        and its place there."""
+        return divmod(position, self.shard_size(ranks))
+
+    def shard_groups(self, worlds: list[list[int]]) -> list[list[int]]:
+        """The shard groups of every group of `worlds` (e.g. dp_groups()): consecutive members, S at a time."""
+        return [world[i : i + s] for world, s in self._with_shard_size(worlds) for i in range(0, len(world), s)]
+
+    def replica_groups(self, worlds: list[list[int]]) -> list[list[int]]:
+        """The replica groups of every group of `worlds`: the members S apart, which hold the same shard."""
+        return [world[i::s] for world, s in self._with_shard_size(worlds) for i in range(s)]
+
+    def _with_shard_size(self, worlds: list[list[int]]) -> list[tuple[list[int], int]]:
+        return [(world, self.shard_size(len(world))) for world in worlds]
 
 
 def _runs(world: int, size: int) -> list[list[int]]:

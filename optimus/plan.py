@@ -14,6 +14,7 @@ S/TP hold the same dense slices:
     standard   S/EP, S/EP                    es (N_d + P_e/EP)   N_d EP/S + P_e/S   (TP = 1)
                S/TP, S/EP                    es (N_d + P_e/EP)   N_d TP/S + P_e/S   (TP > 1)
     ep_aware   S/TP, S/EP                    es (N_d + P_e/EP)   N_d TP/S + P_e/S
+               (optim.shard_ranks = R: standard and ep_aware split each group over R owners, N_o = N_d/R + P_e/(EP R))
 
     gradients  ZeRO-1: gs x full local size (+ gs N_o when the owner ranks are > 1);
                ZeRO-2: gs N_o (the full gradient exists only during the last backward)
@@ -331,6 +332,7 @@ class Plan:
     ep: int
     edp: int  # expert data-parallel ranks of a stage (world / (pp x ep)): MoE layers fold DP x TP into EDP x EP
     sharding: str
+    shard_ranks: int | None  # optim.shard_ranks: each group's state split over groups of this many ranks (None: all)
     zero: int
     param_dtype: str  # also the compute dtype
     grad_dtype: str
@@ -525,6 +527,6 @@ def plan_layout(cfg: OptimusConfig, layout: Layout, path: str, counts: ParamCoun
     params = {**counts.as_dict(), "per_device": busiest["share"].per_device(tp, ep)}
     update = busiest["update"]
     return Plan(
-        m.name, world, pp, layout.dp, tp, layout.sp, ep, layout.edp, sharding,
+        m.name, world, pp, layout.dp, tp, layout.sp, ep, layout.edp, sharding, layout.shard_ranks,
         cfg.optim.zero, compute, cfg.optim.grad_dtype, params, state, act, flops, memory, stages, update,
     )  # fmt: skip

@@ -165,6 +165,20 @@ def test_layout_rules_are_one_class():
         Layout(world=6, tp=0)
 
 
+def test_shard_ranks_must_cut_the_optimizer_groups_and_need_a_sharded_scheme():
+    batch = ["train.global_batch=48", "train.micro_batch=1"]
+    validate(load_config([*batch, "optim.shard_ranks=2", "parallel.ep=2"]), 8)  # dp 8, edp 4: groups of 2
+    message = error_of([*batch, "optim.shard_ranks=4"], 6)
+    assert message.startswith("optim.shard_ranks=4 does not divide the 6 data-parallel and 6 expert-data-parallel")
+    message = error_of([*batch, "optim.shard_ranks=4", "parallel.tp=2", "parallel.ep=4"], 8)  # dp 4, edp 2
+    assert message.endswith("choose a shard_ranks that divides 2, or null.")
+    assert "must be a positive whole number" in error_of([*batch, "optim.shard_ranks=0"], 4)
+    for sharding, world in (("none", 4), ("auto", 1)):
+        message = error_of([*batch, "optim.shard_ranks=1", f"optim.sharding={sharding}"], world)
+        assert f"optim.shard_ranks=1 needs a sharded optimizer, which optim.sharding={sharding} on {world}" in message
+        assert message.endswith("set optim.shard_ranks=null, or optim.sharding=ep_aware or standard.")
+
+
 def test_experts_per_rank():
     assert [experts_per_rank(8, ep) for ep in (1, 2, 4, 8)] == [8, 4, 2, 1]
     assert experts_per_rank(0, 1) == 0  # a dense model without expert parallelism

@@ -296,6 +296,23 @@ def test_a_muon_dry_run_is_measured_against_the_plans_one_figure():
     assert 0.9 < memory["peak_bytes"] / memory["planned_bytes"] <= 1.05
 
 
+def test_a_hierarchical_dry_run_gathers_in_shard_groups_and_is_measured_against_its_plan():
+    """optim.shard_ranks=2 at world 8, ep 2: rank 0 gathers its parameters inside its shard groups (dense: ranks
+    0, 1 of the stage's 8; experts: 0, 2 of its expert-data-parallel 0, 2, 4, 6), all-reduces each shard over its
+    replica groups (0, 2, 4, 6 and 0, 4), and peaks at the plan's figure, which counts the state split over 2."""
+    cfg = load_config([*TINY_MODEL, "optim.update=adamw", "train.dtype=fp32", "train.seq_len=32",
+                       "train.micro_batch=1", "train.global_batch=8", "parallel.ep=2", "optim.shard_ranks=2",
+                       "optim.zero=2"])  # fmt: skip
+    result = dry_run_rank(cfg, 8, 0)
+    calls = result["collectives"]
+    assert {tuple(c["ranks"]) for c in calls if c["op"] == "all_gather"} == {(0, 1), (0, 2)}
+    replicas = {tuple(c["ranks"]) for c in calls if c["op"] == "all_reduce"} - {tuple(range(8))}
+    assert replicas == {(0, 2, 4, 6), (0, 4)}
+    memory = result["memory"]
+    assert memory["planned_bytes"] == make_plan(cfg, 8).memory["total_configured"]
+    assert 0.9 < memory["peak_bytes"] / memory["planned_bytes"] <= 1.05
+
+
 def _no_work(monkeypatch):
     """Make the work of a dry run or a prediction (the step, the machine's measurement) fail the test."""
 

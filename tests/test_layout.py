@@ -92,3 +92,37 @@ def test_micro_batches_and_their_refusal():
 def test_a_layout_is_frozen():
     with pytest.raises(AttributeError):
         Layout(world=4).world = 8
+
+
+HIERARCHICAL = [
+    Layout(world=8, ep=2, shard_ranks=2),
+    Layout(world=16, pp=2, tp=2, ep=2, shard_ranks=2),
+    Layout(world=8, ep=4, shard_ranks=1),
+    Layout(world=12, ep=3, shard_ranks=4),
+]
+
+
+@pytest.mark.parametrize("layout", HIERARCHICAL, ids=str)
+def test_shard_and_replica_groups_cut_each_shard_world_by_position(layout):
+    """optim.shard_ranks = S: in each data-parallel and expert-data-parallel group, positions p and q share a shard
+    group when p // S == q // S (consecutive members) and a replica group when p % S == q % S."""
+    s = layout.shard_ranks
+    for worlds in (layout.dp_groups(), layout.edp_groups()):
+        shards, replicas = layout.shard_groups(worlds), layout.replica_groups(worlds)
+        for groups in (shards, replicas):
+            assert sorted(r for g in groups for r in g) == list(range(layout.world))  # a partition of the world
+        for world in worlds:
+            for p, rank in enumerate(world):
+                (shard,) = [g for g in shards if rank in g]
+                (replica,) = [g for g in replicas if rank in g]
+                assert shard == [r for q, r in enumerate(world) if q // s == p // s]
+                assert replica == [r for q, r in enumerate(world) if q % s == p % s]
+                assert layout.shard_place(p, len(world)) == (replica.index(rank), shard.index(rank))
+                assert layout.shard_replicas(len(world)) == len(replica)
+
+
+def test_without_shard_ranks_a_shard_group_is_the_whole_group():
+    layout = Layout(world=8, ep=2)
+    assert layout.shard_groups(layout.edp_groups()) == layout.edp_groups()
+    assert layout.replica_groups(layout.edp_groups()) == [[r] for g in layout.edp_groups() for r in g]
+    assert layout.one_stage() is layout and Layout(world=8, pp=2, shard_ranks=2).one_stage().shard_ranks == 2

@@ -143,6 +143,30 @@ def test_plan_equals_the_buffers_the_optimizer_holds(world, ep, scheme, dtype, z
         assert opt.memory_bytes() == predicted
 
 
+@pytest.mark.parametrize("world,ep,shard_ranks", [(4, 1, 2), (12, 2, 3), (8, 2, 1)])  # shard_ranks < edp
+@pytest.mark.parametrize("scheme", ["ep_aware", "standard"])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_plan_equals_the_buffers_the_optimizer_holds_with_shard_ranks(world, ep, shard_ranks, scheme, zero):
+    """optim.shard_ranks: the plan counts the state split over groups of shard_ranks, as the sharder allocates it
+    (more per rank than over every rank of the group)."""
+    cfg = OptimusConfig(model=SMALL)
+    cfg.parallel.ep, cfg.train.dtype, cfg.optim.zero, cfg.optim.sharding = ep, "bf16", zero, scheme
+    cfg.train.micro_batch, cfg.train.global_batch = 1, world
+    whole = make_plan(cfg, world).state[scheme]
+    cfg.optim.shard_ranks = shard_ranks
+    predicted = make_plan(cfg, world).state[scheme]
+    assert predicted["optim_state_bytes"] > whole["optim_state_bytes"]
+    for rank in (0, world - 1):
+        ps = ParallelState(rank=rank, layout=Layout(world=world, ep=ep, shard_ranks=shard_ranks))
+        opt = ShardedAdamW(sliced_model(ps, torch.bfloat16), cfg.optim, ps, 1.0, scheme)
+        assert {kind: g.flat.world for kind, g in opt.sharder.groups.items()} == {
+            "dense": shard_ranks,
+            "expert": shard_ranks,
+        }
+        assert sum(predicted[k] for k in STATE_KEYS) == held_bytes(opt)
+        assert opt.memory_bytes() == predicted
+
+
 def test_state_bytes_scale_as_documented():
     """Without padding (sizes divisible by everything): the per-parameter byte counts of the docstring."""
     dense, expert, world, ep = 2**20, 2**22, 8, 4

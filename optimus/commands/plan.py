@@ -346,6 +346,16 @@ def _layout_line(plan: Plan) -> str:
     return line
 
 
+def _shard_ranks_line(plan: Plan) -> list[str]:
+    """With optim.shard_ranks: the sharded schemes' state is split over groups of that many ranks, replicated
+    across the groups (hierarchical sharding)."""
+    if plan.shard_ranks is None:
+        return []
+    return [
+        f"optimizer state split over groups of {plan.shard_ranks} ranks, replicated across them (optim.shard_ranks)"
+    ]
+
+
 def format_plan(plan: Plan) -> str:
     p, f, mem = plan.params, plan.flops, plan.memory
     lines = [
@@ -354,6 +364,7 @@ def format_plan(plan: Plan) -> str:
         _layout_line(plan),
         f"params and compute {plan.param_dtype}, grads {plan.grad_dtype}, fp32 master and moments, "
         f"ZeRO-{plan.zero}; {p['per_device'] / 1e9:.3f}B parameters on the busiest device",
+        *_shard_ranks_line(plan),
         "",
         f"{'per device':<22}{'params':>12}{'grads':>12}{'fp32 master':>14}{'moments':>12}{'total':>12}",
     ]

@@ -9,6 +9,9 @@ group's state (its owner ranks) follows the scheme; a pipeline stage's ranks are
     standard   stage / ep (the expert-data-parallel ranks; tp > 1:   stage / ep
                the dense data-parallel ranks, stage / tp)
     ep_aware   stage / tp (every rank of the stage when tp = 1)      stage / ep
+
+With optim.shard_ranks = S (hierarchical sharding) both sharded schemes' owners are S for each group: the state is
+split over S ranks, and the group's other owners above hold copies of the same shards (shard_worlds).
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ BUCKETS_IN_FLIGHT = 2
 def shard_worlds(scheme: str, stage: Layout) -> dict[str, int]:
     """How many ranks split each group's optimizer state in a pipeline stage of layout `stage` (its one_stage()).
     With tp > 1 a dense element has dp replicas (the data-parallel ranks), which both sharding schemes split
-    it over."""
+    it over. With optim.shard_ranks = S (stage.shard_ranks) each group's state is split over S of them and
+    replicated over the rest (hierarchical sharding)."""
     if scheme not in SHARDING_SCHEMES:
         raise ValueError(f"unknown sharding scheme {scheme!r}; expected one of {SHARDING_SCHEMES}")
-    dense = {"none": 1, "standard": stage.edp if stage.tp == 1 else stage.dp, "ep_aware": stage.dp}[scheme]
-    return {"dense": dense, "expert": 1 if scheme == "none" else stage.edp}
+    if scheme == "none":
+        return {"dense": 1, "expert": 1}
+    dense = {"standard": stage.edp if stage.tp == 1 else stage.dp, "ep_aware": stage.dp}[scheme]
+    return {"dense": stage.shard_size(dense), "expert": stage.shard_size(stage.edp)}  # optim.shard_ranks, or all
 
 
 @dataclass

@@ -9,7 +9,10 @@ micro-batch, seen by a tensor hook (which also fires in a zero-bubble pipeline s
 autograd's accumulation and its hooks are skipped), so the `micro_batches`-th arrival is the step's last; no
 caller has to say which backward is the last. A parameter that missed a micro-batch is reduced in `reduce()`. A
 group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
-its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold.
+its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. With
+hierarchical sharding (optim.shard_ranks: a GroupComm with a replica group) the reduce-scatter runs inside the shard
+group and, once it has finished, the shard it produced is all-reduced over the replica group (in flight beside the
+next buckets' reduce-scatters, holding no staged copy); `reduce_rest` waits for those too.
 
 Apart from the GradSharder (optimus.optim.sharder), which chooses each group's ranks by scheme (GroupComm), hooks
 its parameters' gradients to these groups and runs a step over them: everything done bucket by bucket and slot by
@@ -45,6 +48,10 @@ class GroupComm:
     pre_group: Any = None  # all-reduced over before the reduce-scatter (replicated grads: none, standard's dense)
     pre_world: int = 1
     counts_in_norm: bool = True  # False where a peer owns the same elements (count each element once)
+    # Hierarchical sharding (optim.shard_ranks): the ranks holding the same shard in the other shard groups, over
+    # which the reduced shard is all-reduced after the reduce-scatter inside the shard group.
+    replica_group: Any = None
+    replica_world: int = 1
 
 
 @dataclass
@@ -98,7 +105,9 @@ class ShardGroup:
             self.master = torch.empty(flat.shard_numel, dtype=torch.float32, device=dev)
             self.refresh_master()
         self.deferred: set[int] = set()  # ZeRO-2 slots whose gradient gets a contribution in reduce() (a tie)
-        self.works: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []  # in flight: (work, src, copy to)
+        # Reductions in flight: (work, src, copy to, a shard to all-reduce over the replica groups once it is done).
+        self.works: list[tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        self.replica_works: list[Any] = []  # hierarchical sharding: the shards' all-reduces in flight
         # Parameter all-gathers in flight, by bucket, and the order gather() starts them in (see gather_overlap).
         self.gathers: dict[int, tuple[Any, torch.Tensor]] = {}
         self.gather_order = list(range(len(self.flat.buckets)))
@@ -279,24 +288,36 @@ class ShardGroup:
             self.next_launch += 1
 
     def finish_oldest(self) -> None:
-        """Wait for the oldest reduction in flight and drop its buffers (ZeRO-2: the staged bucket)."""
-        work, src, copy_to = self.works.pop(0)
+        """Wait for the oldest reduction in flight and drop its buffers (ZeRO-2: the staged bucket); with replica
+        groups, start the all-reduce of its shard over them (it holds no staged buffer, so it is not counted in
+        BUCKETS_IN_FLIGHT)."""
+        work, src, copy_to, shard = self.works.pop(0)
         work.wait()
         if copy_to is not None:
             copy_to.copy_(src)
+        if shard is not None:  # here, where every rank issues it in the same order among its other collectives (not
+            # when its reduce-scatter happens to finish: ranks that order two groups' collectives differently can
+            # deadlock on a GPU, where each communicator's collectives run in issue order)
+            self.replica_works.append(dist.all_reduce(shard, group=self.comm.replica_group, async_op=True))
 
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Start reducing one bucket's gradient `src` into this rank's shard of it, `out`: the sum over every
+        replica of the global batch, in grad_dtype."""
         c = self.comm
-        if c.shard_world == 1:  # one owner: an all-reduce over the replicas, if any, into src; then src -> out
+        if c.shard_world == 1:  # one owner: all-reduces over the replicas, if any, into src; then src -> out
             copy_to = None if same_start(out, src) else out
-            if c.pre_world > 1:
-                self.works.append((dist.all_reduce(src, group=c.pre_group, async_op=True), src, copy_to))
+            groups = [g for g, n in ((c.pre_group, c.pre_world), (c.replica_group, c.replica_world)) if n > 1]
+            for group in groups[:-1]:  # standard's dense with optim.shard_ranks=1: over EP first
+                dist.all_reduce(src, group=group)
+            if groups:
+                self.works.append((dist.all_reduce(src, group=groups[-1], async_op=True), src, copy_to, None))
             elif copy_to is not None:
                 copy_to.copy_(src)
             return
         if c.pre_world > 1:  # the standard scheme's all-reduce over EP, before the DP reduce-scatter
             dist.all_reduce(src, group=c.pre_group)
-        self.works.append((reduce_scatter_sum(out, src, c.shard_group, async_op=True), src, None))
+        replicas = out if c.replica_world > 1 else None  # hierarchical: the shard group's sums, then the replicas'
+        self.works.append((reduce_scatter_sum(out, src, c.shard_group, async_op=True), src, None, replicas))
 
     def collect(self) -> None:
         """After the backwards: bring every gradient of the step into this group's buffers (a .grad that was set by
@@ -329,6 +350,9 @@ class ShardGroup:
         self.launch_ready(force=True)
         while self.works:
             self.finish_oldest()
+        for work in self.replica_works:
+            work.wait()
+        self.replica_works.clear()
 
     def zero_grad(self) -> None:
         if self.zero == 1:

@@ -9,8 +9,19 @@ one scheme for both:
     ep_aware   reduce-scatter over the world (DP x EP)        1/world each   reduce-scatter over EDP, 1/DP each
 
 (a pipeline stage's ranks are the world here; with tensor parallelism the dense group's replicas are the stage's
-ranks with the same tp rank). Reductions SUM; `mean_scale` turns the sums into the mean over the global batch (an
-expert's local gradient already holds every EP peer's tokens through the dispatcher's backward).
+ranks with the same tp rank). With optim.shard_ranks = S (hierarchical sharding) a sharded scheme's reduce-scatter
+and all-gather run inside this rank's shard group (S consecutive ranks of the group's ranks above), which owns the
+whole state, 1/S each, and the reduce-scatter's result is then all-reduced over the replica group (the ranks at the
+same place in the other shard groups), in the same dtype:
+
+    scheme     dense grads                                        expert grads                  owners
+    standard   all-reduce over EP, reduce-scatter over S of EDP,  reduce-scatter over S of EDP, 1/S each
+               all-reduce over EDP / S                             all-reduce over EDP / S
+    ep_aware   reduce-scatter over S of DP, all-reduce over DP/S  (as standard)                 1/S each
+
+(S = 1: no reduce-scatter, one all-reduce over the replicas). Reductions SUM; `mean_scale` turns the sums into the
+mean over the global batch (an expert's local gradient already holds every EP peer's tokens through the dispatcher's
+backward).
 
 What the sharder owns: each group's flat parameter buffer (adopted from the layout `parallelize` allocated, or a
 copy), its gradient buffers, the fp32 master copy of the slices this rank owns (when the parameters are 16-bit),
@@ -46,20 +57,38 @@ def group_comms(ps: ParallelState, scheme: str) -> dict[str, GroupComm]:
     if scheme == "none":
         expert = GroupComm(None, 1, 0, ps.edp_group, ps.edp, ps.edp_rank == 0)
     else:
-        expert = GroupComm(ps.edp_group, ps.edp, ps.edp_rank)
+        expert = split_over(ps, "edp")
     if ps.tp > 1:  # a dense slice's replicas: the data-parallel ranks with this tp rank (optimus.parallel.state)
         if scheme == "none":
             dense = GroupComm(None, 1, 0, ps.dense_dp_group, ps.dp, ps.dp_rank == 0)
         else:
-            dense = GroupComm(ps.dense_dp_group, ps.dp, ps.dp_rank)
+            dense = split_over(ps, "dp")
     elif scheme == "none":
         dense = GroupComm(None, 1, 0, ps.world_group, ps.world_size, ps.rank == 0)
     elif scheme == "standard":
-        dense = GroupComm(ps.edp_group, ps.edp, ps.edp_rank, ps.ep_group, ps.ep, ps.ep_rank == 0)
+        dense = split_over(ps, "edp", ps.ep_group, ps.ep, ps.ep_rank == 0)
     else:
-        dense = GroupComm(ps.world_group, ps.world_size, ps.rank)
+        dense = split_over(ps, "dp")  # with tp = 1 the data-parallel ranks are the whole stage
     assert (dense.shard_world, expert.shard_world) == (worlds["dense"], worlds["expert"])
     return {"dense": dense, "expert": expert}
+
+
+def split_over(ps: ParallelState, ranks: str, pre_group=None, pre_world: int = 1, counts: bool = True) -> GroupComm:
+    """A group's state split over the data-parallel (`ranks` = "dp"; the stage's ranks with tp = 1) or the
+    expert-data-parallel ("edp") ranks: over all of them, or with optim.shard_ranks over this rank's shard group
+    only, the replica group then summing each shard's reduced gradient (hierarchical sharding, optimus.layout)."""
+    world, position = (ps.dp, ps.dp_rank) if ranks == "dp" else (ps.edp, ps.edp_rank)
+    if ps.layout.shard_ranks is None:
+        whole = ps.edp_group if ranks == "edp" else ps.dense_dp_group if ps.tp > 1 else ps.world_group
+        return GroupComm(whole, world, position, pre_group, pre_world, counts)
+    layout, (replica, shard_rank) = ps.layout, ps.layout.shard_place(position, world)
+    shard_group, replica_group = getattr(ps, f"{ranks}_shard_group"), getattr(ps, f"{ranks}_replica_group")
+    # Every replica group holds the same reduced shard: its first shard group's ranks count it in the norm.
+    counts = counts and replica == 0
+    return GroupComm(
+        shard_group, layout.shard_size(world), shard_rank, pre_group, pre_world, counts, replica_group,
+        layout.shard_replicas(world),
+    )  # fmt: skip
 
 
 def expert_global_offsets(model: torch.nn.Module, names: list[str], ep: int) -> dict[str, GlobalPlace]:

@@ -136,9 +136,12 @@ def checks(ps: ParallelState, compute_dtype: torch.dtype, dispatcher: str) -> li
     # The optimizer's shard groups (the stage's ranks, the experts' data-parallel ranks, with tp the dense
     # replicas) and the tp group of the DTensor layers.
     stage = "world_group" if ps.pp == 1 else "stage_group"
-    for field in (stage, "edp_group", "dense_dp_group", "tp_group"):
+    for field in (stage, "edp_group", "dense_dp_group", "tp_group", "dp_shard_group", "edp_shard_group"):
         found += [Check("reduce_scatter", field, d, _check_reduce_scatter, _NO_FIX) for d in dtypes]
         found += [Check("all_gather", field, d, _check_all_gather, _NO_FIX) for d in dtypes]
+    # optim.shard_ranks: each shard's sum over the shard groups (none where the field is unset)
+    for field in ("dp_replica_group", "edp_replica_group"):
+        found += [Check("all_reduce", field, d, _check_all_reduce, _NO_FIX) for d in dtypes]
     found += [Check("all_reduce", "tp_group", d, _check_all_reduce, _NO_FIX) for d in dtypes]
     found += [Check("send/recv between stages", "pp_group", d, _check_neighbours, _NO_FIX) for d in dtypes]
     return found

@@ -28,6 +28,13 @@ class ParallelState:
     tp_group: Any = None  # tp > 1: the consecutive ranks that split the dense weights
     tp_mesh: Any = None  # tp > 1: a 1-D DeviceMesh over tp_group (what DTensor parallelises over)
     dense_dp_group: Any = None  # tp > 1: the stage's ranks with this rank's tp_rank (dense replicas)
+    # optim.shard_ranks set: this rank's shard group (S consecutive members, which split the optimizer state) and
+    # replica group (the members holding the same shard) of its data-parallel group (the stage with tp = 1) and of
+    # its expert-data-parallel group (optimus.layout: shard_groups, replica_groups); None where of one rank.
+    dp_shard_group: Any = None
+    dp_replica_group: Any = None
+    edp_shard_group: Any = None
+    edp_replica_group: Any = None
 
     # The layout's degrees, and this rank's coordinates in it.
     @property
@@ -103,6 +110,10 @@ class ParallelState:
             tp_group=self.tp_group,
             tp_mesh=self.tp_mesh,
             dense_dp_group=self.dense_dp_group,
+            dp_shard_group=self.dp_shard_group,
+            dp_replica_group=self.dp_replica_group,
+            edp_shard_group=self.edp_shard_group,
+            edp_replica_group=self.edp_replica_group,
         )
 
     @property
@@ -116,10 +127,11 @@ class ParallelState:
 
 def build_parallel_state(
     ep: int, timeout_s: float | None = None, pp: int = 1, tp: int = 1, device_type: str = "cpu", sp: bool = True,
-    pp_virtual: int = 1,
+    pp_virtual: int = 1, shard_ranks: int | None = None,
 ) -> ParallelState:  # fmt: skip
     """Create the EP and EDP groups (with pp > 1 the stage and pipeline groups, with tp > 1 the TP group, its
-    DeviceMesh and the dense data-parallel group) on an initialised default process group (or a single process).
+    DeviceMesh and the dense data-parallel group, with `shard_ranks` (optim.shard_ranks) the shard and replica
+    groups of hierarchical sharding) on an initialised default process group (or a single process).
 
     `timeout_s` (parallel.timeout_s) bounds every collective on the new groups; new_group would
     otherwise use the backend's default (30 minutes), not the default group's timeout.
@@ -130,9 +142,9 @@ def build_parallel_state(
                 raise ConfigError(
                     f"{key}={size} needs several processes: set parallel.nproc or launch with torchrun/srun/mpiexec."
                 )
-        return ParallelState()
+        return ParallelState(layout=Layout(shard_ranks=shard_ranks))
     rank = dist.get_rank()
-    layout = Layout(dist.get_world_size(), pp, tp, ep, sp, pp_virtual)  # refuses what does not divide
+    layout = Layout(dist.get_world_size(), pp, tp, ep, sp, pp_virtual, shard_ranks)  # refuses what does not divide
     state = ParallelState(rank=rank, layout=layout, world_group=dist.group.WORLD)
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     # Every rank must call new_group for every group, in the same order.
@@ -141,6 +153,10 @@ def build_parallel_state(
         kinds += [("stage_group", layout.stage_groups()), ("pp_group", layout.pp_groups())]
     if tp > 1:
         kinds += [("tp_group", layout.tp_groups()), ("dense_dp_group", layout.dp_groups())]
+    if shard_ranks is not None:  # a shard or replica group of one rank is none: nothing to reduce or gather there
+        for prefix, worlds in (("dp", layout.dp_groups()), ("edp", layout.edp_groups())):
+            for kind, groups in (("shard", layout.shard_groups(worlds)), ("replica", layout.replica_groups(worlds))):
+                kinds += [(f"{prefix}_{kind}_group", groups)] if len(groups[0]) > 1 else []
     for group_field, groups in kinds:
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout)

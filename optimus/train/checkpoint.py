@@ -355,7 +355,7 @@ class Checkpointer:
         ps = self.ps
         meta = {
             "step": step, "world": ps.world_size, "pp": ps.pp, "dp": ps.dp, "edp": ps.edp, "ep": ps.ep, "tp": ps.tp,
-            "sharding": self.cfg.optim.sharding,
+            "sharding": self.cfg.optim.sharding, "shard_ranks": self.cfg.optim.shard_ranks,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": asdict(self.cfg.model),
             "run": run_identity(self.cfg, self.data_identity),
             "files": digests if digests is not None else hash_files(tmp),

@@ -74,7 +74,8 @@ def parallel_state_of(spec: RunSpec) -> ParallelState:
             "this process has registered a dry run's stand-in device, and torch's autograd engine then cannot "
             "run a backward on a real GPU: run the GPU's step in a fresh process (optimus plan runs in its own)."
         )
-    ps = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, platform.device_type, p.sp, p.pp_virtual)
+    shard_ranks = spec.cfg.optim.shard_ranks
+    ps = build_parallel_state(p.ep, p.timeout_s, p.pp, p.tp, platform.device_type, p.sp, p.pp_virtual, shard_ranks)
     if ps.layout != spec.layout:
         raise RuntimeError(f"a run resolved for {spec.layout}, in a group laid out as {ps.layout}")
     return ps

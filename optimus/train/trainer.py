@@ -258,10 +258,10 @@ class Trainer:
             "params_expert": counts.expert,
             "flops_per_token": self.flops_per_token,
             # dp: the data-parallel degree world / (pp x tp), as optimus plan counts it; edp: the expert-data-
-            # parallel degree world / (pp x ep), the replicas of each expert.
+            # parallel degree world / (pp x ep), the replicas of each expert; shard_ranks: optim.shard_ranks.
             "layout": {
                 "world": self.ps.world_size, "pp": self.ps.pp, "dp": self.ps.dp, "tp": self.ps.tp,
-                "ep": self.ps.ep, "edp": self.ps.edp, "accum": self.accum,
+                "ep": self.ps.ep, "edp": self.ps.edp, "accum": self.accum, "shard_ranks": self.ps.layout.shard_ranks,
             },
             "moe_layers": self.router_stats.layer_ids,  # the block index of each row of expert_tokens
             "dtypes": {"param": self.cfg.train.dtype, "grad": self.cfg.optim.grad_dtype, "master": "fp32"},

@@ -260,6 +260,22 @@ def test_world4_expert_parallel_matches_torch_muon(muon_refs):
             raise AssertionError(f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}: {err}") from err
 
 
+@pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
+def test_hierarchical_sharding_matches_torch_muon(muon_refs):
+    """optim.shard_ranks=2 on 4 ranks: each unit's owner is chosen in its shard group of 2 (the flat buffer's world),
+    whose exchanges stay inside it; dense and experts split 2 x 2 (ep 1), or the dense group alone (ep 2)."""
+    layouts = [
+        (ep, "ep_aware", muon_cfg(zero, bucket_mb=0.02), torch.float32, None, None, "alltoall", n_mb, 2)
+        for ep, zero, n_mb in ((1, 2, GLOBAL_MICRO_BATCHES), (2, 1, 4))
+    ]
+    per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
+    for i, (ep, _, cfg, *_, n_mb, _) in enumerate(layouts):
+        try:
+            assert_matches([r[i] for r in per_rank], muon_refs[n_mb, "fp32"], **FP32)
+        except AssertionError as err:
+            raise AssertionError(f"ep={ep} zero={cfg.zero} accum={n_mb // 4} shard_ranks=2: {err}") from err
+
+
 def test_resharded_resume_matches_torch_muon(muon_refs):
     """Halfway, a fresh model and optimizer with another bucket layout continue from the merged state."""
     first, then = muon_cfg(1, max_numel=3000), muon_cfg(2, bucket_mb=0.01)

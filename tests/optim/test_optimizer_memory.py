@@ -120,6 +120,22 @@ def test_every_element_is_owned_once(world, ep, scheme):
         assert torch.all(covered == copies), name
 
 
+@pytest.mark.parametrize("world,ep,shard_ranks", [(4, 1, 2), (8, 2, 2), (8, 4, 1)])
+def test_with_shard_ranks_each_shard_group_owns_every_element_once(world, ep, shard_ranks):
+    """optim.shard_ranks (ep_aware): the ranks of each shard group tile every parameter exactly once, so each
+    element has one owner per shard group: world / S of them (dense), world / (ep x S) (experts)."""
+    full = Transformer(MODEL, kernels="torch")
+    covered = {n: torch.zeros(p.numel(), dtype=torch.int64) for n, p in full.named_parameters()}
+    for rank in range(world):
+        ps = ParallelState(rank=rank, layout=Layout(world=world, ep=ep, shard_ranks=shard_ranks))
+        opt = ShardedAdamW(rank_model(ps, torch.float32), OptimConfig(bucket_mb=0.05, zero=2), ps, 1.0, "ep_aware")
+        for entry in opt.state_dict()["shards"].values():
+            covered[entry["name"]][entry["lo"] : entry["hi"]] += 1
+    for name, counts in covered.items():
+        copies = world // shard_ranks // (ep if ".experts." in name else 1)
+        assert torch.all(counts == copies), name
+
+
 def test_build_optimizer_auto_picks_by_world_size():
     cfg = OptimusConfig(model=MODEL)
     cfg.optim.sharding = "auto"

@@ -130,14 +130,15 @@ def train_sharded(
     resume_cfg=None,
     dispatcher: str = "alltoall",
     n_micro_batches: int = GLOBAL_MICRO_BATCHES,
+    shard_ranks: int | None = None,
 ) -> dict:
     """Body run on every rank: STEPS steps of the layout; returns this rank's slice of the model and the curves.
 
     `poison_rank` makes that rank's step-0 loss NaN. `resume_cfg`: halfway, rebuild model and optimizer
     with this config and continue from the merged state_dict of every rank (a reshard when buckets differ).
-    Each step's global batch is its first `n_micro_batches` micro-batches.
+    Each step's global batch is its first `n_micro_batches` micro-batches; `shard_ranks`: optim.shard_ranks.
     """  # fmt: skip
-    ps = build_parallel_state(ep)
+    ps = build_parallel_state(ep, shard_ranks=shard_ranks)
     model = new_model(dtype)
     parallelize_model(model, ps, ParallelConfig(ep=ep, dispatcher=dispatcher))
     accum = n_micro_batches // ps.world_size
@@ -294,6 +295,33 @@ def test_world4_layouts_match_single_process(refs):
             raise AssertionError(f"layout {name}: {err}") from err
 
 
+def hierarchical_layouts() -> list[tuple]:
+    """optim.shard_ranks on 4 ranks: 2 shard groups of 2 (dense ep_aware and standard over 4 data-parallel ranks,
+    experts over 4 or 2 expert-data-parallel ranks), and 1 (every rank owns all: all-reduces only)."""
+    cases = [  # (ep, scheme, zero, micro-batches, shard_ranks)
+        (1, "ep_aware", 1, GLOBAL_MICRO_BATCHES, 2), (1, "ep_aware", 2, 4, 2),
+        (1, "standard", 2, GLOBAL_MICRO_BATCHES, 2), (2, "ep_aware", 2, GLOBAL_MICRO_BATCHES, 2),
+        (2, "standard", 1, 4, 1),
+    ]  # fmt: skip
+    return [
+        (ep, scheme, optim_cfg(zero, bucket_mb=0.02), torch.float32, None, None, "alltoall", n_mb, s)
+        for ep, scheme, zero, n_mb, s in cases
+    ]
+
+
+@pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
+def test_hierarchical_sharding_matches_single_process(refs):
+    """Loss, grad norm (every step, 1e-5) and final parameters with optim.shard_ranks against the single process:
+    the replica groups' all-reduce completes every shard, the norm counts each element once."""
+    layouts = hierarchical_layouts()
+    per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
+    for i, (ep, scheme, cfg, *_, n_mb, s) in enumerate(layouts):
+        try:
+            assert_matches([r[i] for r in per_rank], refs[n_mb])
+        except AssertionError as err:
+            raise AssertionError(f"ep={ep} {scheme} zero={cfg.zero} shard_ranks={s}: {err}") from err
+
+
 # ---- the gradient norm on long vectors ----------------------------------------------------------
 
 BIG_VOCAB = ModelConfig(
@@ -425,7 +453,7 @@ def staged_peaks(bucket_mb: float) -> dict[str, tuple[int, int, int]]:
     def watched(group, src, out):  # right after each launch, when the most is in flight
         launch(group, src, out)
         assert len(group.works) <= memory.BUCKETS_IN_FLIGHT
-        staged = sum(t.numel() for t in group.staging.values()) + sum(2 * src.numel() for _, src, _ in group.works)
+        staged = sum(t.numel() for t in group.staging.values()) + sum(2 * src.numel() for _, src, *_ in group.works)
         kind = next(k for k, g in groups.items() if g is group)
         peaks[kind] = max(peaks[kind], staged * 4)
 

@@ -12,9 +12,13 @@ from optimus.parallel.collective_check import CollectiveCheckFailed, check_colle
 from tests.distributed import run_distributed
 
 
-def _check(ep: int, pp: int, tp: int, dispatcher: str, dtype: torch.dtype, corrupt_rank: int | None = None):
-    """Build the layout's groups and run the check; `corrupt_rank` gets an all_to_all_single that swaps two
-    received rows (a backend bug that keeps shapes and hangs nothing). Returns the sentence raised, or None."""
+def _check(
+    ep: int, pp: int, tp: int, dispatcher: str, dtype: torch.dtype, corrupt_rank: int | None = None,
+    shard_ranks: int | None = None,
+):  # fmt: skip
+    """Build the layout's groups (with optim.shard_ranks) and run the check; `corrupt_rank` gets an
+    all_to_all_single that swaps two received rows (a backend bug that keeps shapes and hangs nothing). Returns the
+    sentence raised, or None."""
     if dist.get_rank() == corrupt_rank:
         exchange = dist.all_to_all_single
 
@@ -25,7 +29,7 @@ def _check(ep: int, pp: int, tp: int, dispatcher: str, dtype: torch.dtype, corru
             return work
 
         dist.all_to_all_single = corrupted
-    ps = build_parallel_state(ep, 60.0, pp, tp, "cpu", True)
+    ps = build_parallel_state(ep, 60.0, pp, tp, "cpu", True, shard_ranks=shard_ranks)
     try:
         check_collectives(ps, torch.device("cpu"), dtype, dispatcher)
     except CollectiveCheckFailed as err:
@@ -34,15 +38,15 @@ def _check(ep: int, pp: int, tp: int, dispatcher: str, dtype: torch.dtype, corru
 
 
 @pytest.mark.parametrize(
-    "ep, pp, tp, dispatcher, dtype",
+    "ep, pp, tp, dispatcher, dtype, shard_ranks",
     [
-        (2, 2, 1, "alltoall", torch.bfloat16),
-        (4, 1, 2, "alltoall", torch.float32),
-        (2, 1, 1, "allgather", torch.bfloat16),
+        (2, 2, 1, "alltoall", torch.bfloat16, None),
+        (4, 1, 2, "alltoall", torch.float32, None),
+        (2, 1, 1, "allgather", torch.bfloat16, 2),  # and the shard and replica groups of hierarchical sharding
     ],
 )
-def test_a_sound_backend_passes_on_every_group(ep, pp, tp, dispatcher, dtype, single_threaded):
-    assert run_distributed(_check, 4, ep, pp, tp, dispatcher, dtype) == [None] * 4
+def test_a_sound_backend_passes_on_every_group(ep, pp, tp, dispatcher, dtype, shard_ranks, single_threaded):
+    assert run_distributed(_check, 4, ep, pp, tp, dispatcher, dtype, None, shard_ranks) == [None] * 4
 
 
 def test_a_corrupting_all_to_all_on_one_rank_stops_every_rank_with_one_sentence(single_threaded):
@@ -71,3 +75,4 @@ def test_every_rank_lists_the_same_checks_whatever_its_groups():
     assert a == b
     assert ("all_to_all with uneven splits", "ep_group", torch.bfloat16) in a
     assert ("send/recv between stages", "pp_group", torch.bfloat16) in a
+    assert ("all_reduce", "dp_replica_group", torch.bfloat16) in a  # optim.shard_ranks' (none here: not run)

@@ -57,12 +57,26 @@ def test_ep_layouts_match_single_process(tmp_path, corpus_file, single_threaded)
         "nproc=4 ep=4 allgather": [
             "parallel.nproc=4", "parallel.ep=4", "parallel.dispatcher=allgather", "optim.overlap_param_gather=true",
         ],
+        # hierarchical sharding: the dense state in 2 shard groups of 2, reduced bucket by bucket in the backward
+        "nproc=4 ep=2 shard_ranks=2": [
+            "parallel.nproc=4", "parallel.ep=2", "optim.shard_ranks=2", "optim.zero=2", "optim.bucket_mb=0.01",
+        ],
     }  # fmt: skip
     metrics, infos = train_layouts(tmp_path, runs, [*COMMON, *data])
     for layout, extra in runs.items():
         world = 4 if extra else 1
-        ep = {"nproc=1": 1, "nproc=4 ep=2 alltoall": 2, "nproc=4 ep=4 allgather": 4}[layout]
-        expected = {"world": world, "pp": 1, "dp": world, "tp": 1, "ep": ep, "edp": world // ep, "accum": 4 // world}
+        ep = {"nproc=1": 1, "nproc=4 ep=2 alltoall": 2, "nproc=4 ep=4 allgather": 4, "nproc=4 ep=2 shard_ranks=2": 2}
+        ep = ep[layout]
+        expected = {
+            "world": world,
+            "pp": 1,
+            "dp": world,
+            "tp": 1,
+            "ep": ep,
+            "edp": world // ep,
+            "accum": 4 // world,
+            "shard_ranks": 2 if "shard_ranks" in layout else None,
+        }
         assert infos[layout]["layout"] == expected, layout
 
     reference = metrics["nproc=1"]

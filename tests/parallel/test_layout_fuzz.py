@@ -2,10 +2,10 @@
 
 The property (docs/ARCHITECTURE.md, "The invariant every parallel feature is tested against"): in fp32, any
 layout (DP, EP, PP and its schedule, TP with or without SP, dispatcher and its overlap chunks, optimizer
-sharding, ZeRO stage, parameter-gather overlap, activation checkpointing) gives the per-step loss and gradient
-norm trajectory of one process accumulating gradients over the same micro-batches, within relative 1e-5 (with
-AdamW or Muon): every key strictly until the first step whose `expert_tokens` differ (a routing flip), the loss
-at every step (tests/trajectories.py).
+sharding and its shard groups (optim.shard_ranks), ZeRO stage, parameter-gather overlap, activation
+checkpointing) gives the per-step loss and gradient norm trajectory of one process accumulating gradients over
+the same micro-batches, within relative 1e-5 (with AdamW or Muon): every key strictly until the first step whose
+`expert_tokens` differ (a routing flip), the loss at every step (tests/trajectories.py).
 
 Each case draws a model and a micro-batch split (MODEL_SPACE: what the single-process reference shares) and a
 layout (LAYOUT_SPACE: how the same computation is spread over ranks), keeps the draw only if Optimus's own
@@ -95,6 +95,7 @@ LAYOUT_SPACE = {
     "parallel.dispatcher": ["alltoall", "allgather"],
     "parallel.ep_overlap_chunks": [1, 2],
     "optim.sharding": ["none", "standard", "ep_aware"],
+    "optim.shard_ranks": [None, None, 1, 2],  # hierarchical sharding half the time (null: over all of a group's ranks)
     "optim.zero": [1, 2],
     "optim.bucket_mb": [0.01, 32.0],  # 0.01: several buckets, so ZeRO-2 reduces during the backward
     "optim.overlap_param_gather": [False, True],
@@ -115,8 +116,8 @@ DERIVED = {"parallel.pp_virtual": lambda d: 2 if d.get("parallel.pp_schedule", "
 
 
 def as_overrides(draw: dict) -> list[str]:
-    """`key=value` overrides, booleans as Hydra spells them."""
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in draw.items()]
+    """`key=value` overrides, booleans as Hydra spells them; None (a key's default, null) left out."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in draw.items() if v is not None]
 
 
 def draw_layout(rng: random.Random) -> dict:

@@ -7,6 +7,9 @@ must reproduce steps 3-4: losses, gradient norms, and the final parameters (comp
 through the export's consolidation). The standard scheme with EP 2 writes its dense
 optimizer shards from both EP ranks under the same keys (DCP keeps one).
 The sigmoid router makes the router biases (model buffers) part of what must carry over.
+Hierarchical sharding (optim.shard_ranks): the reference's checkpoint continues with the state in shard groups
+of 2, and one written with shard groups of 2 (each shard written once, though two ranks hold it) continues in 2
+pipeline stages with shard_ranks=1.
 
 Pipeline stages: a checkpoint written at pp=2 (EP 2, ZeRO-2, 1F1B) continues the same
 trajectory at pp=1 (one process) and at pp=4 (GPipe): a layer's keys carry its global
@@ -81,16 +84,50 @@ def reference(tmp_path_factory, corpus_file):
 
 
 @pytest.mark.parametrize(
-    "world,ep,sharding",
-    [(4, 4, "ep_aware"), (2, 2, "standard"), (1, 1, "none")],
-    ids=["world4-ep4-ep_aware", "world2-ep2-standard", "world1-none"],
+    "world,ep,sharding,shard_ranks",
+    [(4, 4, "ep_aware", None), (2, 2, "standard", None), (1, 1, "none", None), (4, 2, "ep_aware", 2)],
+    ids=["world4-ep4-ep_aware", "world2-ep2-standard", "world1-none", "world4-ep2-shard_ranks2"],
 )
-def test_checkpoint_continues_under_another_layout(reference, corpus_file, tmp_path, world, ep, sharding):
+def test_checkpoint_continues_under_another_layout(reference, corpus_file, tmp_path, world, ep, sharding, shard_ranks):
     ref_dir, cache = reference
     run_dir = tmp_path / "run"
     layout = [f"parallel.nproc={world}", f"parallel.ep={ep}", f"optim.sharding={sharding}"]
+    layout += [f"optim.shard_ranks={shard_ranks}"] if shard_ranks else []
     load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
     run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], world, cache)
+    assert_continues(run_dir, ref_dir)
+
+
+@pytest.fixture(scope="module")
+def hierarchical_reference(tmp_path_factory, corpus_file):
+    """A world-4 run with optim.shard_ranks=2 (ep 1: dense and expert state each split over 2 ranks and replicated
+    over 2), saved at step 2 and continued, uninterrupted, to step 4."""
+    root = tmp_path_factory.mktemp("reshard_hierarchical")
+    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
+    run_dir = root / "reference"
+    layout = ["parallel.nproc=4", "optim.sharding=ep_aware", "optim.shard_ranks=2", "optim.zero=2"]
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
+    return run_dir, cache
+
+
+def checkpoint_bytes(step_dir) -> int:
+    return sum(f.stat().st_size for f in step_dir.glob("*.distcp"))
+
+
+def test_hierarchical_checkpoint_is_written_once_and_continues_in_pipeline_stages(
+    hierarchical_reference, reference, corpus_file, tmp_path
+):
+    """The replicas of each shard write the same keys, which DCP writes once: the checkpoint is no larger than
+    one saved with the state split over all 4 ranks (with both copies its optimizer state would be twice that).
+    It continues in 2 pipeline stages of 2 ranks with shard_ranks=1 (every rank holding all of its stage's state,
+    summed over its stage's other rank)."""
+    ref_dir, cache = hierarchical_reference
+    step = "checkpoints/step_000002"
+    assert checkpoint_bytes(ref_dir / step) < 1.05 * checkpoint_bytes(reference[0] / step)
+    run_dir = tmp_path / "run"
+    layout = ["parallel.nproc=4", "parallel.pp=2", "optim.sharding=standard", "optim.shard_ranks=1"]
+    load = f"checkpoint.load={ref_dir / step}"
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], 4, cache)
     assert_continues(run_dir, ref_dir)
 
 

@@ -47,7 +47,7 @@ def test_short_run_writes_the_contract_and_learns(tmp_path, corpus_file):
     assert metrics[-1]["val_loss"] < metrics[19]["val_loss"]
 
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "tp": 1, "ep": 1, "edp": 1, "accum": 2}
+    assert info["layout"] == {"world": 1, "pp": 1, "dp": 1, "tp": 1, "ep": 1, "edp": 1, "accum": 2, "shard_ranks": None}
     assert info["moe_layers"] == [0, 1] and all(len(m["expert_tokens"]) == 2 for m in metrics)
     assert info["params"]["total"] == info["params"]["dense"] + info["params"]["expert"]
     assert info["params_dense"] == info["params"]["dense"]
