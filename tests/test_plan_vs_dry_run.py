@@ -51,8 +51,15 @@ MUON = ["train.micro_batch=2", "train.global_batch=8", "optim.update=muon"]
         (2, [*MUON, "train.dtype=fp32", "optim.muon_ns_dtype=fp32"]),
         (8, [*MUON, *TP_SP, "parallel.ep=2"]),
         (4, [*MUON, *INTERLEAVED, "parallel.tp=2"]),
+        (8, [*MUON, "parallel.ep=2", "optim.shard_ranks=2", "train.global_batch=16"]),
     ],
-    ids=["one rank", "two ranks, fp32 iteration", "tp2 sp x ep2, world 8", "pp2 interleaved x tp2"],
+    ids=[
+        "one rank",
+        "two ranks, fp32 iteration",
+        "tp2 sp x ep2, world 8",
+        "pp2 interleaved x tp2",
+        "ep2, shard groups of 2, world 8",
+    ],  # fmt: skip
 )
 def test_a_muon_plan_is_the_dry_runs_peak_within_5_percent(world, overrides):
     """Muon's step, planned by the ownership code a run executes on the parameters' shapes
