@@ -36,8 +36,10 @@ head all-gather and keep), else 0:
                                  one fp32 number per token, optimus.model.norm), and the attention norm's output
                                  O = D a, the projections' input (O = 0 with sequence parallelism: they keep it
                                  gathered, G); the ffn norm's output counts as the FFN's input below
-    attention     G + (3 D + 2 D_kv) a / TP + 4 n_heads / TP + Q   its gathered input; q/k/v and output of
-                                 SDPA with its fp32 log-sum-exp, out-projection input, split by heads;
+    attention     G + ((2 D + 2 D_kv) s + D a) / TP + 4 n_heads / TP + Q   its gathered input; q/k/v and output
+                                 of SDPA in its dtype (s bytes: a, or 4 for heads up to 32 wide on a CPU,
+                                 optimus.model.attention.attention_dtype) with its fp32 log-sum-exp,
+                                 the out-projection's input, split by heads;
                                  Q: q/k before QK-norm (the norm's input), (D + D_kv) a, / TP for qk_norm=head;
                                  for qk_norm=full at TP > 1 (D + D_kv)(4 + a) / TP + 8 (q/k kept in fp32
                                  before the width-split norm, two fp32 inverse norms); 0 without QK-norm
@@ -63,7 +65,10 @@ C V (4 + a) in bf16 and 4 C V in fp32 for C = optimus.model.loss.chunk_rows(V) r
 gradients V D a + 2 t D a, whichever is larger; for the vocabulary-parallel head t V a / TP, its logits or
 their gradient in the compute dtype) as the backward starts, and, for each block, what it and the
 blocks before it keep plus its largest recomputed region, alive again during its backward, and two gradients:
-the residual stream's (D a r) and the region's input's (D a; 2 D a in all without TP).
+the residual stream's (D a r) and the region's input's (D a; 2 D a in all without TP), and, at the last MoE
+layer, what it and the blocks before it keep plus its work beyond that (moe_work_bytes: the exchange's buffers
+and the combine's fp32 sums in its forward, the combine's gradients and the two gradients in its backward; the
+peak of a first pipeline stage, which has no head, found by `optimus plan --dry-run`: 7% above the plan there).
 train.activation_checkpointing (optimus/parallel/activation_checkpointing.py) removes parts:
 selective drops attention (recomputing one layer's; its gathered input G is the recomputation's input and
 stays); full keeps only the input (D a r) of a dense block and drops attention (G stays), the expert SwiGLU
@@ -76,7 +81,8 @@ the backward, when the activations are gone, the last ones in flight beside the 
 one computed. One more term is added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
 gradient, which accumulates from a step's first backward when it has several micro-batches
 (zero2_accumulated_bytes). A pipeline rank also holds its stages' outputs, one per micro-batch in flight
-(torch's schedule keeps each until its backward), but not on the last stage. The pipeline stages' receive
+(torch's schedule keeps each until its backward), but not on the last stage, and the head's activations of one
+micro-batch only, except under GPipe (optimus.parallel.pipeline.last_stage_in_flight). The pipeline stages' receive
 buffers are not a term: Optimus's stages hold one only while its micro-batch needs it
 (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
 torch where they cannot be released). (The tensor-parallel embedding's backward
@@ -99,8 +105,10 @@ from dataclasses import asdict, dataclass
 from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimusConfig, qk_norm_mode
 from optimus.config_checks import layout_of, validate
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
+from optimus.kernels.cpu_schedules import WIDEN_BLOCK_ROWS
 from optimus.layout import Layout
 from optimus.model import ParamCounts, count_params_of_config, flops_per_token, moe_layer_ids, padded_vocab_size
+from optimus.model.attention import attention_dtype
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
@@ -133,7 +141,9 @@ class PlanInputs:
     zero: int  # optim.zero
     scheme: str  # optim.sharding, resolved
     bucket: int  # elements per gradient bucket (bucket_numel)
-    ffn_widths: int  # F-wide rows per routed row that the expert kernels keep (planned_ffn_widths)
+    kernels: str  # the expert kernels' backend a run on the device path takes (planned_kernels)
+    attention_bytes: int  # per element of what SDPA keeps (optimus.model.attention.attention_dtype)
+    dispatcher: str  # how an MoE layer's rows travel: "local" (ep 1), or parallel.dispatcher
 
     @property
     def act_bytes(self) -> int:
@@ -145,11 +155,13 @@ class PlanInputs:
         o, t = cfg.optim, cfg.train
         stage = layout.one_stage()
         compute_dtype = planned_dtype(cfg)
+        head_dim = cfg.model.dim // cfg.model.n_heads
+        attention = attention_dtype(TORCH_DEVICE_OF_PATH[path], head_dim, TORCH_DTYPES[compute_dtype])
         return cls(
             stage, layout.micro_batches(t.global_batch, t.micro_batch), compute_dtype, DTYPE_BYTES[o.grad_dtype],
             o.zero, resolve_sharding(o.sharding, stage.world),
             bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, DTYPE_BYTES[compute_dtype]),
-            planned_ffn_widths(cfg, path),
+            planned_kernels(cfg, path), attention.itemsize, cfg.parallel.dispatcher if layout.ep > 1 else "local",
         )  # fmt: skip
 
 
@@ -180,13 +192,15 @@ def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankSha
 
 
 def _layer_activations(
-    m: ModelConfig, a: int, tp: int = 1, sp: bool = True, ffn_widths: int = SAVED_FFN_WIDTHS["torch"]
+    m: ModelConfig, a: int, tp: int = 1, sp: bool = True, kernels: str = "torch", attention_bytes: int | None = None
 ) -> dict[str, float]:
     """Bytes per token of the micro-batch that each part of a block keeps for the backward on one tp rank (see
     the module docstring): what tensor parallelism splits over heads or columns, and the MoE layer's share of
-    the tokens, count 1/tp; the norms 1/tp with sequence parallelism, whole without. `ffn_widths`: the F-wide rows
-    the expert kernels keep per routed row (optimus.kernels.SAVED_FFN_WIDTHS)."""
+    the tokens, count 1/tp; the norms 1/tp with sequence parallelism, whole without. `kernels`: the expert
+    kernels' backend, which keeps optimus.kernels.SAVED_FFN_WIDTHS F-wide rows per routed row. `attention_bytes`:
+    per element of SDPA's q, k, v and output (the compute dtype's `a` by default)."""
     d, moe = m.dim, m.moe
+    s = attention_bytes or a
     d_kv = m.n_kv_heads * (m.dim // m.n_heads)
     qk = qk_norm_mode(m.qk_norm)
     k, f = moe.top_k, moe.expert_dim
@@ -206,14 +220,15 @@ def _layer_activations(
         # both pre-norms' input (optimus.model.norm recomputes the normalised rows), the attention norm's output
         "norms": 2 * d * a * residual + norm_output,
         "attention_input": gathered,  # gathered before the attention module runs: kept when it is recomputed
-        "attention": ((3 * d + 2 * d_kv) * a + 4 * m.n_heads) / tp + qk_norm,
+        # q, k, v and SDPA's output in the attention's dtype, the out-projection's input in the compute dtype
+        "attention": ((2 * d + 2 * d_kv) * s + d * a + 4 * m.n_heads) / tp + qk_norm,
         "dense_ffn": 4 * m.ffn_dim * a / tp + gathered + norm_output,  # + its input, the ffn norm's output
         # an MoE layer routes 1/tp of the tokens on each tp rank, with or without sequence parallelism, and keeps
         # them as its input: the ffn norm's output (with sequence parallelism) or a copy of this rank's slice of it
         "moe_input": d * a / tp,
         "router": (router_input + 8 * moe.n_experts + 8 * k + 20 * k) / tp,  # fp32 logits/probs, ids, row ids
         "expert_rows": 2 * k * d * a / tp,  # the exchanged rows: expert inputs and expert outputs
-        "expert_mlp": ffn_widths * k * f * a / tp,
+        "expert_mlp": SAVED_FFN_WIDTHS[kernels] * k * f * a / tp,
         "shared": 4 * moe.n_shared_experts * f * a / tp,
         "block_input": d * a * residual,
         "head_input": d * a * residual + norm_output + gathered,  # the final norm's, and the head's input
@@ -249,8 +264,12 @@ def activation_bytes(
     sp: bool = True,
     head_work: bool = False,
     staging: tuple[int, int] = (0, 0),
-    ffn_widths: int = SAVED_FFN_WIDTHS["torch"],
+    kernels: str = "torch",
     sent_outputs: float = 0,
+    attention_bytes: int | None = None,
+    dispatcher: str = "local",
+    ep: int = 1,
+    head_in_flight: float | None = None,
 ) -> int:
     """Peak bytes of activations for the backward of one micro-batch on one rank under
     `train.activation_checkpointing=checkpointing` (see the module docstring); without `recompute`,
@@ -261,11 +280,14 @@ def activation_bytes(
     count the cross-entropy's working memory (head_work_bytes) beside everything kept; the profiler
     books it to the head's own frames, so what tests/train/test_activation_checkpointing.py measures leaves it
     out. `staging`: ZeRO-2's staged gradient buckets, (alive in the backward once the head's has run, alive at
-    its end). `ffn_widths`: as _layer_activations'. `sent_outputs`: a pipeline rank's stage outputs held at the
-    peak, each the residual stream of a micro-batch ([t, D], its tp share with sequence parallelism): torch's
-    schedule keeps a stage's output in its forward cache until that micro-batch's backward (found by
-    `optimus plan --dry-run`: 0.78 GiB on frontier-1t's first stage, 64 in flight)."""
-    part = _layer_activations(m, act_bytes, tp, sp, ffn_widths)
+    its end). `kernels`, `attention_bytes`: as _layer_activations'. `sent_outputs`: a pipeline rank's stage
+    outputs held at the peak, each the residual stream of a micro-batch ([t, D], its tp share with sequence
+    parallelism): torch's schedule keeps a stage's output in its forward cache until that micro-batch's backward
+    (found by `optimus plan --dry-run`: 0.78 GiB on frontier-1t's first stage, 64 in flight). `dispatcher` ("local",
+    "alltoall", "allgather") and `ep`: how an MoE layer's rows travel, for what it holds beyond what it keeps
+    (moe_work_bytes). `head_in_flight`: micro-batches' worth of the head's activations held (`in_flight` by
+    default; one where the last stage's backward follows its forward: optimus.parallel.pipeline)."""
+    part = _layer_activations(m, act_bytes, tp, sp, kernels, attention_bytes)
     moe_ids = set(moe_layer_ids(m))
     layers = range(m.n_layers) if layers is None else layers
     blocks = [_block_activations(part, i in moe_ids, checkpointing) for i in layers]
@@ -275,7 +297,9 @@ def activation_bytes(
     head_logits = vocab * act_bytes if tp == 1 else vocab * 4
     head_kept = part["head_input"] + head_logits + 16 if head else 0
     kept = sum(block_kept for block_kept, _ in blocks) + head_kept
-    waiting = (in_flight - 1) * kept + sent_outputs * part["block_input"]  # forwards waiting for their backward
+    heads = in_flight if head_in_flight is None else head_in_flight
+    # forwards waiting for their backward
+    waiting = (in_flight - 1) * (kept - head_kept) + (heads - 1) * head_kept + sent_outputs * part["block_input"]
     if not recompute:
         return round(micro_batch * seq_len * (waiting + kept))
     # The backward starts with everything kept (the head kept its logits' gradient already); block i is
@@ -293,8 +317,45 @@ def activation_bytes(
         below += block_kept
         if block_recomputed:
             peak = max(peak, tokens * (below + block_recomputed + part["grads"]) + during)
+    moe_positions = [pos for pos, i in enumerate(layers) if i in moe_ids]
+    if moe_positions:
+        # The last MoE layer holds the most below it: in the forward of this micro-batch (everything before it
+        # kept, its exchange buffers and its combine's work alive), and in the backward, the head's and the later
+        # blocks' activations gone, its combine's gradient work beside the two gradients.
+        below = sum(block_kept for block_kept, _ in blocks[: moe_positions[-1] + 1])
+        forward, backward = moe_work_bytes(m, tokens, act_bytes, tp, kernels, dispatcher, ep)
+        peak = max(peak, tokens * below + forward, tokens * (below + part["grads"]) + backward + during)
     peak = max(peak, at_end)  # this micro-batch's activations are gone; the last reductions are in flight
     return round(tokens * waiting + peak)
+
+
+def moe_work_bytes(
+    m: ModelConfig, tokens: int, act_bytes: int, tp: int, kernels: str, dispatcher: str, ep: int
+) -> tuple[int, int]:
+    """(forward, backward): bytes an MoE layer holds beyond what it keeps, at their largest, for a micro-batch of
+    `tokens` on one tp rank (which routes tokens / tp of them; K rows each, balanced over the experts).
+
+    Forward, at the combine: the exchange's buffers (the all-to-all's rows sent, received and sent back, 3 K D a;
+    the all-gather's gathered tokens, ep D a) and the combine's work: torch's sums weighted rows in fp32 (a widened
+    copy and the weighted product of the K D rows, or the product and the [T, D] fp32 sum; T = ep x tokens for the
+    all-gather, whose combine sums every gathered token), Triton's writes the [T, D] sum in the compute dtype.
+    Backward, at the combine's: the rows' gradient [K t, D] in the compute dtype; torch's also the weights'
+    gradient, one block of rows at a time (optimus.kernels.cpu_schedules.WIDEN_BLOCK_ROWS) as gathered output
+    gradients, their and the rows' fp32 copies and their product; the all-gather's the gathered output gradient."""
+    d, a = m.dim, act_bytes
+    routed = tokens / tp
+    rows = m.moe.top_k * routed
+    summed = ep * routed if dispatcher == "allgather" else routed  # tokens whose rows this rank's combine sums
+    exchange = {"local": 0, "alltoall": 3 * rows * d * a, "allgather": summed * d * a}[dispatcher]
+    if kernels == "torch":
+        widened = 4 if a != 4 else 0  # bytes per element of a copy widened to fp32
+        combine = max(rows * d * (widened + 4), 4 * rows * d + 4 * summed * d)
+        block = min(rows, WIDEN_BLOCK_ROWS)
+        combine_grad = rows * d * a + block * d * (a + 2 * widened + 4)
+    else:
+        combine, combine_grad = summed * d * a, rows * d * a
+    gathered_grad = summed * d * a if dispatcher == "allgather" else 0
+    return round(exchange + combine), round(combine_grad + gathered_grad)
 
 
 def head_work_bytes(m: ModelConfig, tokens: int, act_bytes: int, tp: int) -> int:
@@ -358,8 +419,9 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs, rule_st
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
         staging = (staging[0], staging[1] + padded_vocab_size(m.vocab_size) * m.dim * a // stage.tp)
     where = {"layers": share.layers, "head": share.head, "in_flight": share.in_flight, "tp": stage.tp,
-             "sp": stage.sp, "head_work": True, "staging": staging, "ffn_widths": inputs.ffn_widths,
-             "sent_outputs": share.sent_outputs}  # fmt: skip
+             "sp": stage.sp, "head_work": True, "staging": staging, "kernels": inputs.kernels,
+             "sent_outputs": share.sent_outputs, "attention_bytes": inputs.attention_bytes,
+             "dispatcher": inputs.dispatcher, "ep": stage.ep, "head_in_flight": share.head_in_flight}  # fmt: skip
     buffers = pipeline_buffer_bytes(cfg, inputs, share)
     accumulated = zero2_accumulated_bytes(inputs, share) + buffers
 
@@ -482,15 +544,13 @@ def plan_run(spec: RunSpec) -> Plan:
     return plan_layout(spec.cfg, spec.layout, spec.platform.path)
 
 
-def planned_ffn_widths(cfg: OptimusConfig, path: str) -> int:
-    """The F-wide rows per routed row that the expert kernels of `cfg.kernels` keep on device path `path`: the
-    backend a run there takes (Triton on a GPU where it imports: optimus.kernels.resolve_name, as a dry run
-    resolves it)."""
+def planned_kernels(cfg: OptimusConfig, path: str) -> str:
+    """The expert kernels' backend that `cfg.kernels` gives a run on device path `path` (Triton on a GPU where it
+    imports: optimus.kernels.resolve_name, as a dry run resolves it)."""
     try:
-        name = resolve_name(cfg.kernels, TORCH_DEVICE_OF_PATH[path], traced=path != "cpu")
+        return resolve_name(cfg.kernels, TORCH_DEVICE_OF_PATH[path], traced=path != "cpu")
     except KernelUnavailable as err:
         raise ConfigError(str(err)) from None
-    return SAVED_FFN_WIDTHS[name]
 
 
 def plan_layout(cfg: OptimusConfig, layout: Layout, path: str, counts: ParamCounts | None = None) -> Plan:

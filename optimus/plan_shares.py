@@ -17,6 +17,7 @@ from optimus.parallel.pipeline import (
     PartCounts,
     cut_stage,
     in_flight_chunks,
+    last_stage_in_flight,
     merge_stages,
     part_counts,
     rank_stage_indices,
@@ -74,6 +75,7 @@ class RankShare:
     tp_split: int = 0  # the part of `dense` that tensor parallelism splits (whole-model count)
     sent_outputs: float = 0  # stage outputs held at the peak: torch's schedule keeps each until its backward
     stage_layers: list[list[int]] | None = None  # pp > 1: the layers of each of `stages`
+    head_in_flight: float = 1  # micro-batches' worth of the head's activations held at the peak (with `head`)
 
     def local_dense(self, tp: int) -> int:
         """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
@@ -108,9 +110,10 @@ def rank_shares(cfg: OptimusConfig, counts: ParamCounts, accum: int) -> list[Ran
         # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
         # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
         sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
+        head_in_flight = last_stage_in_flight(p.pp_schedule, accum) if last else 0
         shares.append(
             RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
-                      head_copy, split, sent, [stage_layers[i] for i in stages])
+                      head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)
         )  # fmt: skip
     return shares
 

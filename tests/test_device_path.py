@@ -16,10 +16,10 @@ from optimus import kernels
 from optimus.config import ConfigError, MachineConfig
 from optimus.dry_run import dry_run_device, dry_run_rank
 from optimus.fake_device import STAND_IN, stand_in
-from optimus.kernels import SAVED_FFN_WIDTHS, dtypes, get_backend, torch_backend
+from optimus.kernels import dtypes, get_backend, torch_backend
 from optimus.kernels.torch_private import FakeTensorMode
 from optimus.operators import OperatorCounter
-from optimus.plan import planned_ffn_widths
+from optimus.plan import planned_kernels
 from optimus.platform import Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.recipes import load_config
 
@@ -192,8 +192,8 @@ def test_a_cuda_traces_memory_is_the_plan_for_its_kernels(cuda_trace):
     memory = cuda_trace["memory"]
     assert abs(memory["peak_bytes"] / memory["planned_bytes"] - 1) < 0.05, memory
     cfg = load_config(["model=tiny"])
-    assert planned_ffn_widths(cfg, "cpu") == SAVED_FFN_WIDTHS["torch"]
-    assert planned_ffn_widths(cfg, "cuda") == SAVED_FFN_WIDTHS[cuda_trace["kernels"]]
+    assert planned_kernels(cfg, "cpu") == "torch"
+    assert planned_kernels(cfg, "cuda") == cuda_trace["kernels"]
 
 
 def test_the_cpu_trace_of_the_same_layout_shows_what_the_cuda_trace_must_not(moe_layout, cuda_trace):

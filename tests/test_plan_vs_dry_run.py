@@ -41,6 +41,36 @@ def test_the_plan_is_the_dry_runs_peak_within_5_percent(name):
     )
 
 
+PP2_EP2 = ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]
+PIPELINES = {
+    "pp2 x ep2, 1f1b": (4, [*STEP, *PP2_EP2]),
+    # 4 sequences a micro-batch: the first stage's peak is the forward of its last MoE layer, the second
+    # micro-batch in flight (its exchange buffers and its combine's fp32 work beside the first one's activations)
+    "pp2 x ep2, 1f1b, micro-batches of 4": (4, ["train.micro_batch=4", "train.global_batch=16", "optim.update=adamw",
+                                                *PP2_EP2]),
+    "pp2 x ep2, 1f1b, fp32": (4, [*STEP, *PP2_EP2, "train.dtype=fp32"]),
+    "pp2 gpipe": (2, [*STEP, "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2 interleaved x tp2": (4, [*STEP, *INTERLEAVED, "parallel.tp=2"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_pipeline_ranks_plan_is_its_dry_runs_peak_within_5_percent(name):
+    """Not only the busiest: each pipeline rank's planned total against the dry run of that rank. A first stage
+    has no head, so its peak is its last MoE layer's forward or backward work (moe_work_bytes); a last stage under
+    the 1F1B family holds one micro-batch's head however many of its other stages' are in flight."""
+    world, overrides = PIPELINES[name]
+    cfg = load_config(overrides)
+    plan = make_plan(cfg, world)
+    stage_size = layout_of(cfg, world).stage_size
+    for row in plan.stages:
+        measured = dry_run_rank(cfg, world, row["pp_rank"] * stage_size)["memory"]["peak_bytes"]
+        planned = row["total_bytes"]
+        assert abs(planned / measured - 1) <= 0.05, (
+            f"pipeline rank {row['pp_rank']}: planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f}"
+        )
+
+
 MUON = ["train.micro_batch=2", "train.global_batch=8", "optim.update=muon"]
 
 

@@ -59,6 +59,15 @@ def apply_rope(
 CPU_FP32_ATTENTION_MAX_HEAD_DIM = 32
 
 
+def attention_dtype(device_type: str, head_dim: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype SDPA runs in for projections in `dtype` on a `device_type` device: fp32 for small heads on a CPU
+    (CPU_FP32_ATTENTION_MAX_HEAD_DIM), else `dtype`. The memory planner (optimus.plan) asks it too: q, k, v and
+    the output are then kept in fp32."""
+    if device_type == "cpu" and head_dim <= CPU_FP32_ATTENTION_MAX_HEAD_DIM:
+        return torch.float32
+    return dtype
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,7 +111,7 @@ class Attention(nn.Module):
         k = k_BSNH.transpose(1, 2)  # [B, Nkv, S, H]
         v = v_BSK.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(S, x_BSD.device)
-        dtype = self._attention_dtype(v)
+        dtype = attention_dtype(v.device.type, self.head_dim, v.dtype)
         q, k = apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype)
         with torch.autocast(x_BSD.device.type, enabled=False):  # SDPA in `dtype`, whatever autocast says
             out = F.scaled_dot_product_attention(
@@ -111,9 +120,3 @@ class Attention(nn.Module):
         # [B, N, S, H] -> [B, S, N, H] in the projections' dtype, in one pass (cast and transpose together)
         out_BSNH = out.transpose(1, 2).to(v.dtype, memory_format=torch.contiguous_format)
         return self.wo(out_BSNH.reshape(B, S, -1))
-
-    def _attention_dtype(self, v: torch.Tensor) -> torch.dtype:
-        """fp32 for small heads on a CPU (see CPU_FP32_ATTENTION_MAX_HEAD_DIM), else the projections' dtype."""
-        if v.device.type == "cpu" and self.head_dim <= CPU_FP32_ATTENTION_MAX_HEAD_DIM:
-            return torch.float32
-        return v.dtype

@@ -166,6 +166,12 @@ def in_flight_chunks(schedule: str, pp: int, pp_virtual: int, pp_rank: int, n_mi
     return min(warmup + 1, n_micro_batches * pp_virtual)
 
 
+def last_stage_in_flight(schedule: str, n_micro_batches: int) -> int:
+    """Most forwards of the last stage whose activations are held at once: under GPipe every micro-batch's, under
+    the 1F1B family one, since a last stage's backward follows its forward at once."""
+    return n_micro_batches if schedule == "gpipe" else 1
+
+
 def rank_stage_indices(pp_rank: int, pp: int, pp_virtual: int) -> list[int]:
     """The stages pipeline rank `pp_rank` holds (looped placement)."""
     return [pp_rank + k * pp for k in range(pp_virtual)]
