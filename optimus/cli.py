@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 # Before anything imports torch: its OpenMP runtime reads this once, as it loads. Threads that wait for the rest of
 # their team then sleep instead of spinning; on cores that other processes share, a spinning thread holds the core
@@ -23,8 +22,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Nothing here imports torch (or what imports it) at import time: `main` first takes charge of stop signals, so that
 # a Ctrl-C during the seconds of those imports ends in one line too.
-if TYPE_CHECKING:
-    from optimus.run_spec import RunSpec
 
 
 def __getattr__(name: str):
@@ -80,49 +77,6 @@ Examples:
 """
 
 
-def _worker(spec: RunSpec) -> dict:
-    """Body of one rank: join the process group (if any), train, leave."""
-    import torch.distributed as dist
-
-    from optimus.cpu_runtime import keep_cpu_allocations, quiet_gloo_alltoall_fallback, share_cpu_threads
-    from optimus.ranks import discover, init_process_group
-    from optimus.train.run_dir import remove_if_empty
-    from optimus.train.trainer import Trainer
-
-    info = discover()
-    platform = spec.platform
-    if platform.device_type == "cpu":
-        share_cpu_threads(info.local_world_size)
-        keep_cpu_allocations()
-        quiet_gloo_alltoall_fallback()
-    if info.world_size > 1:
-        init_process_group(info, platform.backend, platform.device, spec.cfg.parallel.timeout_s)
-    try:
-        return Trainer(spec, info.local_rank).fit()
-    except BaseException:
-        remove_if_empty()  # a run that failed to start leaves no empty run directory behind
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawned_worker(spec: RunSpec) -> dict:
-    """Body of a rank that `parallel.nproc=N` started, with the run its parent resolved: it detects only its own
-    device. A user error goes to the parent, which says it once."""
-    from optimus.config import ConfigError
-    from optimus.data.errors import DataError
-    from optimus.local_launcher import report_user_error
-    from optimus.platform import detect_platform
-    from optimus.ranks import LaunchError, discover
-
-    try:
-        return _worker(spec.for_rank(detect_platform(spec.cfg.machine, discover().local_rank)))
-    except (ConfigError, DataError, LaunchError) as err:
-        report_user_error(str(err))
-        raise SystemExit(2) from None
-
-
 def cmd_train(overrides: list[str]) -> int:
     from optimus.local_launcher import SpawnStopped, spawn_local
     from optimus.platform import detect_platform
@@ -130,6 +84,7 @@ def cmd_train(overrides: list[str]) -> int:
     from optimus.recipes import load_config
     from optimus.run_spec import resolve_run
     from optimus.train.memory_check import check_cpu_memory
+    from optimus.train.rank import run_rank, run_spawned_rank
 
     cfg = load_config(overrides)
     info = discover()
@@ -140,14 +95,14 @@ def cmd_train(overrides: list[str]) -> int:
         check_cpu_memory(spec, cfg.parallel.nproc if spawning else info.local_world_size)
     if spawning:
         try:
-            summary = spawn_local(cfg.parallel.nproc, _spawned_worker, (spec,))[0]
+            summary = spawn_local(cfg.parallel.nproc, run_spawned_rank, (spec,))[0]
         except SpawnStopped as stopped:  # ended by a stop signal; where they saved first, they said so
             _ignore_stop_signals()
             if not stopped.saved:
                 print(f"optimus: {stopped}.", file=sys.stderr)
             return stopped.exit_code
     else:
-        summary = _worker(spec)
+        summary = run_rank(spec)
     if summary and "stopped_by" in summary:  # it has said where it saved and how to resume: nothing to add
         _ignore_stop_signals()
     elif info.rank == 0 and summary:

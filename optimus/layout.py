@@ -210,3 +210,9 @@ def experts_per_rank(n_experts: int, ep: int) -> int:
             "choose an ep that divides the number of experts."
         )
     return n_experts // ep
+
+
+def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """Global indices [start, end) of the experts EP rank `ep_rank` holds: contiguous blocks of E / ep."""
+    n_local = experts_per_rank(n_experts, ep)
+    return ep_rank * n_local, (ep_rank + 1) * n_local

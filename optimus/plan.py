@@ -102,7 +102,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimusConfig, qk_norm_mode
+from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimConfig, OptimusConfig, qk_norm_mode
 from optimus.config_checks import layout_of, validate
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
 from optimus.kernels.cpu_schedules import WIDEN_BLOCK_ROWS
@@ -115,7 +115,7 @@ from optimus.optim.adamw import AdamW
 from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
 from optimus.optim.muon_plan import planned_muon_step_bytes
 from optimus.parallel.pipeline_stage import releases_receive_buffers
-from optimus.plan_shares import RankShare, meta_model, rank_param_shapes, rank_shares, tp_split_names
+from optimus.plan_shares import RankShare, rank_shares
 from optimus.platform import TORCH_DEVICE_OF_PATH, declared_device_path, declared_device_type, resolve_dtype
 from optimus.run_spec import RunSpec
 
@@ -409,11 +409,11 @@ class Plan:
         return asdict(self)
 
 
-def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs, rule_step: tuple[int, int]) -> dict:
+def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict:
     """State bytes per scheme, activations per checkpointing mode and totals of one pipeline rank."""
     m, t, stage = cfg.model, cfg.train, inputs.stage
     a = inputs.act_bytes
-    state, staging, update = _optimizer_bytes(cfg.optim.update, inputs, share, rule_step)
+    state, staging, update = _optimizer_bytes(cfg.optim, inputs, share)
     for scheme_bytes in state.values():
         scheme_bytes["param_bytes"] += a * share.head_copy  # parameters are stored in the compute dtype
     if share.embed and staging[1]:  # the backward ends with the embedding's gradient [V / tp, D], being staged
@@ -447,15 +447,19 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs, rule_st
             "total": chosen + max(act["configured"], step), "share": share}  # fmt: skip
 
 
-def _optimizer_bytes(
-    rule: str, inputs: PlanInputs, share: RankShare, rule_step: tuple[int, int]
-) -> tuple[dict, tuple[int, int], dict]:
-    """What the optimizer holds on one pipeline rank, from its own buffer layout (optimus.optim.memory): the state
-    bytes under each sharding scheme (with tp > 1 the dense group is sharded over the dp ranks that hold the same
-    slices), ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1),
-    and what the update rule `rule` adds to a step (`rule_step`: its working bytes and bytes received,
-    rule_steps)."""
+def _optimizer_bytes(o: OptimConfig, inputs: PlanInputs, share: RankShare) -> tuple[dict, tuple[int, int], dict]:
+    """What the optimizer `o` holds on one pipeline rank, from its own buffer layout (optimus.optim.memory): the
+    state bytes under each sharding scheme (with tp > 1 the dense group is sharded over the dp ranks that hold the
+    same slices), ZeRO-2's staged gradient buckets alive during the backward and at its end ((0, 0) under ZeRO-1),
+    and what its update rule adds to a step of the busiest data-parallel rank: AdamW's works in place; Muon's
+    working bytes and bytes received are planned from the parameters' shapes by the ownership code a run executes
+    (optimus.optim.muon_plan)."""
     i, stage = inputs, inputs.stage
+    rule_step = (0, 0)
+    if share.param_shapes is not None:  # Muon
+        groups, split_dims = share.param_shapes
+        dtype, ns_dtype = TORCH_DTYPES[i.compute_dtype], TORCH_DTYPES[o.muon_ns_dtype]
+        rule_step = planned_muon_step_bytes(groups, i.scheme, stage, dtype, i.bucket, split_dims, ns_dtype)
     dense, expert = share.local_dense(stage.tp), share.expert // stage.ep
     per_element = AdamW.state_bytes_per_element
     state = {
@@ -468,23 +472,7 @@ def _optimizer_bytes(
     staging = (0, 0)
     if i.zero == 2:
         staging = rank_zero2_staging_bytes(i.scheme, dense, expert, stage, i.act_bytes, i.grad_bytes, i.bucket)
-    return state, staging, {"rule": rule, **update}
-
-
-def rule_steps(cfg: OptimusConfig, inputs: PlanInputs, shares: list[RankShare]) -> list[tuple[int, int]]:
-    """Per pipeline rank: (working bytes, bytes received) that optim.update adds to a step of its busiest
-    data-parallel rank. AdamW's step works in place; Muon's is planned from the parameters' shapes by the
-    ownership code a run executes (optimus.optim.muon_plan)."""
-    if cfg.optim.update != "muon":
-        return [(0, 0)] * len(shares)
-    stage, model = inputs.stage, meta_model(cfg.model)
-    split = tp_split_names(model) if stage.tp > 1 else set()
-    dtype, ns_dtype = TORCH_DTYPES[inputs.compute_dtype], TORCH_DTYPES[cfg.optim.muon_ns_dtype]
-    steps = []
-    for share in shares:
-        groups, split_dims = rank_param_shapes(model, share, cfg.parallel, stage, split)
-        steps.append(planned_muon_step_bytes(groups, inputs.scheme, stage, dtype, inputs.bucket, split_dims, ns_dtype))
-    return steps
+    return state, staging, {"rule": o.update, **update}
 
 
 def _stage_row(rank: dict, device: float | None, tp: int, ep: int) -> dict:
@@ -560,9 +548,8 @@ def plan_layout(cfg: OptimusConfig, layout: Layout, path: str, counts: ParamCoun
     world, ep, pp, tp = layout.world, layout.ep, layout.pp, layout.tp
     counts = counts or count_params_of_config(m)
     inputs = PlanInputs.of(cfg, layout, path)
-    shares = rank_shares(cfg, counts, inputs.accum)
-    steps = rule_steps(cfg, inputs, shares)
-    ranks = [_rank_plan(cfg, share, inputs, step) for share, step in zip(shares, steps)]
+    shares = rank_shares(cfg, counts, inputs.stage, inputs.accum)
+    ranks = [_rank_plan(cfg, share, inputs) for share in shares]
     busiest = max(ranks, key=lambda r: r["total"])
     state, act = busiest["state"], busiest["activations"]
     compute = inputs.compute_dtype

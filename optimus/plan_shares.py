@@ -47,10 +47,9 @@ def tp_split_names(model: Transformer) -> set[str]:
     return names
 
 
-def tp_split_params(m: ModelConfig) -> tuple[list[int], int, int]:
-    """(per layer, embedding, final norm + LM head): the elements of the parameters tensor parallelism splits
-    (tp_split_names), counted on the meta device."""
-    model = meta_model(m)
+def tp_split_params(model: Transformer) -> tuple[list[int], int, int]:
+    """(per layer, embedding, final norm + LM head): the elements of the parameters of `model` (meta_model's) that
+    tensor parallelism splits (tp_split_names)."""
     split = tp_split_names(model)
     per_layer = [
         sum(p.numel() for name, p in block.named_parameters(prefix=f"layers.{i}") if name in split)
@@ -76,6 +75,9 @@ class RankShare:
     sent_outputs: float = 0  # stage outputs held at the peak: torch's schedule keeps each until its backward
     stage_layers: list[list[int]] | None = None  # pp > 1: the layers of each of `stages`
     head_in_flight: float = 1  # micro-batches' worth of the head's activations held at the peak (with `head`)
+    # With Muon, which plans its step from them: each optimizer group's (name, shape) on one rank, and the
+    # tp-split parameters' split dimension (rank_param_shapes)
+    param_shapes: tuple[dict[str, list[tuple[str, tuple[int, ...]]]], dict[str, int]] | None = None
 
     def local_dense(self, tp: int) -> int:
         """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
@@ -86,11 +88,27 @@ class RankShare:
         return self.local_dense(tp) + self.expert // ep + self.head_copy
 
 
-def rank_shares(cfg: OptimusConfig, counts: ParamCounts, accum: int) -> list[RankShare]:
+def rank_shares(cfg: OptimusConfig, counts: ParamCounts, stage: Layout, accum: int) -> list[RankShare]:
     """Each pipeline rank's stages, layers and parameters, as the trainer splits them (optimus.parallel.pipeline),
-    with `accum` micro-batches per step."""
+    with `accum` micro-batches per step, on one pipeline stage's ranks `stage`; with optim.update=muon, also the
+    shapes its step is planned from (param_shapes). The model is built on the meta device once, where needed."""
     m, p = cfg.model, cfg.parallel
-    split_layers, split_embed, split_head = tp_split_params(m) if p.tp > 1 else ([0] * m.n_layers, 0, 0)
+    with_shapes = cfg.optim.update == "muon"
+    model = meta_model(m) if p.tp > 1 or with_shapes else None
+    split = tp_split_names(model) if p.tp > 1 else set()
+    tp_split = tp_split_params(model) if p.tp > 1 else None
+    shares = _pipeline_shares(cfg, counts, accum, tp_split)
+    for share in shares if with_shapes else []:
+        share.param_shapes = rank_param_shapes(model, share, p, stage, split)
+    return shares
+
+
+def _pipeline_shares(
+    cfg: OptimusConfig, counts: ParamCounts, accum: int, tp_split: tuple[list[int], int, int] | None
+) -> list[RankShare]:
+    """rank_shares without the shapes; `tp_split`: tp_split_params of the model (None without tp)."""
+    m, p = cfg.model, cfg.parallel
+    split_layers, split_embed, split_head = tp_split or ([0] * m.n_layers, 0, 0)
     if p.pp == 1:
         split = sum(split_layers) + split_embed + split_head
         return [RankShare(0, [0], list(range(m.n_layers)), True, True, counts.dense, counts.expert, 1, 0, split)]

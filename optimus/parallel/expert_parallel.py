@@ -14,8 +14,7 @@ import torch.nn as nn
 
 from optimus.config import ParallelConfig
 from optimus.errors import check_choice
-from optimus.layout import experts_per_rank
-from optimus.model.moe.experts import expert_range
+from optimus.layout import expert_range, experts_per_rank
 from optimus.model.moe.layer import MoE
 from optimus.parallel.allgather_dispatch import AllGatherDispatcher
 from optimus.parallel.alltoall_dispatch import AllToAllDispatcher
@@ -65,14 +64,14 @@ def apply_expert_parallel(
     if ps.ep_group is None:
         raise RuntimeError("ParallelState has ep > 1 but no EP process group: build it with build_parallel_state.")
     moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moe_layers:
-        experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
     # validate() has checked that only the all-to-all dispatcher is asked for chunks.
     options = {"chunks": cfg.ep_overlap_chunks} if cfg.dispatcher == "alltoall" else {"check_tokens": not equal_tokens}
     for moe in moe_layers:
         n_local = shard_experts(moe, ps.ep, ps.ep_rank)
         dispatcher = dispatcher_cls(ps.ep_group, ps.ep, ps.ep_rank, n_local, timers=timers, answers=answers, **options)
         moe.wire(dispatcher=dispatcher)
+    if not moe_layers:
+        experts_per_rank(0, ps.ep)  # refuses ep > 1 for a model without experts
     return model
 
 

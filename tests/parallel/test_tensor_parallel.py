@@ -114,7 +114,7 @@ def _split_model_grads(sp: bool, qk_norm: str, dense_first: int):
 
     from optimus.config import ModelConfig, MoEConfig
     from optimus.parallel.tensor_parallel import PARTIAL, tp_grad_roles
-    from optimus.plan_shares import tp_split_params
+    from optimus.plan_shares import meta_model, tp_split_params
     from tests.builds import rank_model
 
     ps = build_parallel_state(1, 60, tp=2, sp=sp)
@@ -140,7 +140,7 @@ def _split_model_grads(sp: bool, qk_norm: str, dense_first: int):
                 dist.all_reduce(grad)
         worst[name] = (grad - ref_params[name].grad).abs().max().item()
     split = sum(model.get_parameter(n).numel() for n, role in roles.items() if role == "split")  # whole sizes
-    per_layer, embed, head = tp_split_params(cfg)  # what `optimus plan` divides by tp
+    per_layer, embed, head = tp_split_params(meta_model(cfg))  # what `optimus plan` divides by tp
     assert split == sum(per_layer) + embed + head
     return worst, roles
 

@@ -6,13 +6,6 @@ import torch
 import torch.nn as nn
 
 from optimus.kernels import KernelBackend, get_backend
-from optimus.layout import experts_per_rank
-
-
-def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
-    """Global indices [start, end) of the experts EP rank `ep_rank` holds: contiguous blocks of E / ep."""
-    n_local = experts_per_rank(n_experts, ep)
-    return ep_rank * n_local, (ep_rank + 1) * n_local
 
 
 def expert_offsets(model: nn.Module) -> dict[str, int]:
