@@ -25,6 +25,9 @@ ORACLE = {
     "pp2 x ep2, 1f1b": (4, [*STEP, "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]),
     "pp2 interleaved x tp2": (4, [*STEP, *INTERLEAVED, "parallel.tp=2"]),
     "aurora-mula-20b-a2b at 256 nodes, xpu path": (256 * 12, ["experiment=aurora-mula-20b-a2b"]),
+    # dense, tp 2 x pp 4 at 16 nodes; 8 micro-batches per data-parallel rank rather than the recipe's 64: its
+    # busiest rank, the first stage's, holds pp = 4 in flight either way (31.14 GiB measured with both), in 10 s
+    "frontier-22b at 16 nodes, rocm path": (16 * 8, ["experiment=frontier-22b", "train.global_batch=128"]),
 }
 
 
