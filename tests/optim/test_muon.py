@@ -228,17 +228,23 @@ def test_one_process_matches_torch_muon(muon_refs):
     assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "bf16"], **BF16)
 
 
+def assert_each_layout_matches(per_rank: list, references: list, labels: list[str]) -> None:
+    """Layout i of a run_layouts call (every rank's result i) against its reference in fp32, named by its label."""
+    for i, (reference, label) in enumerate(zip(references, labels)):
+        try:
+            assert_matches([r[i] for r in per_rank], reference, **FP32)
+        except AssertionError as err:
+            raise AssertionError(f"{label}: {err}") from err
+
+
 def test_dp2_schemes_match_torch_muon(muon_refs):
     """Every scheme x ZeRO stage on two ranks, with buckets small enough that matrices straddle them (the layout
     tests run Newton-Schulz in fp32, against torch's own iteration in fp32, within 1e-5)."""
     cfgs = {1: muon_cfg(1, max_numel=3000), 2: muon_cfg(2, bucket_mb=0.01)}
     layouts = [(1, scheme, cfgs[zero]) for scheme in ("none", "standard", "ep_aware") for zero in (1, 2)]
     per_rank = run_distributed(run_layouts, 2, layouts)
-    for i, (_, scheme, cfg) in enumerate(layouts):
-        try:
-            assert_matches([r[i] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "fp32"], **FP32)
-        except AssertionError as err:
-            raise AssertionError(f"{scheme} zero={cfg.zero}: {err}") from err
+    references = [muon_refs[GLOBAL_MICRO_BATCHES, "fp32"]] * len(layouts)
+    assert_each_layout_matches(per_rank, references, [f"{scheme} zero={cfg.zero}" for _, scheme, cfg in layouts])
 
 
 @pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
@@ -253,11 +259,14 @@ def test_world4_expert_parallel_matches_torch_muon(muon_refs):
         )
     ]  # fmt: skip
     per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
-    for i, (ep, scheme, cfg, *_, dispatcher, n_mb) in enumerate(layouts):
-        try:
-            assert_matches([r[i] for r in per_rank], muon_refs[n_mb, "fp32"], **FP32)
-        except AssertionError as err:
-            raise AssertionError(f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}: {err}") from err
+    assert_each_layout_matches(
+        per_rank,
+        [muon_refs[n_mb, "fp32"] for *_, n_mb in layouts],
+        [
+            f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}"
+            for ep, scheme, cfg, *_, dispatcher, n_mb in layouts
+        ],
+    )
 
 
 @pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
@@ -269,11 +278,11 @@ def test_hierarchical_sharding_matches_torch_muon(muon_refs):
         for ep, zero, n_mb in ((1, 2, GLOBAL_MICRO_BATCHES), (2, 1, 4))
     ]
     per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
-    for i, (ep, _, cfg, *_, n_mb, _) in enumerate(layouts):
-        try:
-            assert_matches([r[i] for r in per_rank], muon_refs[n_mb, "fp32"], **FP32)
-        except AssertionError as err:
-            raise AssertionError(f"ep={ep} zero={cfg.zero} accum={n_mb // 4} shard_ranks=2: {err}") from err
+    assert_each_layout_matches(
+        per_rank,
+        [muon_refs[n_mb, "fp32"] for *_, n_mb, _ in layouts],
+        [f"ep={ep} zero={cfg.zero} accum={n_mb // 4} shard_ranks=2" for ep, _, cfg, *_, n_mb, _ in layouts],
+    )
 
 
 def test_resharded_resume_matches_torch_muon(muon_refs):

@@ -68,6 +68,24 @@ def run(overrides: list[str], world: int, cache: str) -> None:
         assert run_distributed(train_rank, world, overrides, cache, timeout_s=240) == [4] * world
 
 
+def reference_run(tmp_path_factory, corpus_file, name: str, layout: list[str]):
+    """(run directory, cache) of a 4-rank run of `layout` on the test corpus, saved at step 2 and continued,
+    uninterrupted, to step 4."""
+    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
+    run_dir = tmp_path_factory.mktemp(name) / "reference"
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
+    return run_dir, cache
+
+
+def continue_run(reference, corpus_file, run_dir, world: int, layout: list[str]) -> None:
+    """A run of `layout` on `world` ranks from `reference`'s step-2 checkpoint, into `run_dir`, checked against the
+    reference's steps 3 and 4 (assert_continues)."""
+    ref_dir, cache = reference
+    load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
+    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], world, cache)
+    assert_continues(run_dir, ref_dir)
+
+
 def read_metrics(run_dir) -> dict[int, dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {m["step"]: m for m in map(json.loads, lines)}
@@ -75,12 +93,8 @@ def read_metrics(run_dir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_file):
-    root = tmp_path_factory.mktemp("reshard")
-    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
-    run_dir = root / "reference"
     layout = ["parallel.nproc=4", "parallel.ep=2", "optim.sharding=ep_aware", "checkpoint.async_save=true"]
-    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
-    return run_dir, cache
+    return reference_run(tmp_path_factory, corpus_file, "reshard", layout)
 
 
 @pytest.mark.parametrize(
@@ -89,25 +103,17 @@ def reference(tmp_path_factory, corpus_file):
     ids=["world4-ep4-ep_aware", "world2-ep2-standard", "world1-none", "world4-ep2-shard_ranks2"],
 )
 def test_checkpoint_continues_under_another_layout(reference, corpus_file, tmp_path, world, ep, sharding, shard_ranks):
-    ref_dir, cache = reference
-    run_dir = tmp_path / "run"
     layout = [f"parallel.nproc={world}", f"parallel.ep={ep}", f"optim.sharding={sharding}"]
     layout += [f"optim.shard_ranks={shard_ranks}"] if shard_ranks else []
-    load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
-    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], world, cache)
-    assert_continues(run_dir, ref_dir)
+    continue_run(reference, corpus_file, tmp_path / "run", world, layout)
 
 
 @pytest.fixture(scope="module")
 def hierarchical_reference(tmp_path_factory, corpus_file):
     """A world-4 run with optim.shard_ranks=2 (ep 1: dense and expert state each split over 2 ranks and replicated
     over 2), saved at step 2 and continued, uninterrupted, to step 4."""
-    root = tmp_path_factory.mktemp("reshard_hierarchical")
-    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
-    run_dir = root / "reference"
     layout = ["parallel.nproc=4", "optim.sharding=ep_aware", "optim.shard_ranks=2", "optim.zero=2"]
-    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
-    return run_dir, cache
+    return reference_run(tmp_path_factory, corpus_file, "reshard_hierarchical", layout)
 
 
 def checkpoint_bytes(step_dir) -> int:
@@ -121,14 +127,10 @@ def test_hierarchical_checkpoint_is_written_once_and_continues_in_pipeline_stage
     one saved with the state split over all 4 ranks (with both copies its optimizer state would be twice that).
     It continues in 2 pipeline stages of 2 ranks with shard_ranks=1 (every rank holding all of its stage's state,
     summed over its stage's other rank)."""
-    ref_dir, cache = hierarchical_reference
     step = "checkpoints/step_000002"
-    assert checkpoint_bytes(ref_dir / step) < 1.05 * checkpoint_bytes(reference[0] / step)
-    run_dir = tmp_path / "run"
+    assert checkpoint_bytes(hierarchical_reference[0] / step) < 1.05 * checkpoint_bytes(reference[0] / step)
     layout = ["parallel.nproc=4", "parallel.pp=2", "optim.sharding=standard", "optim.shard_ranks=1"]
-    load = f"checkpoint.load={ref_dir / step}"
-    run([*COMMON, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout, load], 4, cache)
-    assert_continues(run_dir, ref_dir)
+    continue_run(hierarchical_reference, corpus_file, tmp_path / "run", 4, layout)
 
 
 PIPELINE = ["model.n_layers=4", "optim.zero=2"]  # 4 layers: pp=4 puts one on each stage
@@ -154,12 +156,8 @@ def assert_continues(run_dir, ref_dir) -> None:
 @pytest.fixture(scope="module")
 def pipeline_reference(tmp_path_factory, corpus_file):
     """A pp=2 run saved at step 2 and continued, uninterrupted, to step 4."""
-    root = tmp_path_factory.mktemp("reshard_pp")
-    cache = str(tmp_path_factory.getbasetemp() / "optimus-cache")
-    run_dir = root / "reference"
-    layout = ["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]
-    run([*COMMON, *PIPELINE, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", *layout], 4, cache)
-    return run_dir, cache
+    layout = [*PIPELINE, "parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]
+    return reference_run(tmp_path_factory, corpus_file, "reshard_pp", layout)
 
 
 @pytest.mark.slow
@@ -171,9 +169,6 @@ def pipeline_reference(tmp_path_factory, corpus_file):
 def test_pipeline_checkpoint_continues_under_another_stage_split(
     pipeline_reference, corpus_file, tmp_path, world, layout
 ):
-    ref_dir, cache = pipeline_reference
-    run_dir = tmp_path / "run"
-    load = f"checkpoint.load={ref_dir / 'checkpoints' / 'step_000002'}"
-    overrides = [*COMMON, *PIPELINE, "data=text", f"data.path={corpus_file}", f"run.dir={run_dir}", load]
-    run([*overrides, f"parallel.nproc={world}", *layout], world, cache)
-    assert_continues(run_dir, ref_dir)
+    continue_run(
+        pipeline_reference, corpus_file, tmp_path / "run", world, [*PIPELINE, f"parallel.nproc={world}", *layout]
+    )
