@@ -166,7 +166,7 @@ def dry_run_rank(
     With `step_trace` (an optimus.perf.step_trace.StepTrace: the collective trace that also records every
     operator and marks the pipeline's actions), the step's events under `events` and the schedule's order
     under `schedule`, instead of the memory (torch's MemTracker, which the performance model does not need)."""
-    from optimus.kernels.torch_private import FakeStore
+    from optimus.kernels.torch_private import FakeStore, set_custom_default_backend
     from optimus.plan import fit_of, plan_run
 
     check_dry_run_config(cfg)
@@ -181,6 +181,8 @@ def dry_run_rank(
     # batches ask the group for a backend of their tensors' device type).
     backend = "fake" if not spec.platform.traced else f"cpu:fake,{spec.platform.device_type}:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
+    if spec.platform.traced:
+        set_custom_default_backend(dist.group.WORLD)  # else ending the group logs torch's "No backend of type 0"
     try:
         with known_warnings_quiet(), engine_error_explained(), sharding_metadata_apart():
             step, recorders = _step(spec, imbalance, step_trace)

@@ -216,6 +216,14 @@ PRIVATE_API: dict[str, PrivateName] = {
         "a dry run counts each tensor-parallel operator's global-shape metadata tensors as memory (a few GiB "
         "too high on a wide tensor-parallel model).",
     ),
+    "default_backend": PrivateName(
+        "torch.distributed.ProcessGroup._set_default_backend and ProcessGroup.BackendType.CUSTOM",
+        "optimus/dry_run.py (a device path's dry run joins a group of one plugin backend for two device types, "
+        "'cpu:fake,xpu:fake', where init_process_group sets no default backend, the plugin being registered as "
+        "'FAKE' and named 'fake': destroying the group then logs 'No backend of type 0 found')",
+        f"none in torch {CHECKED_TORCH}",
+        "a device path's dry run prints torch's warning line when it ends.",
+    ),
     "Module._modules": PrivateName(
         "torch.nn.Module._modules",
         "optimus/parallel/pipeline.py (a cut stage lists its modules in the whole model's order, the order of "
@@ -347,6 +355,14 @@ def process_context_processes(context) -> list:
     return list(processes) if processes is not None else []
 
 
+def set_custom_default_backend(pg) -> None:
+    """Make `pg`'s plugin backend its default (see PRIVATE_API["default_backend"]); nothing where torch lacks it."""
+    set_default = getattr(pg, "_set_default_backend", None)
+    custom = getattr(getattr(type(pg), "BackendType", None), "CUSTOM", None)
+    if set_default is not None and custom is not None:
+        set_default(custom)
+
+
 # Loaded on first use: only diagnostic tools need them, and their modules import more of torch.distributed.
 _LAZY = {
     "ModTracker": ("torch.distributed._tools.mod_tracker", "ModTracker"),
@@ -433,6 +449,10 @@ _PROBES: dict[str, Callable[[], bool]] = {
         and _has("torch.distributed.pipelining.stage", "PipelineStage", *PIPELINE_STAGE_METHODS)
     ),
     "sharding_metadata": lambda: _has(*_LAZY["ShardingPropagator"], "_propagate_tensor_meta_non_cached"),
+    "default_backend": lambda: (
+        _has("torch.distributed", "ProcessGroup", "_set_default_backend", "BackendType")
+        and hasattr(_attribute("torch.distributed", "ProcessGroup").BackendType, "CUSTOM")
+    ),
     "Module._modules": lambda: isinstance(getattr(torch.nn.Module(), "_modules", None), dict),
     "python_backend": lambda: (
         setup_python_backend is not None
