@@ -29,6 +29,7 @@ from tests.optim.test_sharded_optimizer import (
     HAS_EP,
     STEPS,
     assemble,
+    assert_each_layout_matches,
     assert_matches,
     backward_micro_batches,
     batches,
@@ -228,15 +229,6 @@ def test_one_process_matches_torch_muon(muon_refs):
     assert_matches([r[0] for r in per_rank], muon_refs[GLOBAL_MICRO_BATCHES, "bf16"], **BF16)
 
 
-def assert_each_layout_matches(per_rank: list, references: list, labels: list[str]) -> None:
-    """Layout i of a run_layouts call (every rank's result i) against its reference in fp32, named by its label."""
-    for i, (reference, label) in enumerate(zip(references, labels)):
-        try:
-            assert_matches([r[i] for r in per_rank], reference, **FP32)
-        except AssertionError as err:
-            raise AssertionError(f"{label}: {err}") from err
-
-
 def test_dp2_schemes_match_torch_muon(muon_refs):
     """Every scheme x ZeRO stage on two ranks, with buckets small enough that matrices straddle them (the layout
     tests run Newton-Schulz in fp32, against torch's own iteration in fp32, within 1e-5)."""
@@ -244,7 +236,8 @@ def test_dp2_schemes_match_torch_muon(muon_refs):
     layouts = [(1, scheme, cfgs[zero]) for scheme in ("none", "standard", "ep_aware") for zero in (1, 2)]
     per_rank = run_distributed(run_layouts, 2, layouts)
     references = [muon_refs[GLOBAL_MICRO_BATCHES, "fp32"]] * len(layouts)
-    assert_each_layout_matches(per_rank, references, [f"{scheme} zero={cfg.zero}" for _, scheme, cfg in layouts])
+    labels = [f"{scheme} zero={cfg.zero}" for _, scheme, cfg in layouts]
+    assert_each_layout_matches(per_rank, references, labels, **FP32)
 
 
 @pytest.mark.skipif(not HAS_EP, reason="needs the expert-parallel dispatcher (optimus.parallel.expert_parallel)")
@@ -266,6 +259,7 @@ def test_world4_expert_parallel_matches_torch_muon(muon_refs):
             f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}"
             for ep, scheme, cfg, *_, dispatcher, n_mb in layouts
         ],
+        **FP32,
     )
 
 
@@ -282,6 +276,7 @@ def test_hierarchical_sharding_matches_torch_muon(muon_refs):
         per_rank,
         [muon_refs[n_mb, "fp32"] for *_, n_mb, _ in layouts],
         [f"ep={ep} zero={cfg.zero} accum={n_mb // 4} shard_ranks=2" for ep, _, cfg, *_, n_mb, _ in layouts],
+        **FP32,
     )
 
 

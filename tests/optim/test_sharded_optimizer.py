@@ -270,6 +270,16 @@ def test_dp2_matches_single_process(ref):
         assert_matches([r[i] for r in per_rank], ref)
 
 
+def assert_each_layout_matches(per_rank: list, references: list, labels: list[str], **tolerances) -> None:
+    """Layout i of a run_layouts call (every rank's result i) against its reference (assert_matches, with
+    `tolerances`), named by its label when it does not match."""
+    for i, (reference, label) in enumerate(zip(references, labels)):
+        try:
+            assert_matches([r[i] for r in per_rank], reference, **tolerances)
+        except AssertionError as err:
+            raise AssertionError(f"{label}: {err}") from err
+
+
 def world4_layouts() -> list[tuple]:
     """Every scheme x ZeRO stage x EP size x dispatcher x gradient accumulation (1 or 2 micro-batches per rank)."""
     layouts = []
@@ -287,12 +297,11 @@ def test_world4_layouts_match_single_process(refs):
     """Loss, grad norm (every step, 1e-5) and final parameters of 30 layouts against the single process."""
     layouts = world4_layouts()
     per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
-    for i, (ep, scheme, cfg, *_, dispatcher, n_mb) in enumerate(layouts):
-        try:
-            assert_matches([r[i] for r in per_rank], refs[n_mb])
-        except AssertionError as err:
-            name = f"ep={ep} {dispatcher} {scheme} zero={cfg.zero} accum={n_mb // 4}"
-            raise AssertionError(f"layout {name}: {err}") from err
+    assert_each_layout_matches(
+        per_rank,
+        [refs[n_mb] for *_, n_mb in layouts],
+        [f"layout ep={ep} {d} {scheme} zero={cfg.zero} accum={n_mb // 4}" for ep, scheme, cfg, *_, d, n_mb in layouts],
+    )
 
 
 def hierarchical_layouts() -> list[tuple]:
@@ -315,11 +324,11 @@ def test_hierarchical_sharding_matches_single_process(refs):
     the replica groups' all-reduce completes every shard, the norm counts each element once."""
     layouts = hierarchical_layouts()
     per_rank = run_distributed(run_layouts, 4, layouts, timeout_s=600)
-    for i, (ep, scheme, cfg, *_, n_mb, s) in enumerate(layouts):
-        try:
-            assert_matches([r[i] for r in per_rank], refs[n_mb])
-        except AssertionError as err:
-            raise AssertionError(f"ep={ep} {scheme} zero={cfg.zero} shard_ranks={s}: {err}") from err
+    assert_each_layout_matches(
+        per_rank,
+        [refs[n_mb] for *_, n_mb, _ in layouts],
+        [f"ep={ep} {scheme} zero={cfg.zero} shard_ranks={s}" for ep, scheme, cfg, *_, s in layouts],
+    )
 
 
 # ---- the gradient norm on long vectors ----------------------------------------------------------
