@@ -1,10 +1,12 @@
-"""`optimus plan`: one command, one parser, four modes.
+"""`optimus plan`: one command, one parser, five modes.
 
     optimus plan [--nodes N | --world N] [--json] KEY=VALUE ...    memory and FLOPs per device (optimus.plan)
     optimus plan --dry-run [--rank R ...] [--imbalance X] [--device D] [--check-groups] [--out DIR]
                                                                   one real step on fake tensors (optimus.dry_run)
     optimus plan --predict [--nodes A,B,C | --world N] [--imbalance X] [--device D] [--json]
                                                                   the step time (optimus.perf.predict)
+    optimus plan --search [--nodes N | --world N] [--device D] [--top K] [--verify K] [--jobs J] [--json]
+                                                                  layouts ranked by predicted step (optimus.perf.search)
     optimus plan --calibrate --out DIR [--device D] [--nproc N]   this node measured (optimus.selftest)
 
 `parse` reads every mode's options at once and refuses, in one sentence and before any work, an option that the
@@ -25,7 +27,7 @@ from optimus.plan import STATE_KEYS, Plan, fits, gib
 def main(argv: list[str]) -> int:
     """`optimus plan ...`: the mode's exit code."""
     mode, opts = parse(argv)
-    run = {"plan": _plan, "dry-run": _dry_run, "predict": _predict, "calibrate": _calibrate}[mode]
+    run = {"plan": _plan, "dry-run": _dry_run, "predict": _predict, "calibrate": _calibrate, "search": _search}[mode]
     return run(opts)
 
 
@@ -63,6 +65,13 @@ def parser() -> argparse.ArgumentParser:
     pred.add_argument(
         "--predict", action="store_true", help="step time, tokens/s, MFU and time split (optimus/perf/predict.py)"
     )
+    search = p.add_argument_group("search", "layouts of the recipe at one world size, ranked by predicted step time")
+    search.add_argument(
+        "--search", action="store_true", help="search the layouts (optimus/perf/search.py); keys given are fixed"
+    )
+    search.add_argument("--top", type=int, help="layouts to print (default 10)")
+    search.add_argument("--verify", type=int, help="fastest layouts whose busiest rank a dry run checks (default 2)")
+    search.add_argument("--jobs", type=int, help="predictions at once, each its own process (default: 2 per 2 cores)")
     cal = p.add_argument_group("calibration", "this node's rates and links, measured, as DIR/machine.yaml")
     cal.add_argument("--calibrate", action="store_true", help="measure this node and write --out DIR")
     cal.add_argument("--nproc", type=int, help="processes to measure with, one per device (default: one per GPU)")
@@ -76,6 +85,7 @@ OPTIONS = {
     "dry-run": ("dry_run", "rank", "imbalance", "device", "out", "overwrite", "check_groups"),
     "predict": ("predict", "json", "imbalance", "device"),
     "calibrate": ("calibrate", "device", "out", "overwrite", "nproc"),
+    "search": ("search", "json", "device", "top", "verify", "jobs"),
 }
 
 
@@ -85,7 +95,10 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
     before any work. --device left out stays None (the recipe's device: optimus.dry_run.dry_run_device);
     --imbalance left out stays None (optimus.load_model.checked_imbalance checks it against the model)."""
     opts = parser().parse_intermixed_args(argv)
-    command = "calibrate" if opts.calibrate else "dry-run" if opts.dry_run else "predict" if opts.predict else "plan"
+    command = (
+        "calibrate" if opts.calibrate else "dry-run" if opts.dry_run else "predict" if opts.predict
+        else "search" if opts.search else "plan"
+    )  # fmt: skip
     given = [name for names in OPTIONS.values() for name in names if _given(getattr(opts, name))]
     for name in dict.fromkeys(given):
         if name not in OPTIONS[command]:
@@ -110,6 +123,12 @@ def _not_taken(command: str, flag: str) -> str:
         return "--calibrate is a command of its own (it measures this node): run `optimus plan --calibrate --out DIR`."
     if flag == "--nproc":
         return "--nproc belongs to `optimus plan --calibrate` (its processes on this node): leave it out."
+    if flag in ("--top", "--verify", "--jobs"):
+        return f"{flag} belongs to `optimus plan --search`: add --search, or leave it out."
+    if flag == "--search" and command in ("predict", "dry-run"):
+        return f"--{command} and --search are two commands (a search runs its own): run one of them."
+    if command == "search":
+        return f"--search runs its own predictions and dry runs and writes no files: leave out {flag}."
     if command == "predict":
         return f"--predict runs its own dry runs and writes no files: leave out {flag}."
     if command == "dry-run" and flag == "--predict":
@@ -265,6 +284,39 @@ def _predict(opts: argparse.Namespace) -> int:
         text, out = format_prediction(rows[0]["strong"]) + format_scaling(rows), scaling_json(rows)
     print(json.dumps(out, indent=2) if opts.json else "\n".join(text))
     return 1 if too_big else 0
+
+
+def _search(opts: argparse.Namespace) -> int:
+    """The recipe's layouts at one world size ranked by predicted step time (optimus.perf.search): 0 when a layout
+    fits and is predicted, 1 when none is."""
+    import os
+
+    from optimus.dry_run import dry_run_device
+    from optimus.perf.machine import machine_model, times_operators
+    from optimus.perf.search import Search, fixed_keys, format_search, search_json
+    from optimus.recipes import load_config
+
+    for flag, value in (("--top", opts.top), ("--verify", opts.verify), ("--jobs", opts.jobs)):
+        if value is not None and value < (0 if flag == "--verify" else 1):
+            raise ConfigError(f"{flag} {value} must be at least {0 if flag == '--verify' else 1}.")
+    cfg = load_config(opts.overrides)
+    if times_operators(cfg.machine):
+        raise ConfigError(
+            f"--search ranks layouts on a cluster's machine model; machine={cfg.machine.name} times each traced "
+            "operator here, minutes per layout: choose a machine recipe (machine=aurora, frontier or nvidia)."
+        )
+    device = dry_run_device(cfg, opts.device)
+    world = world_size(cfg, opts.nodes, opts.world)
+    jobs = opts.jobs or max(1, min(2, len(os.sched_getaffinity(0))))
+    out = sys.stderr if opts.json else sys.stdout
+    search = Search(cfg, world, machine_model(cfg.machine, world), fixed_keys(opts.overrides), device, jobs,
+                    say=lambda line: print(line, file=out, flush=True))  # fmt: skip
+    result = search.run(verify=2 if opts.verify is None else opts.verify)
+    if opts.json:
+        print(json.dumps(search_json(result), indent=2))
+    else:
+        print("\n".join(format_search(result, cfg, opts.top or 10)))
+    return 0 if result.ranked() else 1
 
 
 def _calibrate(opts: argparse.Namespace) -> int:

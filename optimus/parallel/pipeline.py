@@ -52,7 +52,7 @@ SCHEDULES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class PartCounts:
     """Parameters of a part of the model (a layer, the embedding, the head): routed experts apart."""
 
@@ -63,8 +63,20 @@ class PartCounts:
         return PartCounts(self.dense + other.dense, self.expert + other.expert)
 
 
+_PART_COUNTS: dict[str, tuple[list[PartCounts], PartCounts, PartCounts]] = {}  # by repr(model config)
+
+
 def part_counts(cfg: ModelConfig) -> tuple[list[PartCounts], PartCounts, PartCounts]:
-    """(per layer, embedding, final norm + LM head) parameter counts, on the meta device (no memory)."""
+    """(per layer, embedding, final norm + LM head) parameter counts, on the meta device (no memory); counted once
+    per model config (a layout search plans hundreds of layouts of one model)."""
+    key = repr(cfg)
+    if key not in _PART_COUNTS:
+        _PART_COUNTS[key] = _count_parts(cfg)
+    layers, embed, head = _PART_COUNTS[key]
+    return list(layers), embed, head
+
+
+def _count_parts(cfg: ModelConfig) -> tuple[list[PartCounts], PartCounts, PartCounts]:
     with torch.device("meta"):
         model = Transformer(cfg, kernels="torch")
 

@@ -1,0 +1,168 @@
+"""`optimus plan --search`: the layouts it enumerates, what it drops, the descent's answer against a brute force
+over every layout, the keys it holds fixed, and the winner's overrides predicted again through the command line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from optimus.cli import main
+from optimus.config import ConfigError
+from optimus.perf.machine import machine_model
+from optimus.perf.search import AXES, STRUCTURE, Search, axis_values, fixed_keys, values_of, with_values
+from optimus.plan import make_plan
+from optimus.recipes import load_config
+from tests.conftest import TINY_MODEL
+
+# frontier's machine model (8 ranks per node) on one node, the tiny model with 8 experts.
+ARGS = ["machine=frontier", *TINY_MODEL, "train.seq_len=32", "train.global_batch=16", "train.micro_batch=1"]
+WORLD = 8
+
+
+def formula_step(cfg) -> float:
+    """A step time that each axis moves on its own (a stand-in for the prediction): the brute force's answer is the
+    descent's to find."""
+    p, o, t = cfg.parallel, cfg.optim, cfg.train
+    return (
+        1.0 + 0.3 * abs(p.pp - 2) + (0.05 if p.pp_schedule == "interleaved_1f1b" else 0.0) + 0.2 * abs(p.tp - 2)
+        + 0.1 * abs(p.ep - 4) + 0.07 * t.micro_batch + (0.0 if o.zero == 2 else 0.04)
+        + (0.0 if o.shard_ranks is None else 0.02) + (0.03 if o.overlap_param_gather else 0.0)
+        + 0.001 * o.bucket_mb + (0.0 if p.dispatcher == "alltoall" else 0.06) + 0.01 * p.ep_overlap_chunks
+        + {"none": 0.0, "selective": 0.5, "full": 1.0}[t.activation_checkpointing]
+        + (0.0 if o.sharding == "ep_aware" else 0.01)
+    )  # fmt: skip
+
+
+def fake_prediction(cfg) -> dict:
+    step = formula_step(cfg)
+    return {"step_time_s": step, "mfu": 0.1 / step, "time_split": {"compute": step}, "step_time_s_range": None}
+
+
+def search_of(args: list[str], fixed: set[str] = frozenset()) -> Search:
+    cfg = load_config(args)
+    return Search(cfg, WORLD, machine_model(cfg.machine, WORLD), set(fixed), predict_fn=fake_prediction)
+
+
+def every_layout(search: Search) -> list[dict]:
+    """Every combination of every axis's values (each axis's values from the recipe's layout and from each
+    pipeline and tp: the axes whose values depend on them), the valid ones planned."""
+    cfg = search.cfg
+    values = {axis: [] for axis in AXES}
+    for pp_values in axis_values("pipeline", cfg, WORLD):
+        for tp_values in axis_values("tp", cfg, WORLD):
+            here = with_values(cfg, {**pp_values, **tp_values})
+            for axis in AXES:
+                for v in axis_values(axis, here, WORLD):
+                    if v not in values[axis]:
+                        values[axis].append(v)
+    layouts = []
+    for combo in itertools.product(*values.values()):
+        layout = {}
+        for v in combo:
+            layout.update(v)
+        layouts.append(layout)
+    return layouts
+
+
+def test_the_descent_finds_the_brute_forces_fastest_layout():
+    search = search_of(ARGS)
+    result = search.run(verify=0)
+    best = result.ranked()[0]
+    # The brute force: every combination planned (the same fit rule), the formula's fastest that fits.
+    fitting = [v for v in map(search.planned, every_layout(search)) if v.status in ("fits", "predicted")]
+    brute = min(formula_step(with_values(search.cfg, v.values)) for v in fitting)
+    assert best.step == pytest.approx(brute)
+    assert best.values["parallel.pp"] == 2 and best.values["parallel.tp"] == 2 and best.values["parallel.ep"] == 4
+    assert best.values["train.activation_checkpointing"] == "none"
+    # Fewer layouts predicted than the brute force planned: the descent's point.
+    assert 0 < len(result.ranked()) < len(fitting)
+
+
+def test_layouts_that_do_not_fit_are_dropped_with_their_peak_and_the_least_checkpointing_that_fits_is_taken():
+    # A device of 1.13 MiB: the planner's peaks of the tiny model's layouts (0.6-2.1 MiB) lie on both sides of it.
+    search = search_of([*ARGS, "machine.memory_gb=0.0011"])
+    result = search.run(verify=0)
+    device = 0.0011 * 2**30
+    dropped = [v for v in result.visits if v.status == "dropped"]
+    assert dropped and result.ranked()
+    for visit in dropped:
+        assert visit.peak_bytes > device
+        # dropped with every checkpointing mode: the last tried, full, over the device too
+        assert make_plan(with_values(search.cfg, visit.values), WORLD).memory["total_configured"] > device
+    for visit in result.ranked():
+        cfg = with_values(search.cfg, visit.values)
+        assert make_plan(cfg, WORLD).memory["total_configured"] <= device
+        lighter = {"none": [], "selective": ["none"], "full": ["none", "selective"]}
+        for mode in lighter[visit.values["train.activation_checkpointing"]]:  # a lighter mode does not fit
+            lighter_cfg = with_values(cfg, {"train.activation_checkpointing": mode})
+            assert make_plan(lighter_cfg, WORLD).memory["total_configured"] > device
+
+
+def test_keys_given_on_the_command_line_stay_fixed():
+    command_line = ["parallel.tp=1", "+optim.zero=1", "train.activation_checkpointing=full", "experiment=x"]
+    fixed = fixed_keys(command_line)
+    assert fixed == {"parallel.tp", "optim.zero", "train.activation_checkpointing"}
+    search = search_of([*ARGS, "parallel.tp=1", "optim.zero=1", "train.activation_checkpointing=full"], fixed)
+    result = search.run(verify=0)
+    for visit in result.visits:
+        assert visit.values["parallel.tp"] == 1 and visit.values["optim.zero"] == 1
+        assert visit.values["train.activation_checkpointing"] == "full"
+    assert result.ranked()[0].values["parallel.ep"] == 4  # the free axes still move
+
+
+def test_invalid_layouts_are_those_the_config_checks_refuse():
+    search = search_of(ARGS)
+    for visit in search.structures():
+        cfg = with_values(search.cfg, visit.values)
+        if visit.status == "invalid":
+            with pytest.raises(ConfigError):
+                from optimus.config_checks import validate
+                from optimus.job_scripts import check_groups_in_node
+                from optimus.perf.predict import check_predictable
+
+                check_groups_in_node(cfg)
+                validate(cfg, WORLD)
+                check_predictable(cfg)
+        else:
+            assert make_plan(cfg, WORLD).world == WORLD
+    structural = [k for axis in STRUCTURE for k in AXES[axis]]
+    assert len({tuple(v.values[k] for k in structural) for v in search.structures()}) == len(search.structures())
+
+
+def test_search_prints_the_winner_whose_overrides_predict_the_same_step(capsys):
+    # The real prediction, with every axis but ZeRO's and the bucket's fixed on the command line.
+    fixed = ["parallel.pp=1", "parallel.tp=1", "parallel.ep=4", "optim.sharding=ep_aware", "optim.shard_ranks=null",
+             "optim.overlap_param_gather=false", "parallel.dispatcher=alltoall", "parallel.ep_overlap_chunks=1",
+             "train.activation_checkpointing=none"]  # fmt: skip
+    assert main(["plan", "--search", "--world", "8", "--json", "--verify", "1", "--jobs", "2", *ARGS, *fixed]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ranked = out["ranked"]
+    # The descent tried both ZeRO stages and every bucket size (not every pair: each axis from the best so far).
+    assert {r["values"]["optim.zero"] for r in ranked} == {1, 2}
+    assert {r["values"]["optim.bucket_mb"] for r in ranked} == {32.0, 128.0, 512.0}
+    assert all(r["values"]["parallel.ep"] == 4 and r["values"]["parallel.pp"] == 1 for r in ranked)
+    steps = [r["prediction"]["step_time_s"] for r in ranked]
+    assert steps == sorted(steps)
+    winner = out["winner"]
+    assert winner["verified"]["peak_bytes"] > 0 and winner["verified"]["fits"] is True
+    assert main(["plan", "--predict", "--json", "--world", "8", *ARGS, *winner["overrides"]]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step_time_s"] == pytest.approx(winner["prediction"]["step_time_s"], rel=1e-9)
+    assert values_of(load_config([*ARGS, *winner["overrides"]])) == winner["values"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--search", "--top", "0"], "--top 0 must be at least 1"),
+        (["--top", "3"], "--top belongs to `optimus plan --search`"),
+        (["--search", "--predict"], "--predict and --search are two commands"),
+        (["--search", "--rank", "0"], "--search runs its own predictions"),
+        (["--search", "--world", "2", "machine=local"], "machine=local times each traced operator"),
+    ],
+)
+def test_refusals(capsys, args, words):
+    assert main(["plan", *args, *TINY_MODEL]) == 2
+    assert words in capsys.readouterr().err
