@@ -288,7 +288,7 @@ def _predict(opts: argparse.Namespace) -> int:
 
 def _search(opts: argparse.Namespace) -> int:
     """The recipe's layouts at one world size ranked by predicted step time (optimus.perf.search): 0 when a layout
-    fits and is predicted, 1 when none is."""
+    fits and is predicted, 1 when none is; stopped (Ctrl-C), the layouts predicted so far, and 130."""
     import os
 
     from optimus.dry_run import dry_run_device
@@ -311,12 +311,17 @@ def _search(opts: argparse.Namespace) -> int:
     out = sys.stderr if opts.json else sys.stdout
     search = Search(cfg, world, machine_model(cfg.machine, world), fixed_keys(opts.overrides), device, jobs,
                     say=lambda line: print(line, file=out, flush=True))  # fmt: skip
-    result = search.run(verify=2 if opts.verify is None else opts.verify)
+    stopped = False
+    try:
+        result = search.run(verify=2 if opts.verify is None else opts.verify)
+    except KeyboardInterrupt:  # what was predicted is not lost: printed as the search's answer so far
+        result, stopped = search.result(), True
+        print(f"search stopped after {result.seconds:.0f} s: the layouts predicted so far", file=out, flush=True)
     if opts.json:
         print(json.dumps(search_json(result), indent=2))
     else:
         print("\n".join(format_search(result, cfg, opts.top or 10)))
-    return 0 if result.ranked() else 1
+    return 130 if stopped else 0 if result.ranked() else 1
 
 
 def _calibrate(opts: argparse.Namespace) -> int:

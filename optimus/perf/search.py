@@ -185,8 +185,11 @@ class SearchResult:
 
     def ranked(self) -> list[Visit]:
         """Predicted layouts, fastest first; of equal steps, the one that changes fewer of the recipe's keys."""
-        changed = lambda v: sum(v.values[k] != self.recipe.get(k) for k in v.values)  # noqa: E731
-        return sorted((v for v in self.visits if v.prediction), key=lambda v: (v.step, changed(v)))
+
+        def order(visit: Visit) -> tuple[float, int]:
+            return visit.step, sum(visit.values[k] != self.recipe.get(k) for k in visit.values)
+
+        return sorted((v for v in self.visits if v.prediction), key=order)
 
     def count(self, status: str) -> int:
         return sum(v.status == status for v in self.visits)
@@ -207,6 +210,7 @@ class Search:
         self._predict = predict_fn or (lambda c: predict(c, world, machine, 1.0, "none", device).as_dict())
         self.seen: dict[tuple, Visit] = {}  # by the layout's axis values
         self.counts = count_params_of_config(cfg.model)  # the same model in every layout: counted once
+        self.started, self.n_structures = time.perf_counter(), 0
 
     # ---- one layout
 
@@ -309,14 +313,28 @@ class Search:
     def verify(self, visits: list[Visit]) -> None:
         """The busiest rank of each of `visits`, as a dry run in a fresh process: its measured peak."""
         for visit in visits:
-            visit.verified = verified_peak(with_values(self.cfg, visit.values), self.world, self.device)
+            what = _changes(visit.values, self.cfg)
+            try:
+                visit.verified = verified_peak(with_values(self.cfg, visit.values), self.world, self.device)
+            except RuntimeError as err:  # the ranking stands; the failure is reported with the layout
+                visit.verified = {"error": str(err).splitlines()[-1]}
+                self.say(f"  the dry run of {what} failed: {visit.verified['error']}")
+                continue
             fit = "fits" if visit.verified["fits"] is not False else "DOES NOT FIT"
-            self.say(f"  verified {_changes(visit.values, self.cfg)}: rank {visit.verified['rank']} measured "
+            self.say(f"  verified {what}: rank {visit.verified['rank']} measured "
                      f"{visit.verified['peak_bytes'] / 2**30:.2f} GiB, {fit}")  # fmt: skip
 
+    def result(self) -> SearchResult:
+        """What the search has found so far (all of it once `run` returns; part of it where `run` was stopped)."""
+        result = SearchResult(self.world, self._nodes(), self.machine.name, self.n_structures,
+                              list(self.seen.values()), recipe=values_of(self.cfg))  # fmt: skip
+        result.seconds = time.perf_counter() - self.started
+        return result
+
     def run(self, verify: int = 2) -> SearchResult:
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         structures = self.structures()
+        self.n_structures = len(structures)
         fitting = [v for v in structures if v.status == "fits"]
         self.say(
             f"{len(structures)} structural layouts: {len(fitting)} fit, "
@@ -332,11 +350,8 @@ class Search:
                 )
             recipe = min(fitting, key=lambda v: v.values["parallel.pp"])
         self.descend({k: v for k, v in recipe.values.items() if k != CHECKPOINTING})
-        result = SearchResult(self.world, self._nodes(), self.machine.name, len(structures), list(self.seen.values()),
-                              recipe=values_of(self.cfg))  # fmt: skip
-        self.verify(result.ranked()[:verify])
-        result.seconds = time.perf_counter() - started
-        return result
+        self.verify(self.result().ranked()[:verify])
+        return self.result()
 
     def _nodes(self) -> float | None:
         rpn = self.cfg.machine.ranks_per_node
@@ -436,7 +451,8 @@ def format_search(result: SearchResult, cfg: OptimusConfig, top: int = 10) -> li
         parts = ", ".join(f"{k} {100 * s / total:.0f}%" for k, s in split)
         checked = ""
         if visit.verified:
-            checked = f" (dry run {visit.verified['peak_bytes'] / 2**30:.1f})"
+            peak = visit.verified.get("peak_bytes")
+            checked = f" (dry run {peak / 2**30:.1f})" if peak is not None else " (dry run failed)"
         lines.append(
             f"{i:>3}  {_range(p['step_time_s'], p.get('step_time_s_range')):<30}"
             f"{_range(p['mfu'], p.get('mfu_range'), 100, '.1f'):<20}{visit.peak_bytes / 2**30:>9.1f}{checked}  {parts}"
