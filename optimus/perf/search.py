@@ -122,8 +122,8 @@ def axis_values(axis: str, cfg: OptimusConfig, world: int) -> list[Values]:
         return [{"optim.shard_ranks": s} for s in _shard_groups(cfg, world)]
     if axis == "param_gather":
         return [{"optim.overlap_param_gather": flag} for flag in (False, True)]
-    if axis == "bucket":
-        return [{"optim.bucket_mb": mb} for mb in BUCKET_MB]
+    if axis == "bucket":  # under ZeRO-1 the gradients reduce in step(), not in buckets (zero_bucket_bytes)
+        return [{"optim.bucket_mb": mb} for mb in (BUCKET_MB if cfg.optim.zero == 2 else (cfg.optim.bucket_mb,))]
     if axis == "dispatch":
         if not moe or p.ep == 1:
             return [{"parallel.dispatcher": p.dispatcher, "parallel.ep_overlap_chunks": p.ep_overlap_chunks}]
@@ -470,14 +470,25 @@ def format_search(result: SearchResult, cfg: OptimusConfig, top: int = 10) -> li
 
 
 def search_json(result: SearchResult) -> dict:
+    """The result as one object; the machine model's numbers once (every prediction was replayed on the same)."""
     ranked = result.ranked()
+    machine = ranked[0].prediction["machine_numbers"] if ranked else None
+
+    def visit_json(visit: Visit) -> dict:
+        out = visit.as_dict()
+        if out["prediction"]:
+            out["prediction"] = {k: v for k, v in out["prediction"].items() if k != "machine_numbers"}
+        return out
+
     return {
+        "machine_numbers": machine,
         "world": result.world, "nodes": result.nodes, "machine": result.machine, "structures": result.structures,
+        "recipe": result.recipe,
         "seconds": result.seconds,
-        "ranked": [v.as_dict() for v in ranked],
+        "ranked": [visit_json(v) for v in ranked],
         "dropped": [v.as_dict() for v in result.visits if v.status == "dropped"],
         "invalid": result.count("invalid"), "failed": [v.as_dict() for v in result.visits if v.status == "failed"],
-        "winner": {"overrides": overrides(ranked[0].values), **ranked[0].as_dict()} if ranked else None,
+        "winner": {"overrides": overrides(ranked[0].values), **visit_json(ranked[0])} if ranked else None,
     }  # fmt: skip
 
 

@@ -112,6 +112,14 @@ def test_keys_given_on_the_command_line_stay_fixed():
     assert result.ranked()[0].values["parallel.ep"] == 4  # the free axes still move
 
 
+def test_bucket_sizes_are_tried_under_zero_2_only():
+    # ZeRO-1 reduces the gradients in the step, whatever optim.bucket_mb says (optim.memory.zero_bucket_bytes).
+    cfg = load_config(ARGS)
+    assert axis_values("bucket", with_values(cfg, {"optim.zero": 1}), WORLD) == [{"optim.bucket_mb": 32.0}]
+    under_zero2 = axis_values("bucket", with_values(cfg, {"optim.zero": 2}), WORLD)
+    assert [v["optim.bucket_mb"] for v in under_zero2] == [32.0, 128.0, 512.0]
+
+
 def test_invalid_layouts_are_those_the_config_checks_refuse():
     search = search_of(ARGS)
     for visit in search.structures():
@@ -132,17 +140,17 @@ def test_invalid_layouts_are_those_the_config_checks_refuse():
 
 
 def test_search_prints_the_winner_whose_overrides_predict_the_same_step(capsys):
-    # The real prediction, with every axis but ZeRO's and the bucket's fixed on the command line.
+    # The real prediction, with every axis but the bucket's and the dispatcher's fixed on the command line.
     fixed = ["parallel.pp=1", "parallel.tp=1", "parallel.ep=4", "optim.sharding=ep_aware", "optim.shard_ranks=null",
-             "optim.overlap_param_gather=false", "parallel.dispatcher=alltoall", "parallel.ep_overlap_chunks=1",
-             "train.activation_checkpointing=none"]  # fmt: skip
+             "optim.overlap_param_gather=false", "optim.zero=2", "train.activation_checkpointing=none"]  # fmt: skip
     assert main(["plan", "--search", "--world", "8", "--json", "--verify", "1", "--jobs", "2", *ARGS, *fixed]) == 0
     out = json.loads(capsys.readouterr().out)
     ranked = out["ranked"]
-    # The descent tried both ZeRO stages and every bucket size (not every pair: each axis from the best so far).
-    assert {r["values"]["optim.zero"] for r in ranked} == {1, 2}
+    # The descent tried every bucket size and every dispatch (not every pair: each axis from the best so far).
     assert {r["values"]["optim.bucket_mb"] for r in ranked} == {32.0, 128.0, 512.0}
-    assert all(r["values"]["parallel.ep"] == 4 and r["values"]["parallel.pp"] == 1 for r in ranked)
+    dispatch = {(r["values"]["parallel.dispatcher"], r["values"]["parallel.ep_overlap_chunks"]) for r in ranked}
+    assert dispatch == {("alltoall", 1), ("alltoall", 2), ("allgather", 1)}
+    assert all(r["values"]["parallel.ep"] == 4 and r["values"]["optim.zero"] == 2 for r in ranked)
     steps = [r["prediction"]["step_time_s"] for r in ranked]
     assert steps == sorted(steps)
     winner = out["winner"]
