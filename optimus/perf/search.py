@@ -48,9 +48,10 @@ AXES = {
     "bucket": ("optim.bucket_mb",),
     "dispatch": ("parallel.dispatcher", "parallel.ep_overlap_chunks"),
 }
+AXIS_KEYS = tuple(key for keys in AXES.values() for key in keys)
 STRUCTURE = ("pipeline", "tp", "ep", "micro_batch")  # what the fit pass enumerates
 CHECKPOINTING = "train.activation_checkpointing"  # not an axis: the least that fits (or the command line's)
-SEARCH_KEYS = (*(key for keys in AXES.values() for key in keys), CHECKPOINTING)
+SEARCH_KEYS = (*AXIS_KEYS, CHECKPOINTING)
 
 # Schedules the search tries with more than one stage: 1F1B, and interleaved 1F1B with two stages per rank.
 # GPipe runs the same bubble as 1F1B with every micro-batch's activations held; interleaved zero-bubble cannot be
@@ -282,7 +283,7 @@ class Search:
 
     def structures(self) -> list[Visit]:
         """Every structural layout (the axes of STRUCTURE that are not fixed) with the recipe's other keys, planned."""
-        base = values_of(self.cfg, [k for keys in AXES.values() for k in keys])
+        base = values_of(self.cfg, AXIS_KEYS)
         layouts = [base]
         for axis in STRUCTURE:
             if any(k in self.fixed for k in AXES[axis]):
@@ -341,7 +342,7 @@ class Search:
             f"{sum(v.status == 'dropped' for v in structures)} do not, "
             f"{sum(v.status == 'invalid' for v in structures)} do not divide or cannot be traced"
         )
-        recipe = self.planned(values_of(self.cfg, [k for keys in AXES.values() for k in keys]))
+        recipe = self.planned(values_of(self.cfg, AXIS_KEYS))
         if recipe.status != "fits" and recipe.status != "predicted":
             if not fitting:
                 raise ConfigError(
