@@ -109,7 +109,8 @@ def tables(out: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         result = row["result"]
-        recipe = next((v for v in result["ranked"] if _is_recipe(v, name)), None)
+        values = _recipe_values(name)  # once per recipe, not once per ranked layout
+        recipe = next((v for v in result["ranked"] if _is_recipe(v, values)), None)
         best = result["ranked"][0] if result["ranked"] else None
         for label, visit in (("recipe's", recipe), ("search's", best)):
             if visit is None:
@@ -143,11 +144,10 @@ def _recipe_values(name: str) -> dict:
     return values_of(load_config([f"experiment={name}"]))
 
 
-def _is_recipe(visit: dict, name: str) -> bool:
+def _is_recipe(visit: dict, recipe: dict) -> bool:
     """Whether a ranked layout changes none of the recipe's keys (its checkpointing may be the search's)."""
     from optimus.perf.search import CHECKPOINTING
 
-    recipe = _recipe_values(name)
     return all(visit["values"][k] == v for k, v in recipe.items() if k != CHECKPOINTING)
 
 

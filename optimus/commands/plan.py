@@ -296,9 +296,9 @@ def _search(opts: argparse.Namespace) -> int:
     from optimus.perf.search import Search, fixed_keys, format_search, search_json
     from optimus.recipes import load_config
 
-    for flag, value in (("--top", opts.top), ("--verify", opts.verify), ("--jobs", opts.jobs)):
-        if value is not None and value < (0 if flag == "--verify" else 1):
-            raise ConfigError(f"{flag} {value} must be at least {0 if flag == '--verify' else 1}.")
+    for flag, value, least in (("--top", opts.top, 1), ("--verify", opts.verify, 0), ("--jobs", opts.jobs, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} {value} must be at least {least}.")
     cfg = load_config(opts.overrides)
     if times_operators(cfg.machine):
         raise ConfigError(

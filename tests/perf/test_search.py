@@ -10,7 +10,10 @@ import pytest
 
 from optimus.cli import main
 from optimus.config import ConfigError
+from optimus.config_checks import validate
+from optimus.job_scripts import check_groups_in_node
 from optimus.perf.machine import machine_model
+from optimus.perf.predict import check_predictable
 from optimus.perf.search import AXES, STRUCTURE, Search, axis_values, fixed_keys, values_of, with_values
 from optimus.plan import make_plan
 from optimus.recipes import load_config
@@ -126,10 +129,6 @@ def test_invalid_layouts_are_those_the_config_checks_refuse():
         cfg = with_values(search.cfg, visit.values)
         if visit.status == "invalid":
             with pytest.raises(ConfigError):
-                from optimus.config_checks import validate
-                from optimus.job_scripts import check_groups_in_node
-                from optimus.perf.predict import check_predictable
-
                 check_groups_in_node(cfg)
                 validate(cfg, WORLD)
                 check_predictable(cfg)
