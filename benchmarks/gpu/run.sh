@@ -13,7 +13,8 @@
 #                 run's trace of it on the stand-in device: operators (calls, FLOPs, bytes) and peak memory
 #   step_triton   `optimus train` of a one-device MoE model (mula-7b-a1b's widths, 8 layers: 3.6B parameters,
 #   step_torch    about 72 GiB planned) with kernels=triton, then kernels=torch: tokens/s, MFU, peak memory
-#   predict       `optimus plan --predict` of that step on machine=nvidia with the selftest's measured numbers
+#   calibrate     `optimus plan --calibrate` of this node on machine=nvidia: its machine.yaml
+#   predict       `optimus plan --predict` of that step on machine=nvidia with machine.calibration= that file
 #   step_profile  one profiled step (kernels=triton): device time by kernel, device idle time, host syncs
 #   kernel_tests  tests/kernels/test_kernels_triton.py on the device (awkward shapes in every dtype, compiled)
 # Without a GPU the selftest, expert_path and step_torch stages run on tiny shapes (the Triton interpreter, the
@@ -35,7 +36,7 @@ if $python -c "$accelerator"; then gpu=1; else gpu=0; fi
 # Fragmentation headroom: the step plans about 72 GiB, close to an 80 GB card's usable memory
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "$gpu" = 1 ]; then
-    stages=${STAGES:-selftest expert_path device_path step_triton step_torch predict step_profile kernel_tests}
+    stages=${STAGES:-selftest expert_path device_path step_triton step_torch calibrate predict step_profile kernel_tests}
     # STEP_LAYERS=6 for a 64 GB device (an Aurora tile): 8 layers plan about 72 GiB
     step_model=(model=mula-7b-a1b model.n_layers=${STEP_LAYERS:-8} train.seq_len=2048 train.micro_batch=4
         train.global_batch=32 train.dtype=bf16)
@@ -88,21 +89,25 @@ for name in $stages; do
             $python benchmarks/gpu/profile_summary.py "$trace" >"$out/profile.md" 2>&1 && rm -f "$trace"
         fi
         ;;
-    predict)  # the step_* stages' step predicted from the selftest's calibration of this node
-        if [ ! -f "$out/selftest/machine.yaml" ]; then
-            echo "== predict: skipped, no selftest/machine.yaml (the selftest stage writes it)"
+    calibrate)  # this node's rates laid over the NVIDIA recipe, as a user calibrates a cluster's node
+        stage calibrate 120 $python -m optimus plan --calibrate --overwrite --out "$out/calibration" --device cuda \
+            "${step_model[@]}" machine=nvidia
+        ;;
+    predict)  # the step_* stages' step predicted from the calibrate stage's machine.yaml
+        if [ ! -f "$out/calibration/machine.yaml" ]; then
+            echo "== predict: skipped, no calibration/machine.yaml (the calibrate stage writes it)"
             continue
         fi
         stage predict 150 $python -m optimus plan --predict --world 1 --device cuda "${step_model[@]}" \
-            "${step_args[@]}" kernels=triton machine=nvidia machine.ranks_per_node=1 \
-            $($python benchmarks/gpu/summary.py --machine-overrides "$out/selftest/machine.yaml")
+            "${step_args[@]}" kernels=triton machine=nvidia machine.calibration="$out/calibration/machine.yaml" \
+            machine.ranks_per_node=1
         ;;
     kernel_tests)
-        stage kernel_tests 150 $python -m pytest -q -rf --tb=short -p no:cacheprovider tests/kernels/test_kernels_triton.py \
+        stage kernel_tests 300 $python -m pytest -q -rf --tb=short -p no:cacheprovider tests/kernels/test_kernels_triton.py \
             tests/kernels/test_kernels_host_syncs.py tests/kernels/test_kernel_check.py
         ;;
-    *) echo "unknown stage $name: choose from selftest expert_path device_path step_triton step_torch predict" \
-        "step_profile kernel_tests" ;;
+    *) echo "unknown stage $name: choose from selftest expert_path device_path step_triton step_torch calibrate" \
+        "predict step_profile kernel_tests" ;;
     esac
 done
 

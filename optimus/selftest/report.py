@@ -257,8 +257,8 @@ def machine_yaml(machine: MachineConfig, report: dict, command: str) -> str:
         f"# machine={machine.name} as measured by `{command}` on {d['processes']} x {d['name']} ({d['type']}) of "
         f"{report['host']}, {report['date']}.",
         "# Numbers commented `measured` are this node's, `found` were looked up here; the rest are the recipe's.",
-        f"# To use it: save it as recipes/machine/{recipe['name']}.yaml and run with machine={recipe['name']}",
-        '# (docs/ARCHITECTURE.md, "The selftest").',
+        "# To use it: machine.calibration=DIR/machine.yaml (DIR: this file's directory) on any optimus command",
+        '# that reads the machine (docs/ARCHITECTURE.md, "The selftest").',
     ]
     ranges = recipe.pop("perf.ranges")
     for key, value in recipe.items():
