@@ -16,7 +16,7 @@ from optimus.parallel.flat_buffer import param_groups
 from optimus.parallel.pipeline import (
     PartCounts,
     cut_stage,
-    in_flight_chunks,
+    held_forwards,
     last_stage_in_flight,
     merge_stages,
     part_counts,
@@ -124,13 +124,18 @@ def _pipeline_shares(
         total = sum(held, PartCounts())
         split = sum(split_layers[i] for i in ids) + split_embed * first + split_head * last
         head_copy = m.dim * padded_vocab_size(m.vocab_size) if m.tie_embeddings and last else 0
-        chunks = in_flight_chunks(p.pp_schedule, p.pp, p.pp_virtual, rank, accum)  # each one stage of `stages`
+        # Each stage's forwards weighted by its layers: what a forward keeps, where every layer keeps the same (all
+        # the recipes' models; a first_k_dense layer keeps less than an MoE one)
+        sizes = [len(stage_layers[stage]) for stage in stages]
+        held = held_forwards(p.pp_schedule, p.pp, p.pp_virtual, rank, accum, sizes)
+        in_flight = sum(n * size for n, size in zip(held, sizes)) / sum(sizes)
+        chunks = sum(held)
         # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
         # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
         sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
         head_in_flight = last_stage_in_flight(p.pp_schedule, accum) if last else 0
         shares.append(
-            RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, chunks / p.pp_virtual,
+            RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, in_flight,
                       head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)
         )  # fmt: skip
     return shares

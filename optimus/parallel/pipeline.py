@@ -162,20 +162,37 @@ def stage_sizes(cfg: ModelConfig, n_stages: int, pp_layers: list[int] | None = N
     return balanced_split(layers, n_stages, embed, head)
 
 
-def in_flight_chunks(schedule: str, pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int) -> int:
-    """Most stage forwards (micro-batch x local stage) whose activations pipeline rank `pp_rank` holds at once:
-    the forwards a schedule runs before its first backward, plus the one in flight."""
+def held_forwards(
+    schedule: str, pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]
+) -> list[int]:
+    """Forwards of each of pipeline rank `pp_rank`'s local stages whose activations it holds at once, at the point
+    of the schedule where they weigh most, stage k's forwards each weighing `weights[k]` (what one keeps).
+
+    GPipe runs every forward before any backward, 1F1B holds pp - rank. The interleaved schedules follow torch's
+    action order (ScheduleInterleaved1F1B): a warm-up of (v - 1) rounds of micro-batches and two forwards more
+    per hop from the last rank (one with zero bubble, which also keeps a micro-batch's activations from its input
+    backward to its weight backward: not counted here), the local stage of the i-th forward (i // per round) % v;
+    then a forward and a backward in turn, the backwards taking the stages last first. Where a rank's stages
+    differ in size the peak is not where the most forwards are held but where the heaviest are: on rank 1 of a
+    pp 8 x v 2 pipeline with two rounds of micro-batches, 16 forwards of its first stage and 5 of its second."""
     if schedule == "gpipe":
-        return n_micro_batches  # every forward before any backward
+        return [n_micro_batches] * pp_virtual
     if schedule == "1f1b":
-        return min(n_micro_batches, pp - pp_rank)
-    # The interleaved schedules, as torch's count their warm-up: (v - 1) rounds of micro-batches, then two
-    # forwards more per hop from the last rank (one with zero bubble, which also keeps a micro-batch's
-    # activations from its input backward to its weight backward; not counted here)
+        return [min(n_micro_batches, pp - pp_rank)]
     per_round = n_micro_batches // max(1, n_micro_batches // pp)
     per_hop = 1 if schedule == "interleaved_zb" else 2
-    warmup = (pp_virtual - 1) * per_round + per_hop * (pp - 1 - pp_rank)
-    return min(warmup + 1, n_micro_batches * pp_virtual)
+    total = n_micro_batches * pp_virtual
+    warmup = min((pp_virtual - 1) * per_round + per_hop * (pp - 1 - pp_rank), total)
+    held = [0] * pp_virtual
+    for op in range(warmup):
+        held[(op // per_round) % pp_virtual] += 1
+    heaviest = list(held)
+    for op in range(warmup, total):  # each forward of the steady state runs before the next backward
+        held[(op // per_round) % pp_virtual] += 1
+        if sum(n * w for n, w in zip(held, weights)) > sum(n * w for n, w in zip(heaviest, weights)):
+            heaviest = list(held)
+        held[pp_virtual - 1 - ((op - warmup) // per_round) % pp_virtual] -= 1
+    return heaviest
 
 
 def last_stage_in_flight(schedule: str, n_micro_batches: int) -> int:

@@ -1,0 +1,65 @@
+"""The forwards a pipeline rank holds at its peak (optimus.parallel.pipeline.held_forwards, which the planner's
+activations are multiplied by), against torch's own action order for the interleaved 1F1B schedule: the most
+that order holds at once, each local stage's forwards weighted by what one keeps."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+from optimus.parallel.pipeline import held_forwards
+
+
+def torch_order(pp: int, v: int, n_micro_batches: int, rank: int) -> list:
+    """Rank `rank`'s actions as torch's ScheduleInterleaved1F1B orders them, without stages or a process group
+    (its __init__ computes the order from these four attributes alone)."""
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, v, n_micro_batches
+    schedule.number_of_rounds = max(1, n_micro_batches // pp)
+    schedule.microbatches_per_round = n_micro_batches // schedule.number_of_rounds
+    return [action for action in schedule._calculate_single_rank_operations(rank) if action is not None]
+
+
+def heaviest_in_order(actions: list, pp: int, v: int, weights: list[float]) -> float:
+    """The most weight of forwards held at once along `actions` (a forward held until its backward)."""
+    held, heaviest = [0] * v, 0.0
+    for action in actions:
+        local = action.stage_index // pp
+        if action.computation_type == _ComputationType.FORWARD:
+            held[local] += 1
+            heaviest = max(heaviest, sum(n * w for n, w in zip(held, weights)))
+        elif action.computation_type == _ComputationType.FULL_BACKWARD:
+            held[local] -= 1
+    return heaviest
+
+
+CASES = [  # (pp, v, micro-batches): one round, several rounds, and torch's flexible rounds (10 over pp 4: 2 of 5)
+    (2, 2, 2), (2, 2, 8), (4, 2, 4), (4, 2, 10), (4, 3, 8), (8, 2, 8), (8, 2, 16), (8, 2, 24), (8, 4, 32),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pp,v,n_micro_batches", CASES)
+def test_held_forwards_are_the_heaviest_point_of_torchs_interleaved_order(pp, v, n_micro_batches):
+    draw = random.Random(pp * 100 + v * 10 + n_micro_batches)
+    for rank, weights in itertools.product(range(pp), ([1.0] * v, [float(draw.randint(1, 5)) for _ in range(v)])):
+        held = held_forwards("interleaved_1f1b", pp, v, rank, n_micro_batches, weights)
+        ours = sum(n * w for n, w in zip(held, weights))
+        expected = heaviest_in_order(torch_order(pp, v, n_micro_batches, rank), pp, v, weights)
+        assert ours == expected, (pp, v, n_micro_batches, rank, weights, held)
+
+
+def test_stages_of_unequal_size_peak_where_the_larger_is_held():
+    """Rank 1 of pp 8 x v 2 with 16 micro-batches holds 21 forwards at most, but at the heaviest point 16 of its
+    first stage and 5 of its second when the first is larger: with the 100B-A7B recipe's stages of 4 and 3
+    layers there, 16 x 4 + 5 x 3 = 79 layers' worth, not 10.5 x 7 = 73.5."""
+    assert held_forwards("interleaved_1f1b", 8, 2, 1, 16, [4, 3]) == [16, 5]
+    assert sum(held_forwards("interleaved_1f1b", 8, 2, 1, 16, [1, 1])) == 21
+
+
+def test_one_round_holds_every_forward_and_1f1b_holds_pp_minus_rank():
+    assert held_forwards("interleaved_1f1b", 8, 2, 1, 8, [4, 3]) == [8, 8]
+    assert held_forwards("1f1b", 4, 1, 1, 8, [1]) == [3]
+    assert held_forwards("gpipe", 4, 1, 1, 8, [1]) == [8]
