@@ -1,6 +1,7 @@
 """The forwards a pipeline rank holds at its peak (optimus.parallel.pipeline.held_forwards, which the planner's
-activations are multiplied by), against torch's own action order for the interleaved 1F1B schedule: the most
-that order holds at once, each local stage's forwards weighted by what one keeps."""
+activations are multiplied by), against torch's own action order for the interleaved schedules: the most that
+order holds at once, each local stage's forwards weighted by what one keeps (under zero bubble, until its input
+backward)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,22 @@ import itertools
 import random
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    _ComputationType,
+)
 
 from optimus.parallel.pipeline import held_forwards
 
+SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "interleaved_zb": ScheduleInterleavedZeroBubble}
 
-def torch_order(pp: int, v: int, n_micro_batches: int, rank: int) -> list:
-    """Rank `rank`'s actions as torch's ScheduleInterleaved1F1B orders them, without stages or a process group
+
+def torch_order(pp: int, v: int, n_micro_batches: int, rank: int, schedule_name: str = "interleaved_1f1b") -> list:
+    """Rank `rank`'s actions as torch's interleaved schedule orders them, without stages or a process group
     (its __init__ computes the order from these four attributes alone)."""
-    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    cls = SCHEDULES[schedule_name]
+    schedule = cls.__new__(cls)
     schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, v, n_micro_batches
     schedule.number_of_rounds = max(1, n_micro_batches // pp)
     schedule.microbatches_per_round = n_micro_batches // schedule.number_of_rounds
@@ -31,7 +39,7 @@ def heaviest_in_order(actions: list, pp: int, v: int, weights: list[float]) -> f
         if action.computation_type == _ComputationType.FORWARD:
             held[local] += 1
             heaviest = max(heaviest, sum(n * w for n, w in zip(held, weights)))
-        elif action.computation_type == _ComputationType.FULL_BACKWARD:
+        elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
             held[local] -= 1
     return heaviest
 
@@ -41,14 +49,15 @@ CASES = [  # (pp, v, micro-batches): one round, several rounds, and torch's flex
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("pp,v,n_micro_batches", CASES)
-def test_held_forwards_are_the_heaviest_point_of_torchs_interleaved_order(pp, v, n_micro_batches):
+def test_held_forwards_are_the_heaviest_point_of_torchs_interleaved_order(schedule, pp, v, n_micro_batches):
     draw = random.Random(pp * 100 + v * 10 + n_micro_batches)
     for rank, weights in itertools.product(range(pp), ([1.0] * v, [float(draw.randint(1, 5)) for _ in range(v)])):
-        held = held_forwards("interleaved_1f1b", pp, v, rank, n_micro_batches, weights)
+        held = held_forwards(schedule, pp, v, rank, n_micro_batches, weights)
         ours = sum(n * w for n, w in zip(held, weights))
-        expected = heaviest_in_order(torch_order(pp, v, n_micro_batches, rank), pp, v, weights)
-        assert ours == expected, (pp, v, n_micro_batches, rank, weights, held)
+        expected = heaviest_in_order(torch_order(pp, v, n_micro_batches, rank, schedule), pp, v, weights)
+        assert ours == expected, (schedule, pp, v, n_micro_batches, rank, weights, held)
 
 
 def test_stages_of_unequal_size_peak_where_the_larger_is_held():
