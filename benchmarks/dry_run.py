@@ -32,7 +32,7 @@ LAYOUTS = [
     ("aurora-mula-20b-a2b", ["experiment=aurora-mula-20b-a2b"], 256),
     ("aurora-mula-100b-a7b", ["experiment=aurora-mula-100b-a7b"], 256),
     ("aurora-mula-220b-a10b", ["experiment=aurora-mula-220b-a10b"], 256),
-    # The seed paper's scaling point, weak-scaled: 4x the nodes, 4x the global batch (8 micro-batches per rank).
+    # The seed paper's scaling point, weak-scaled: 4x the nodes, 4x the global batch (as many micro-batches per rank).
     ("aurora-mula-220b-a10b @1024", ["experiment=aurora-mula-220b-a10b", "train.global_batch=12288"], 1024),
     ("frontier-22b", ["experiment=frontier-22b"], 128),
     ("frontier-175b", ["experiment=frontier-175b"], 128),

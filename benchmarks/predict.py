@@ -23,6 +23,8 @@
         the 220B-A10B with its expert-parallel group inside a node and across nodes, on each library's machine:
         the step, its exposed expert exchange and the all-to-all's batches of rounds:
         predict_all_to_all_device.json
+    python benchmarks/predict.py recipes --name _searched --only LAYOUT ...
+        the recipes `optimus plan --search` re-laid, beside predict_recipes_device.json's hand-written layouts
     python benchmarks/predict.py tables
         the markdown tables of benchmarks/results/predict.md from its JSON files (its text is written by hand
         around them)
@@ -546,6 +548,24 @@ def print_interval_table(out: Path, name: str = "_device") -> None:
               f"{100 * hw_low:.1f} - {100 * r['hfu']:.1f} - {100 * hw_high:.1f}% | {against} |")  # fmt: skip
 
 
+def print_searched_table(out: Path, name: str = "_searched", before: str = "_device") -> None:
+    """The recipes that `optimus plan --search` re-laid (predict_recipes<name>.json) beside their hand-written
+    layouts' predictions (predict_recipes<before>.json, kept as they were), each with its interval."""
+    earlier = {r["layout"]: r for r in json.loads((out / f"predict_recipes{before}.json").read_text())}
+    print("| layout | devices | step s before: fast - likely - slow | step s now | speed-up | MFU before | MFU now | "
+          "split now |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in json.loads((out / f"predict_recipes{name}.json").read_text()):
+        b = earlier[r["layout"]]
+        steps = [f"{row['step_time_s_range'][0]:.2f} - {row['step_time_s']:.2f} - {row['step_time_s_range'][1]:.2f}"
+                 for row in (b, r)]  # fmt: skip
+        mfus = [f"{100 * row['mfu_range'][0]:.1f} - {100 * row['mfu']:.1f} - {100 * row['mfu_range'][1]:.1f}%"
+                for row in (b, r)]  # fmt: skip
+        speed_up = b["step_time_s"] / r["step_time_s"]
+        print(f"| {r['layout']} | {r['world']} | {steps[0]} | {steps[1]} | {speed_up:.2f}x | {mfus[0]} | {mfus[1]} | "
+              f"{_split_cell(r['time_split'], r['step_time_s'])} |")  # fmt: skip
+
+
 def print_algorithm_table(out: Path, name: str = "_device") -> None:
     """Per recipe, the step with every collective a flat ring against the library's algorithms, which ones its
     collectives take, and the wait for the slowest rank (predict_recipes<name>.json)."""
@@ -623,6 +643,11 @@ def main() -> None:
         print_width_table(out)
         print()
         print_algorithm_table(out)
+        if (out / "predict_recipes_searched.json").exists():
+            print()
+            print_searched_table(out)
+            print()
+            print_width_table(out, "_searched")
         print()
         print_scaling_device_table(out)
         print()

@@ -109,7 +109,7 @@ def tables(out: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         result = row["result"]
-        values = _recipe_values(name)  # once per recipe, not once per ranked layout
+        values = result["recipe"]  # the layout the search started from (the recipe as it was then)
         recipe = next((v for v in result["ranked"] if _is_recipe(v, values)), None)
         best = result["ranked"][0] if result["ranked"] else None
         for label, visit in (("recipe's", recipe), ("search's", best)):
@@ -132,16 +132,9 @@ def changes_table(out: Path) -> None:
     print("|---|---|")
     for name, row in rows.items():
         best = row["result"]["winner"]
-        recipe = _recipe_values(name)
+        recipe = row["result"]["recipe"]
         changed = {k: v for k, v in best["values"].items() if v != recipe[k]} if best else {}
         print(f"| {name} | {' '.join(f'`{o}`' for o in overrides(changed)) or 'none'} |")
-
-
-def _recipe_values(name: str) -> dict:
-    from optimus.perf.search import values_of
-    from optimus.recipes import load_config
-
-    return values_of(load_config([f"experiment={name}"]))
 
 
 def _is_recipe(visit: dict, recipe: dict) -> bool:

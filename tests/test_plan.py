@@ -13,12 +13,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.cli import load_config, main
 from optimus.config import ConfigError, ModelConfig, MoEConfig, OptimusConfig
+from optimus.config_checks import layout_of
 from optimus.layout import Layout
 from optimus.model import Transformer, count_params, flops_per_token, padded_vocab_size
 from optimus.model.loss import linear_cross_entropy
 from optimus.optim import ShardedAdamW, rank_state_bytes
 from optimus.parallel import ParallelState
 from optimus.parallel.expert_parallel import shard_experts
+from optimus.parallel.pipeline import stage_sizes
 from optimus.parallel.tensor_parallel import local_tensor
 from optimus.plan import activation_bytes, fused_head_work_bytes, make_plan
 from optimus.train.trainer import Trainer
@@ -26,6 +28,7 @@ from tests.builds import rank_model
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 from tests.optim.test_optimizer_memory import held_bytes
+from tests.parallel.test_pipeline_held import heaviest_in_order, torch_order
 
 RUN = [
     *TINY_MODEL, "data=text", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
@@ -98,16 +101,25 @@ def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_f
         assert sum(rank_bytes[k] for k in STATE_KEYS) == stage["state_bytes"], rank
 
 
-@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 4), ("aurora-mula-220b-a10b", 8)])
+@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 16)])
 def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp):
-    """256 Aurora nodes: every pipeline rank of the 100B (PP 4) and 220B (PP 8) recipes fits its 64 GB tile,
-    the stages hold every layer once, in order, and the 1F1B warm-up leaves the most activations on rank 0."""
+    """256 Aurora nodes: every pipeline rank of the 100B (PP 8) and 220B (PP 16) recipes, interleaved 1F1B with
+    two stages per rank, fits its 64 GB tile; the ranks hold every layer once; and each holds, in micro-batches
+    of its layers, the heaviest point of torch's own action order for it, each stage's forwards weighing its
+    layers (two rounds of pp micro-batches per data-parallel rank)."""
     cfg = load_config([f"experiment={experiment}"])
     plan = make_plan(cfg, 256 * cfg.machine.ranks_per_node)
-    assert plan.pp == pp and len(plan.stages) == pp
-    assert [i for row in plan.stages for i in row["layers"]] == list(range(cfg.model.n_layers))
+    v, t = cfg.parallel.pp_virtual, cfg.train
+    micro_batches = layout_of(cfg, 3072).micro_batches(t.global_batch, t.micro_batch)
+    schedule = cfg.parallel.pp_schedule
+    assert (plan.pp, len(plan.stages), schedule, v, micro_batches) == (pp, pp, "interleaved_1f1b", 2, 2 * pp)
+    assert sorted(i for row in plan.stages for i in row["layers"]) == list(range(cfg.model.n_layers))
     assert plan.stages[0]["embed"] and plan.stages[-1]["head"]
-    assert [row["in_flight"] for row in plan.stages] == list(range(pp, 0, -1))
+    sizes = stage_sizes(cfg.model, pp * v)
+    for r, row in enumerate(plan.stages):
+        weights = [sizes[r + k * pp] for k in range(v)]
+        heaviest = heaviest_in_order(torch_order(pp, v, micro_batches, r), pp, v, weights)
+        assert row["in_flight"] == pytest.approx(heaviest / sum(weights), rel=1e-12), r
     assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
     assert plan.memory["total_configured"] == max(row["total_bytes"] for row in plan.stages)
 
@@ -454,11 +466,11 @@ def test_frontier_study_experiments_fit_a_gcd(experiment):
 
 @pytest.mark.parametrize("experiment", ["frontier-mula-20b-a2b", "frontier-mula-100b-a7b", "frontier-mula-220b-a10b"])
 def test_frontier_moe_experiments_fit_a_gcd(experiment):
-    """The Mula MoE models on 384 Frontier nodes: an EP group per node, every pipeline rank fitting its GCD;
-    the 220B folds TP 2 into EP 8 (EDP = world / (pp x ep))."""
+    """The Mula MoE models on 384 Frontier nodes: EP groups inside a node, every pipeline rank fitting its GCD;
+    the MoE layers fold each stage's DP x TP ranks into EDP x EP (EDP = world / (pp x ep))."""
     cfg = load_config([f"experiment={experiment}"])
     plan = make_plan(cfg, 384 * 8)
-    assert (plan.ep, cfg.machine.ranks_per_node, plan.edp) == (8, 8, 3072 // (plan.pp * 8))
+    assert cfg.machine.ranks_per_node % plan.ep == 0 and plan.edp == 3072 // (plan.pp * plan.ep)
     assert plan.dp == 3072 // (plan.pp * plan.tp)
     assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
 

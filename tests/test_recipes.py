@@ -1,5 +1,6 @@
-"""Experiment recipes compose to the published Aurora layouts (the 100B and 220B ones with pipeline stages)."""
+"""Experiment recipes compose to the published layouts: those `optimus plan --search` chose for the MoE models."""
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ AURORA_TILES = 256 * 12
 
 @pytest.mark.parametrize(
     "experiment, model, ep",
-    [("aurora-mula-7b-a1b", "mula-7b-a1b", 1), ("aurora-mula-20b-a2b", "mula-20b-a2b", 12)],
+    [("aurora-mula-7b-a1b", "mula-7b-a1b", 4), ("aurora-mula-20b-a2b", "mula-20b-a2b", 12)],
 )
 def test_runnable_experiments_validate_at_3072_tiles(experiment, model, ep):
     cfg = load_config([f"experiment={experiment}"])
@@ -27,7 +28,7 @@ def test_runnable_experiments_validate_at_3072_tiles(experiment, model, ep):
     )
 
 
-@pytest.mark.parametrize("experiment, pp", [("aurora-mula-100b-a7b", 4), ("aurora-mula-220b-a10b", 8)])
+@pytest.mark.parametrize("experiment, pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 16)])
 def test_pipeline_experiments_validate_at_3072_tiles(experiment, pp):
     cfg = load_config([f"experiment={experiment}"])
     assert cfg.parallel.pp == pp and cfg.parallel.ep == 12
@@ -63,3 +64,16 @@ def test_the_readme_table_names_every_recipe_and_each_experiments_layout():
         parallel = load_config([f"experiment={name}"]).parallel
         named = {dim.lower(): int(size) for dim, size in re.findall(r"\b(TP|PP|EP) (\d+)", layout)}
         assert named and all(getattr(parallel, dim) == size for dim, size in named.items()), (name, layout)
+
+
+def test_the_moe_recipes_hold_the_layout_their_search_chose():
+    """Each MoE experiment recipe searched in benchmarks/results/search_results.json sets every key of the
+    search's winner to the winner's value (the recipes' comments say so; a later hand edit must change both)."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "search_results.json"
+    searched = json.loads(results.read_text())
+    assert len(searched) >= 6
+    for name, row in searched.items():
+        cfg = load_config([f"experiment={name}"])
+        for key, value in row["result"]["winner"]["values"].items():
+            section, field = key.split(".")
+            assert getattr(getattr(cfg, section), field) == value, (name, key)
