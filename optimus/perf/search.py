@@ -1,7 +1,7 @@
 """`optimus plan --search`: a recipe's layouts at one world size, ranked by predicted step time.
 
-A layout is a value for each axis below (the keys it sets); an axis that the command line sets is fixed. Three
-passes:
+A layout is a value for each axis below (the keys it sets); a key that the command line sets is fixed, and
+an axis then takes only the values that keep it (parallel.pp=1 fixed: the pipeline axis's 1F1B). Three passes:
 
     fit       every structural layout (pipeline and schedule, tp, ep, micro-batch) with the recipe's other keys,
               checked as `optimus train` checks a config (a layout that does not divide is not a layout) and planned
@@ -279,16 +279,22 @@ class Search:
     # ---- the passes
 
     def _values(self, axis: str, layout: Values) -> list[Values]:
-        return axis_values(axis, with_values(self.cfg, layout), self.world)
+        """The values to try for `axis` from `layout`: those that keep the axis's fixed keys at the layout's values
+        (a pipeline of parallel.pp=1 fixed still takes 1F1B, whatever schedule the recipe names); none where
+        every key of the axis is fixed."""
+        keys = AXES[axis]
+        held = [k for k in keys if k in self.fixed]
+        if len(held) == len(keys):
+            return []
+        values = axis_values(axis, with_values(self.cfg, layout), self.world)
+        return [v for v in values if all(v.get(k, layout[k]) == layout[k] for k in held)]
 
     def structures(self) -> list[Visit]:
         """Every structural layout (the axes of STRUCTURE that are not fixed) with the recipe's other keys, planned."""
         base = values_of(self.cfg, AXIS_KEYS)
         layouts = [base]
         for axis in STRUCTURE:
-            if any(k in self.fixed for k in AXES[axis]):
-                continue
-            layouts = [{**lay, **v} for lay in layouts for v in self._values(axis, lay)]
+            layouts = [{**lay, **v} for lay in layouts for v in self._values(axis, lay) or [{}]]
         unique = {self._key(lay): lay for lay in layouts}
         return [self.planned(lay) for lay in unique.values()]
 
@@ -298,9 +304,7 @@ class Search:
         self.predicted([best])
         for _ in range(rounds):
             improved = False
-            for axis, keys in AXES.items():
-                if any(k in self.fixed for k in keys):
-                    continue
+            for axis in AXES:
                 here = {k: v for k, v in best.values.items() if k != CHECKPOINTING}
                 trials = [self.planned({**here, **v}) for v in self._values(axis, here)]
                 self.predicted(trials)
@@ -344,6 +348,11 @@ class Search:
         )
         recipe = self.planned(values_of(self.cfg, AXIS_KEYS))
         if recipe.status != "fits" and recipe.status != "predicted":
+            if not fitting and not any(v.status == "dropped" for v in structures):
+                raise ConfigError(  # every one refused by the config checks: the keys given do not go together
+                    "no layout of the search is valid with the keys given on the command line; the recipe's layout "
+                    f"with them: {recipe.reason}"
+                )
             if not fitting:
                 raise ConfigError(
                     "no layout of the search fits the device at this world size: give the run more nodes, or fix "

@@ -115,6 +115,18 @@ def test_keys_given_on_the_command_line_stay_fixed():
     assert result.ranked()[0].values["parallel.ep"] == 4  # the free axes still move
 
 
+def test_a_fixed_key_leaves_its_axis_the_values_that_keep_it():
+    """parallel.pp=1 on a recipe with an interleaved schedule: the pipeline axis still sets the schedule (1F1B, one
+    stage per rank), so the layouts divide; parallel.pp=2 fixed keeps both of its schedules."""
+    interleaved = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]
+    one = search_of([*ARGS, *interleaved, "parallel.pp=1"], {"parallel.pp"}).run(verify=0)
+    assert one.ranked() and {v.values["parallel.pp_schedule"] for v in one.visits if v.status != "invalid"} == {"1f1b"}
+    assert all(v.values["parallel.pp"] == 1 for v in one.visits)
+    two = search_of([*ARGS, *interleaved, "parallel.pp=2"], {"parallel.pp"}).run(verify=0)
+    schedules = {(v.values["parallel.pp_schedule"], v.values["parallel.pp_virtual"]) for v in two.visits}
+    assert schedules == {("1f1b", 1), ("interleaved_1f1b", 2)} and all(v.values["parallel.pp"] == 2 for v in two.visits)
+
+
 def test_bucket_sizes_are_tried_under_zero_2_only():
     # ZeRO-1 reduces the gradients in the step, whatever optim.bucket_mb says (optim.memory.zero_bucket_bytes).
     cfg = load_config(ARGS)
@@ -168,6 +180,7 @@ def test_search_prints_the_winner_whose_overrides_predict_the_same_step(capsys):
         (["--search", "--predict"], "--predict and --search are two commands"),
         (["--search", "--rank", "0"], "--search runs its own predictions"),
         (["--search", "--world", "2", "machine=local"], "machine=local times each traced operator"),
+        (["--search", "--world", "8", "machine=frontier", "parallel.pp=3"], "no layout of the search is valid"),
     ],
 )
 def test_refusals(capsys, args, words):
