@@ -13,8 +13,8 @@
 #                 run's trace of it on the stand-in device: operators (calls, FLOPs, bytes) and peak memory
 #   step_triton   `optimus train` of a one-device MoE model (mula-7b-a1b's widths, 8 layers: 3.6B parameters,
 #   step_torch    about 72 GiB planned) with kernels=triton, then kernels=torch: tokens/s, MFU, peak memory
-#   calibrate     `optimus plan --calibrate` of this node on machine=nvidia: its machine.yaml
-#   predict       `optimus plan --predict` of that step on machine=nvidia with machine.calibration= that file
+#   calibrate     `optimus plan --calibrate` of this node on its cluster's recipe (nvidia, frontier or aurora)
+#   predict       `optimus plan --predict` of that step on that recipe with machine.calibration= its machine.yaml
 #   step_profile  one profiled step (kernels=triton): device time by kernel, device idle time, host syncs
 #   kernel_tests  tests/kernels/test_kernels_triton.py on the device (awkward shapes in every dtype, compiled)
 # Without a GPU the selftest, expert_path and step_torch stages run on tiny shapes (the Triton interpreter, the
@@ -35,7 +35,12 @@ sys.exit(0 if torch.cuda.is_available() or (x is not None and x.is_available()) 
 if $python -c "$accelerator"; then gpu=1; else gpu=0; fi
 # Fragmentation headroom: the step plans about 72 GiB, close to an 80 GB card's usable memory
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# The node's cluster recipe and the device path its step is traced on: an Intel GPU's (Aurora), a ROCm build's
+# (Frontier: torch calls the GCDs cuda devices), else NVIDIA's
+node="import torch
+print('xpu aurora' if not torch.cuda.is_available() else 'rocm frontier' if torch.version.hip else 'cuda nvidia')"
 if [ "$gpu" = 1 ]; then
+    read -r device_path node_machine < <($python -c "$node")
     stages=${STAGES:-selftest expert_path device_path step_triton step_torch calibrate predict step_profile kernel_tests}
     # STEP_LAYERS=6 for a 64 GB device (an Aurora tile): 8 layers plan about 72 GiB
     step_model=(model=mula-7b-a1b model.n_layers=${STEP_LAYERS:-8} train.seq_len=2048 train.micro_batch=4
@@ -89,18 +94,18 @@ for name in $stages; do
             $python benchmarks/gpu/profile_summary.py "$trace" >"$out/profile.md" 2>&1 && rm -f "$trace"
         fi
         ;;
-    calibrate)  # this node's rates laid over the NVIDIA recipe, as a user calibrates a cluster's node
-        stage calibrate 120 $python -m optimus plan --calibrate --overwrite --out "$out/calibration" --device cuda \
-            "${step_model[@]}" machine=nvidia
+    calibrate)  # this node's rates laid over its cluster's recipe, as a user calibrates a cluster's node
+        stage calibrate 120 $python -m optimus plan --calibrate --overwrite --out "$out/calibration" \
+            "${step_model[@]}" machine="$node_machine"
         ;;
     predict)  # the step_* stages' step predicted from the calibrate stage's machine.yaml
         if [ ! -f "$out/calibration/machine.yaml" ]; then
             echo "== predict: skipped, no calibration/machine.yaml (the calibrate stage writes it)"
             continue
         fi
-        stage predict 150 $python -m optimus plan --predict --world 1 --device cuda "${step_model[@]}" \
-            "${step_args[@]}" kernels=triton machine=nvidia machine.calibration="$out/calibration/machine.yaml" \
-            machine.ranks_per_node=1
+        stage predict 150 $python -m optimus plan --predict --world 1 --device "$device_path" "${step_model[@]}" \
+            "${step_args[@]}" kernels=triton machine="$node_machine" \
+            machine.calibration="$out/calibration/machine.yaml" machine.ranks_per_node=1
         ;;
     kernel_tests)
         stage kernel_tests 300 $python -m pytest -q -rf --tb=short -p no:cacheprovider tests/kernels/test_kernels_triton.py \
