@@ -3,7 +3,7 @@
     python benchmarks/gpu/priced_kinds.py RESULTS_DIR          # e.g. benchmarks/results/gpu/h200-2026-11-29
 
 Traces run.sh's training step on the cuda stand-in (the dry run `optimus plan --predict` replays; no GPU needed),
-prices each operator as `optimus.perf.costs.op_time` prices a GPU's (the roofline on RESULTS_DIR's
+prices each operator with `optimus.perf.costs.op_time` (the roofline on RESULTS_DIR's
 calibration/machine.yaml, with its kernel floor), and prints the device time by kind beside the profiled step's
 (RESULTS_DIR/profile.md, written by profile_summary.py). The trace keeps each operator's total calls, FLOPs and
 bytes, so an operator is priced at its mean call: the totals hold, the shapes between calls are averaged.
@@ -36,20 +36,22 @@ def kind_of(op: str, flops: int) -> str:
 
 
 def priced(operators: dict, machine) -> dict[str, list[float]]:
-    """{kind: [calls, seconds, seconds below the kernel floor]} with every operator priced at its mean call."""
+    """{kind: [calls, seconds, seconds below the kernel floor]} with every operator's mean call priced by
+    optimus.perf.costs.op_time, and again without the floor for what the floor adds."""
+    from optimus.perf.costs import op_time
+
+    floorless = machine.with_values(kernel_floor=0.0)
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for op, row in operators.items():
         calls, flops, moved = row["calls"], row["flops"], row["bytes"]
         if not calls:
             continue
-        work = moved / calls / machine.bandwidth_at(moved / calls)
-        if flops:
-            efficiency = machine.attention_efficiency if "attention" in op else machine.gemm_efficiency
-            work = max(work, flops / calls / (machine.peak_flops * efficiency))
+        kind = "attn" if "attention" in op else "mm" if flops else "mem"
+        seconds = op_time(machine, kind, flops / calls, moved / calls, False)
         entry = by_kind[kind_of(op, flops)]
         entry[0] += calls
-        entry[1] += calls * max(work, machine.kernel_floor)
-        entry[2] += calls * max(machine.kernel_floor - work, 0.0)
+        entry[1] += calls * seconds
+        entry[2] += calls * (seconds - op_time(floorless, kind, flops / calls, moved / calls, False))
     return by_kind
 
 

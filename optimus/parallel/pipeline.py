@@ -186,11 +186,12 @@ def held_forwards(
     held = [0] * pp_virtual
     for op in range(warmup):
         held[(op // per_round) % pp_virtual] += 1
-    heaviest = list(held)
+    heaviest, most = list(held), sum(n * w for n, w in zip(held, weights))
     for op in range(warmup, total):  # each forward of the steady state runs before the next backward
         held[(op // per_round) % pp_virtual] += 1
-        if sum(n * w for n, w in zip(held, weights)) > sum(n * w for n, w in zip(heaviest, weights)):
-            heaviest = list(held)
+        weight = sum(n * w for n, w in zip(held, weights))
+        if weight > most:
+            heaviest, most = list(held), weight
         held[pp_virtual - 1 - ((op - warmup) // per_round) % pp_virtual] -= 1
     return heaviest
 
