@@ -95,6 +95,10 @@ class MachinePerfConfig:
     # Seconds (us) every collective costs beyond its transfer where the ranks wake each other on the cores they
     # compute on (a CPU: optimus.perf.rank_sync); null: none, as for GPUs, whose ranks wait on their streams.
     sync_cost_us: float | None = None
+    # A JSON file of the traced step's operators timed on the device, by signature (`optimus plan --calibrate`'s
+    # operators.json; a relative path is the calibration file's directory's), which a prediction takes instead
+    # of the roofline for every operator it holds (optimus.perf.op_timing). Null: the roofline prices them all.
+    operator_times: str | None = None
     # The range of each number above that is not a count, as {key: [low, high]}, holding its value: a measured
     # number a narrow one, an assumed one a wide one (the recipe says why beside each). `optimus plan --predict`
     # reports the step at both ends (optimus.perf.machine). A number without a range is taken as exact.

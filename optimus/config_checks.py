@@ -261,7 +261,7 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
     _positive_or_null(m.peak_flops, "machine.peak_flops", "to look it up or probe it")
     _positive_or_null(m.memory_gb, "machine.memory_gb", "when unknown")
     for key, value in vars(m.perf).items():
-        if key != "ranges":
+        if key not in ("ranges", "operator_times"):
             _positive_or_null(value, f"machine.perf.{key}", "to measure it here (machine=local)")
     for key in ("gemm_efficiency", "attention_efficiency"):
         if (getattr(m.perf, key) or 0) > 1:
@@ -275,6 +275,11 @@ def validate_machine_and_data(cfg: OptimusConfig) -> None:
         raise ConfigError(
             "machine=local measures its numbers here and takes no machine.perf.ranges: remove them, or predict "
             "with a machine file that `optimus plan --calibrate` wrote (its measured numbers carry ranges)."
+        )
+    if m.name == "local" and m.perf.operator_times:
+        raise ConfigError(
+            "machine=local times the traced step's operators here and reads no machine.perf.operator_times: remove "
+            "it, or predict with the machine file that `optimus plan --calibrate` wrote beside it."
         )
     for key, bounds in m.perf.ranges.items():
         _check_perf_range(m.perf, key, bounds)

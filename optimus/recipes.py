@@ -76,6 +76,9 @@ def _apply_calibration(composed, overrides: list[str]) -> None:
     explicit = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith("machine.")]
     with open_dict(composed):  # machine.perf.ranges is free-form: the file's ranges are new keys there
         composed.machine = OmegaConf.merge(composed.machine, OmegaConf.load(file))
+        operators = composed.machine.perf.get("operator_times")
+        if operators and not Path(operators).expanduser().is_absolute():  # written beside the file
+            composed.machine.perf.operator_times = str(file.parent / operators)
         composed.machine = OmegaConf.merge(composed.machine, OmegaConf.from_dotlist(explicit).get("machine", {}))
     composed.machine.calibration = str(file)
 

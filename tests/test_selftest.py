@@ -285,10 +285,11 @@ def test_plan_calibrate_writes_the_same_machine_yaml_and_replaces_only_its_own(s
     assert code == 2 and "already exists" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
     code, table, err = run("plan", "--calibrate", "--out", str(out), "--overwrite", *SMALL)
     assert code == 0, err
-    assert [p.name for p in out.iterdir()] == ["machine.yaml"] and "kernels:" not in table
+    assert sorted(p.name for p in out.iterdir()) == ["machine.yaml", "operators.json"] and "kernels:" not in table
     calibrated = (out / "machine.yaml").read_text()
     from_selftest = (selftest_dir[0] / "machine.yaml").read_text()
-    assert measured_keys(calibrated, "optimus plan --calibrate") == measured_keys(from_selftest, "optimus selftest")
+    measured = measured_keys(from_selftest, "optimus selftest") | {"operator_times"}  # the step's, timed
+    assert measured_keys(calibrated, "optimus plan --calibrate") == measured
     key_lines = lambda text: [line.split(":")[0] for line in text.splitlines() if not line.startswith("#")]  # noqa: E731
     assert key_lines(calibrated) == key_lines(from_selftest)
     assert loaded_machine(out / "machine.yaml").perf.gemm_efficiency > 0
@@ -317,6 +318,18 @@ def test_a_calibration_round_trip_predicts_with_its_numbers(tmp_path):
     assert prediction["device_bytes"] == 64 * 2**30  # the command line's override, after the file's null
     low, high = prediction["step_time_s_range"]
     assert low < prediction["step_time_s"] < high  # the measured numbers' +-10% ranges
+    # The step's operators, timed by the calibration, price this step's (the same but for the global batch).
+    timed = json.loads((out / "operators.json").read_text())
+    assert timed["measured"]["distinct"] >= len(timed["seconds"]) >= 0.9 * timed["measured"]["distinct"]
+    matched, distinct = map(int, re.match(r"(\d+) of the (\d+) distinct", numbers["sources"]["priced"]).groups())
+    assert matched >= 0.9 * distinct
+    # Every timed operator twice as long: the compute grows by what the timed operators gave it, at most doubling.
+    doubled = tmp_path / "doubled.json"
+    doubled.write_text(json.dumps({**timed, "seconds": {sig: 2 * s for sig, s in timed["seconds"].items()}}))
+    code, printed, err = run("plan", "--predict", "--json", *layout, f"machine.perf.operator_times={doubled}")
+    assert code == 0, err
+    compute, compute_doubled = prediction["time_split"]["compute"], json.loads(printed)["time_split"]["compute"]
+    assert 1.5 * compute < compute_doubled <= 2 * compute * (1 + 1e-9)
 
 
 def test_a_calibration_file_that_is_not_there_is_one_line(tmp_path):
@@ -334,7 +347,10 @@ def test_a_calibration_file_that_is_not_there_is_one_line(tmp_path):
         (["selftest", "--device", "cpu", "--nproc", "0"], "--nproc 0 must be at least 1."),
         (["plan", "--calibrate", *SMALL], "--calibrate writes DIR/machine.yaml: name the directory with --out DIR."),
         (["plan", "--calibrate", "--json", "--out", "x"], "--calibrate measures this node and writes DIR/machine.yaml"),
-        (["plan", "--calibrate", "--world", "2", "--out", "x"], "--calibrate measures this node: leave out --world"),
+        (["plan", "--calibrate", "--world", "0", "--out", "x"], "--world 0 must be at least 1."),
+        (["plan", "--calibrate", "--out", "x", "model=tiny", "parallel.tp=2"],
+         "(--calibrate times the operators of the recipe's step at this node's 1 processes: name the layout's size "
+         "with --nodes N or --world N)."),
         (["plan", "--dry-run", "--calibrate"], "--calibrate measures this node"),
         (["plan", "--nproc", "2"], "--nproc belongs to `optimus plan --calibrate`"),
     ],

@@ -3,15 +3,16 @@
     python benchmarks/gpu/priced_kinds.py RESULTS_DIR          # e.g. benchmarks/results/gpu/h200-2026-11-29
 
 Traces run.sh's training step on the cuda stand-in (the dry run `optimus plan --predict` replays; no GPU needed),
-prices each operator with `optimus.perf.costs.op_time` (the roofline on RESULTS_DIR's
-calibration/machine.yaml, with its kernel floor), and prints the device time by kind beside the profiled step's
-(RESULTS_DIR/profile.md, written by profile_summary.py). The trace keeps each operator's total calls, FLOPs and
-bytes, so an operator is priced at its mean call: the totals hold, the shapes between calls are averaged.
+prices each operator call with `optimus.perf.costs.op_time` on RESULTS_DIR's calibration/machine.yaml (its
+measured time where the calibration timed the step's operators, calibration/operators.json; else the roofline
+with the calibration's kernel floor), and prints the device time by kind beside the profiled step's
+(RESULTS_DIR/profile.md, written by profile_summary.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections import defaultdict
@@ -35,23 +36,24 @@ def kind_of(op: str, flops: int) -> str:
     return "copies and fills" if op in COPIES else "elementwise and reductions"
 
 
-def priced(operators: dict, machine) -> dict[str, list[float]]:
-    """{kind: [calls, seconds, seconds below the kernel floor]} with every operator's mean call priced by
-    optimus.perf.costs.op_time, and again without the floor for what the floor adds."""
+def priced(trace: dict, machine) -> dict[str, list[float]]:
+    """{kind: [calls, calls priced by a measured time, seconds, seconds of the kernel floor]}: every operator call of
+    the trace priced by optimus.perf.costs.op_time, and again without the floor for what the floor adds."""
     from optimus.perf.costs import op_time
 
     floorless = machine.with_values(kernel_floor=0.0)
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for op, row in operators.items():
-        calls, flops, moved = row["calls"], row["flops"], row["bytes"]
-        if not calls:
-            continue
-        kind = "attn" if "attention" in op else "mm" if flops else "mem"
-        seconds = op_time(machine, kind, flops / calls, moved / calls, False)
-        entry = by_kind[kind_of(op, flops)]
-        entry[0] += calls
-        entry[1] += calls * seconds
-        entry[2] += calls * (seconds - op_time(floorless, kind, flops / calls, moved / calls, False))
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    for event in trace["events"]:
+        for kind, flops, moved, fp32, signature, count in event["ops"] if event["e"] == "ops" else ():
+            if kind == "view":
+                continue
+            op = json.loads(signature)[0].rsplit(".", 1)[0]  # aten.mm.default -> aten.mm
+            seconds = op_time(machine, kind, flops, moved, fp32, signature)
+            entry = by_kind[kind_of(op, flops)]
+            entry[0] += count
+            entry[1] += count if signature in machine.op_seconds else 0
+            entry[2] += count * seconds
+            entry[3] += count * (seconds - op_time(floorless, kind, flops, moved, fp32, signature))
     return by_kind
 
 
@@ -70,16 +72,19 @@ def main() -> int:
     from optimus.recipes import load_config
 
     cfg = load_config([*STEP, f"machine.calibration={args.results / 'calibration' / 'machine.yaml'}"])
-    trace = trace_step(cfg, 1, progress="stderr", device="cuda")[0]
+    trace = trace_step(cfg, 1, progress="stderr", device="cuda", signatures=True)[0]
     machine = machine_model(cfg.machine)
     measured = profiled(args.results / "profile.md")
-    print("| kind | calls traced | priced ms | of which the kernel floor | profiled ms | profiled / priced |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| kind | calls traced | of which timed | priced ms | of which the kernel floor | profiled ms | "
+          "profiled / priced |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     total = [0.0, 0.0]
-    for kind, (calls, seconds, floor) in sorted(priced(trace["operators"], machine).items(), key=lambda kv: -kv[1][1]):
+    rows = sorted(priced(trace, machine).items(), key=lambda kv: -kv[1][2])
+    for kind, (calls, timed, seconds, floor) in rows:
         ms = measured.get(kind)
         ratio = f"{ms / (seconds * 1e3):.2f}" if ms else "-"
-        print(f"| {kind} | {calls:,} | {seconds * 1e3:.1f} | {floor * 1e3:.1f} | {ms if ms else '-'} | {ratio} |")
+        print(f"| {kind} | {calls:,} | {timed:,} | {seconds * 1e3:.1f} | {floor * 1e3:.1f} | {ms if ms else '-'} | "
+              f"{ratio} |")  # fmt: skip
         total = [total[0] + seconds * 1e3, total[1] + (ms or 0.0)]
     print(f"| all | | {total[0]:.1f} | | {total[1]:.1f} | {total[1] / total[0]:.2f} |")
     return 0

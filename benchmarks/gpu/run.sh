@@ -13,8 +13,10 @@
 #                 run's trace of it on the stand-in device: operators (calls, FLOPs, bytes) and peak memory
 #   step_triton   `optimus train` of a one-device MoE model (mula-7b-a1b's widths, 8 layers: 3.6B parameters,
 #   step_torch    about 72 GiB planned) with kernels=triton, then kernels=torch: tokens/s, MFU, peak memory
-#   calibrate     `optimus plan --calibrate` of this node on its cluster's recipe (nvidia, frontier or aurora)
-#   predict       `optimus plan --predict` of that step on that recipe with machine.calibration= its machine.yaml
+#   calibrate     `optimus plan --calibrate` of this node on its cluster's recipe (nvidia, frontier or aurora),
+#                 with the step_triton step's operators timed on the device (operators.json)
+#   predict       `optimus plan --predict` of that step on that recipe with machine.calibration= its machine.yaml,
+#                 its operators priced by their measured times
 #   step_profile  one profiled step (kernels=triton): device time by kernel, device idle time, host syncs
 #   kernel_tests  tests/kernels/test_kernels_triton.py on the device (awkward shapes in every dtype, compiled)
 # Without a GPU the selftest, expert_path and step_torch stages run on tiny shapes (the Triton interpreter, the
@@ -94,9 +96,10 @@ for name in $stages; do
             $python benchmarks/gpu/profile_summary.py "$trace" >"$out/profile.md" 2>&1 && rm -f "$trace"
         fi
         ;;
-    calibrate)  # this node's rates laid over its cluster's recipe, as a user calibrates a cluster's node
-        stage calibrate 120 $python -m optimus plan --calibrate --overwrite --out "$out/calibration" \
-            "${step_model[@]}" machine="$node_machine"
+    calibrate)  # this node's rates laid over its cluster's recipe, and the step's operators timed on its devices
+        # (Triton compiles and tunes its kernels at the first call of each), as a user calibrates a cluster's node
+        stage calibrate 300 $python -m optimus plan --calibrate --overwrite --out "$out/calibration" --world 1 \
+            "${step_model[@]}" "${step_args[@]}" kernels=triton machine="$node_machine"
         ;;
     predict)  # the step_* stages' step predicted from the calibrate stage's machine.yaml
         if [ ! -f "$out/calibration/machine.yaml" ]; then

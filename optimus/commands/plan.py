@@ -7,7 +7,9 @@
                                                                   the step time (optimus.perf.predict)
     optimus plan --search [--nodes N | --world N] [--device D] [--top K] [--verify K] [--jobs J] [--json]
                                                                   layouts ranked by predicted step (optimus.perf.search)
-    optimus plan --calibrate --out DIR [--device D] [--nproc N]   this node measured (optimus.selftest)
+    optimus plan --calibrate --out DIR [--device D] [--nproc N] [--nodes N | --world N]
+                                                                  this node measured, and the step's operators
+                                                                  timed on it (optimus.selftest, perf.op_timing)
 
 `parse` reads every mode's options at once and refuses, in one sentence and before any work, an option that the
 mode given does not take; `main` runs the mode. The library modules it calls hold no command of their own.
@@ -72,7 +74,11 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--top", type=int, help="layouts to print (default 10)")
     search.add_argument("--verify", type=int, help="fastest layouts whose busiest rank a dry run checks (default 2)")
     search.add_argument("--jobs", type=int, help="predictions at once, each its own process (default: one per core)")
-    cal = p.add_argument_group("calibration", "this node's rates and links, measured, as DIR/machine.yaml")
+    cal = p.add_argument_group(
+        "calibration",
+        "this node's rates and links, measured, as DIR/machine.yaml, and the operators of the recipe's step at "
+        "--nodes/--world (default: this node's processes) timed on its devices, as DIR/operators.json",
+    )
     cal.add_argument("--calibrate", action="store_true", help="measure this node and write --out DIR")
     cal.add_argument("--nproc", type=int, help="processes to measure with, one per device (default: one per GPU)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for `optimus train`")
@@ -240,7 +246,7 @@ def _predict(opts: argparse.Namespace) -> int:
     prediction's `fits`, `peak_bytes` and `device_bytes`)."""
     from optimus.dry_run import dry_run_device
     from optimus.load_model import checked_imbalance
-    from optimus.perf.machine import MachineModel, machine_model, times_operators
+    from optimus.perf.machine import MachineModel, machine_model, measured_here
     from optimus.perf.predict import (
         check_predictable,
         fit_lines,
@@ -266,7 +272,7 @@ def _predict(opts: argparse.Namespace) -> int:
             models[world] = machine_model(cfg.machine, world)
         return models[world]
 
-    if not times_operators(cfg.machine):  # a recipe's model: its machine.perf.* checked (machine=local is measured)
+    if not measured_here(cfg.machine):  # a recipe's model: its machine.perf.* checked (machine=local is measured)
         for world in worlds:
             machine_for(world)
     points = scaling_points(cfg, worlds)  # every layout, strong and weak
@@ -292,7 +298,7 @@ def _search(opts: argparse.Namespace) -> int:
     import os
 
     from optimus.dry_run import dry_run_device
-    from optimus.perf.machine import machine_model, times_operators
+    from optimus.perf.machine import machine_model, measured_here
     from optimus.perf.search import Search, fixed_keys, format_search, search_json
     from optimus.recipes import load_config
 
@@ -300,7 +306,7 @@ def _search(opts: argparse.Namespace) -> int:
         if value is not None and value < least:
             raise ConfigError(f"{flag} {value} must be at least {least}.")
     cfg = load_config(opts.overrides)
-    if times_operators(cfg.machine):
+    if measured_here(cfg.machine):
         raise ConfigError(
             f"--search ranks layouts on a cluster's machine model; machine={cfg.machine.name} times each traced "
             "operator here, minutes per layout: choose a machine recipe (machine=aurora, frontier or nvidia)."
@@ -325,18 +331,51 @@ def _search(opts: argparse.Namespace) -> int:
 
 
 def _calibrate(opts: argparse.Namespace) -> int:
-    """This node's rates and collectives, measured by the selftest's processes and written as DIR/machine.yaml."""
+    """This node's rates and collectives, and the traced step's operators on its devices, measured by the
+    selftest's processes and written as DIR/machine.yaml and DIR/operators.json."""
+    from dataclasses import replace
+
     from optimus.commands.selftest import CALIBRATE, prepare, run_command
+    from optimus.ranks import discover
     from optimus.recipes import load_config
 
-    if opts.nodes is not None or opts.world is not None:
-        flag = "--nodes" if opts.nodes is not None else "--world"
-        raise ConfigError(f"--calibrate measures this node: leave out {flag} (--nproc N sets its processes).")
     if not opts.out:
         raise ConfigError("--calibrate writes DIR/machine.yaml: name the directory with --out DIR.")
     cfg = load_config(opts.overrides)
     job, nproc = prepare(cfg, opts.device, opts.nproc, kernels=None)
+    info = discover()
+    processes = nproc or info.world_size
+    given = opts.nodes is not None or opts.world is not None
+    world = world_size(cfg, opts.nodes, opts.world) if given else processes
+    signatures, step = _step_operators(job.cfg, world, progress=info.rank == 0)
+    job = replace(job, signatures=tuple(signatures), step=step)
     return run_command(job, nproc, Path(opts.out), opts.overwrite, CALIBRATE)
+
+
+def _step_operators(cfg: OptimusConfig, world: int, progress: bool) -> tuple[list[str], str]:
+    """(the distinct operators of the recipe's step at `world` ranks, traced on this node's device path; what
+    that step is) for a calibration to time."""
+    from optimus.config_checks import layout_of
+    from optimus.perf.op_timing import traced_signatures
+    from optimus.perf.predict import trace_step
+    from optimus.platform import detect_platform
+
+    path = detect_platform(cfg.machine, 0).path
+    if progress:
+        print(f"optimus plan --calibrate: the step at world {world} traced on the {path} path, to time its operators")
+    try:
+        traces = trace_step(cfg, world, progress="stdout" if progress else "none", device=path, signatures=True)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step at this node's "
+            f"{world} processes: name the layout's size with --nodes N or --world N)."
+        ) from None
+    t, layout = cfg.train, layout_of(cfg, world)
+    step = (
+        f"model={cfg.model.name} at world {world} (pp {layout.pp}, tp {layout.tp}, ep {layout.ep}), micro-batch "
+        f"{t.micro_batch} x {t.seq_len} tokens, kernels={cfg.kernels}, on the {path} path"
+    )
+    return traced_signatures(traces), step
 
 
 # ---- the plan as text

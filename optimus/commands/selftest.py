@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from optimus.config import TORCH_DTYPES, ConfigError, MachineConfig, OptimusConfig
 from optimus.config_checks import validate_machine_and_data, validate_model
-from optimus.cpu_runtime import share_cpu_threads
+from optimus.cpu_runtime import keep_cpu_allocations, share_cpu_threads
 from optimus.errors import check_choice
 from optimus.kernels import BACKENDS, KernelUnavailable, get_backend
 from optimus.layout import experts_per_rank
 from optimus.local_launcher import SpawnStopped, report_user_error, spawn_local
 from optimus.output_dir import check_out_dir, replacing_directory
+from optimus.perf.op_timing import time_signatures
 from optimus.platform import Platform, declared_device_type, detect_platform, resolve_dtype
 from optimus.ranks import RankInfo, discover, init_process_group
 from optimus.selftest import report as rp
@@ -50,19 +51,24 @@ class Output:
 
 
 SELFTEST = Output("optimus selftest", "selftest.json", ("selftest.json", "machine.yaml"), "a selftest's output")
-CALIBRATE = Output("optimus plan --calibrate", "machine.yaml", ("machine.yaml",), "a calibration's output")
+CALIBRATE = Output(
+    "optimus plan --calibrate", "machine.yaml", ("machine.yaml", "operators.json"), "a calibration's output"
+)
 
 
 @dataclass(frozen=True)
 class Job:
     """What every rank runs: the recipe (machine.device set from --device), the one device --device names (else
-    each rank takes its local rank's), the kernel backend to check (None: rates and collectives only), and the
-    compute dtype train.dtype resolves to on that device."""
+    each rank takes its local rank's), the kernel backend to check (None: rates and collectives only), the
+    compute dtype train.dtype resolves to on that device, and the operators to time (a calibration's: the
+    distinct signatures of the traced step `step` describes, optimus.perf.op_timing)."""
 
     cfg: OptimusConfig
     device_index: int | None
     kernels: str | None
     compute_dtype: str
+    signatures: tuple[str, ...] = ()
+    step: str | None = None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -212,6 +218,7 @@ def run_command(job: Job, nproc: int, out: Path | None, overwrite: bool, output:
         texts = {
             "selftest.json": rp.to_json(report),
             "machine.yaml": rp.machine_yaml(job.cfg.machine, report, output.command),
+            "operators.json": rp.operators_json(report),
         }
         with replacing_directory(out) as tmp:
             for name in output.files:
@@ -271,7 +278,12 @@ def rank_results(job: Job, platform: Platform, rank: int) -> dict:
         kernels |= {"setting": job.kernels, "dtype": job.compute_dtype}
     tokens = cfg.train.micro_batch * cfg.train.seq_len
     rates = measure_rates(platform, cfg.machine, cfg.model, tokens, dtype)
-    return {"rank": rank, "device": str(platform.device), "kernels": kernels, "rates": rates}
+    results = {"rank": rank, "device": str(platform.device), "kernels": kernels, "rates": rates}
+    if job.signatures:
+        if platform.device_type == "cpu":
+            keep_cpu_allocations()  # as a training run's rank does
+        results["operators"] = time_signatures(list(job.signatures), platform.device)
+    return results
 
 
 def context(job: Job, platform: Platform, processes: int) -> dict:
@@ -299,6 +311,8 @@ def context(job: Job, platform: Platform, processes: int) -> dict:
             "compute_dtype": job.compute_dtype,
             "tokens_per_micro_batch": cfg.train.micro_batch * cfg.train.seq_len,
         },
+        "step": job.step,
+        "signatures": len(job.signatures),
     }
 
 

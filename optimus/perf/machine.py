@@ -146,15 +146,34 @@ _NETWORK = ("nic_gbs", "nics_per_node", "network_latency_us")
 _REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us", *_NETWORK)
 
 
-def times_operators(machine: MachineConfig) -> bool:
-    """Whether the machine's model times the traced step's operators (machine=local: measure_local sets its
-    op_threads), so that the trace must record their signatures."""
+def measured_here(machine: MachineConfig) -> bool:
+    """Whether the machine's model is this machine, measured on the spot (machine=local), not a recipe's numbers."""
     return machine.name == "local"
+
+
+def times_operators(machine: MachineConfig) -> bool:
+    """Whether the machine's model prices operators by their measured times, so that the trace must record their
+    signatures: machine=local times them here (measure_local sets its op_threads); a calibration holds those
+    the device ran (machine.perf.operator_times)."""
+    return measured_here(machine) or bool(machine.perf.operator_times)
+
+
+def _timed_operators(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
+    """(op_seconds, sources) of machine.perf.operator_times: nothing where it is null."""
+    from optimus.perf.op_timing import read_operator_times
+
+    if not path:
+        return {}, {}
+    seconds, measured = read_operator_times(path)
+    where = ", ".join(str(measured[key]) for key in ("device", "host", "date") if measured.get(key))
+    where += f", torch {measured['torch']}" if measured.get("torch") else ""
+    step = f", of the step of {measured['step']}" if measured.get("step") else ""
+    return seconds, {"operators": f"{path}: {len(seconds)} operators timed on {where or 'the device'}{step}"}
 
 
 def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     """The model of the recipe's machine; `local` is measured here for `nproc` ranks on this machine."""
-    if times_operators(machine):
+    if measured_here(machine):
         return measure_local(nproc)
     p = machine.perf
     # Ranks on one node send nothing over a network: a machine measured on one node (a calibration) has no NIC.
@@ -172,6 +191,7 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     network = Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6) if has_network else node  # one node: unused
     package_latency = p.package_latency_us if p.package_latency_us is not None else p.node_latency_us
     package = Link(p.package_gbs * 1e9, package_latency * 1e-6) if p.package_gbs else node
+    op_seconds, op_sources = _timed_operators(p.operator_times)
     return MachineModel(
         name=machine.name,
         peak_flops=float(machine.peak_flops),
@@ -189,7 +209,8 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
         library=library_of(machine.device, machine.backend),
         rank_variability=p.rank_variability or 0.0,
         sync_cost=(p.sync_cost_us or 0.0) * 1e-6,
-        sources={"recipe": machine.calibration or f"recipes/machine/{machine.name}.yaml"},
+        op_seconds=op_seconds,
+        sources={"recipe": machine.calibration or f"recipes/machine/{machine.name}.yaml", **op_sources},
         ranges=model_ranges(p),
     )
 
@@ -516,9 +537,9 @@ def _result(results, procs, timeout_s: float = 300.0):
 
 
 def _op_timing_process(signatures: list[str], threads: int, results) -> None:
-    from optimus.perf.op_timing import time_signatures
+    from optimus.perf.op_timing import cpu_times
 
-    results.put(time_signatures(signatures, threads))
+    results.put(cpu_times(signatures, threads))
 
 
 def _timed_by_every_rank(signatures: list[str], threads: int, ranks: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from optimus.config import ConfigError, OptimusConfig
@@ -33,6 +33,7 @@ from optimus.parallel.activation_checkpointing import recompute_flops_per_token
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
 from optimus.perf.costs import collective_time
 from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
+from optimus.perf.op_timing import traced_signatures
 from optimus.perf.replay import Stream, parse_order, play_schedule, single_stage_order, split_actions
 from optimus.perf.step_trace import StepTrace
 from optimus.perf.stragglers import straggler_wait
@@ -258,11 +259,17 @@ PROGRESS = ("stdout", "stderr", "none")  # where trace_step's child reports each
 
 
 def trace_step(
-    cfg: OptimusConfig, world: int, imbalance: float = 1.0, progress: str = "stdout", device: str | None = None
+    cfg: OptimusConfig,
+    world: int,
+    imbalance: float = 1.0,
+    progress: str = "stdout",
+    device: str | None = None,
+    signatures: bool | None = None,
 ) -> dict[int, dict]:
     """Dry runs of the ranks the replay needs, by pipeline rank (optimus.dry_run.dry_run_rank with a StepTrace),
     in a fresh process, which reports each dry run it starts on `progress` (one of PROGRESS), on device path
-    `device` (None: the recipe's, optimus.dry_run.dry_run_device). Fresh, because
+    `device` (None: the recipe's, optimus.dry_run.dry_run_device), recording each operator's signature with
+    `signatures` (None: where the machine prices operators by their measured times). Fresh, because
     torch keeps caches keyed by DeviceMesh (DTensor's sharding decisions) that outlive a process group: a mesh
     of an earlier world over the same ranks would name groups that no longer exist (fresh_process_context)."""
     import tempfile
@@ -270,7 +277,8 @@ def trace_step(
     check_predictable(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "traces.json"
-        args = (cfg, world, imbalance, str(out), progress, device)
+        signatures = times_operators(cfg.machine) if signatures is None else signatures
+        args = (cfg, world, imbalance, str(out), progress, device, signatures)
         child = fresh_process_context().Process(target=_trace_into, args=args)
         child.start()
         child.join()
@@ -282,7 +290,9 @@ def trace_step(
     return {int(pp_rank): trace for pp_rank, trace in result["traces"].items()}
 
 
-def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, progress: str, device: str | None) -> None:
+def _trace_into(
+    cfg: OptimusConfig, world: int, imbalance: float, out: str, progress: str, device: str | None, signatures: bool
+) -> None:
     """trace_step's child: the dry runs, their traces (or the error) written to `out` as JSON."""
     import sys
     import traceback
@@ -297,7 +307,7 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
             rank = pp_rank * stage_world
             if stream is not None:
                 print(f"  dry run of rank {rank} of {world} (pipeline rank {pp_rank}) ...", file=stream, flush=True)
-            trace = StepTrace(signatures=times_operators(cfg.machine))
+            trace = StepTrace(signatures=signatures)
             traces[pp_rank] = dry_run_rank(cfg, world, rank, imbalance, device, step_trace=trace)
         result = {"traces": traces}
     except ConfigError as err:
@@ -309,7 +319,7 @@ def _trace_into(cfg: OptimusConfig, world: int, imbalance: float, out: str, prog
 
 def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces: dict[int, dict]) -> Prediction:
     """The step's figures from its traces replayed on `machine` (a local machine times their operators first)."""
-    machine = with_timed_ops(machine, traces)
+    machine = _with_priced_note(with_timed_ops(machine, traces), traces)
     t = cfg.train
     step, split = predict_from_traces(cfg, world, machine, traces)
     tokens = t.global_batch * t.seq_len
@@ -339,6 +349,18 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
         machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
         **planned_fit(cfg, world), **ranges,
     )  # fmt: skip
+
+
+def _with_priced_note(machine: MachineModel, traces: dict[int, dict]) -> MachineModel:
+    """The machine with its sources saying how many of this step's distinct operators take a measured time (where
+    it has any: machine=local's, a calibration's) and how many the roofline."""
+    if not machine.op_seconds:
+        return machine
+    distinct = traced_signatures(traces)
+    timed = sum(sig in machine.op_seconds for sig in distinct)
+    note = f"{timed} of the {len(distinct)} distinct operators of this step by their measured times, the rest by "
+    note += "the roofline"
+    return replace(machine, sources={**machine.sources, "priced": note})
 
 
 def planned_fit(cfg: OptimusConfig, world: int) -> dict:
@@ -482,6 +504,9 @@ def format_prediction(pred: Prediction) -> list[str]:
         "  time split: " + ", ".join(f"{k} {v:.3f} s ({100 * v / pred.step_time_s:.0f}%)"
                                      for k, v in sorted(pred.time_split.items(), key=lambda kv: -kv[1]) if v > 0),
     ]  # fmt: skip
+    sources = pred.machine_numbers.get("sources", {})
+    if "priced" in sources:
+        lines.append(f"  operators priced: {sources['priced']} ({sources['operators']})")
     if pred.step_time_s_range is None:
         lines.append(f"  interval: none (machine={pred.machine}'s numbers carry no ranges: machine.perf.ranges)")
         return lines

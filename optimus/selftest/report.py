@@ -32,6 +32,8 @@ def build_report(context: dict, ranks: list[dict]) -> dict:
         kernels["results"] = [{"rank": r["rank"], **row} for r in ranks for row in r["kernels"]["results"]]
         kernels["skipped"] = [{"rank": r["rank"], **row} for r in ranks for row in r["kernels"]["skipped"]]
     report = {**context, "kernels": kernels, "rates": _rates(ranks), "collectives": ranks[0]["collectives"]}
+    if "operators" in ranks[0]:
+        report["operators"] = _operators(ranks)
     report["failures"] = failures(report)
     report["ok"] = not report["failures"]
     return report
@@ -56,6 +58,28 @@ def _rates(ranks: list[dict]) -> dict:
         "kernel_floor_how": per_rank[0]["kernel_floor"]["how"],
         "per_rank": per_rank,
     }
+
+
+def _operators(ranks: list[dict]) -> dict[str, float]:
+    """Each operator's median seconds over the ranks (one device each), of those every rank timed."""
+    timed = [r["operators"] for r in ranks]
+    return {sig: statistics.median(t[sig] for t in timed) for sig in timed[0] if all(sig in t for t in timed)}
+
+
+def operators_json(report: dict) -> str:
+    """operators.json (machine.perf.operator_times): the operators a calibration timed, and where, when, of what."""
+    from optimus.perf.op_timing import operator_times_json
+
+    d = report["device"]
+    measured = {
+        "device": f"{d['processes']} x {d['name']}",
+        "host": report["host"],
+        "date": report["date"],
+        "torch": report["versions"]["torch"],
+        "step": report["step"],
+        "distinct": report["signatures"],
+    }
+    return operator_times_json(report.get("operators", {}), measured)
 
 
 def failures(report: dict) -> list[str]:
@@ -104,6 +128,8 @@ def format_table(report: dict, title: str = "optimus selftest") -> str:
         lines += ["", *_kernel_lines(report["kernels"], d["processes"])]
     lines += ["", *_rate_lines(report["rates"], d["processes"])]
     lines += ["", *_collective_lines(report["collectives"])]
+    if "operators" in report:
+        lines += ["", _operators_line(report)]
     n = len(report["failures"])
     lines += ["", f"{title}: passed" if not n else f"{title}: FAILED, {n} failure{'s' if n > 1 else ''} (on stderr)"]
     return "\n".join(lines)
@@ -165,6 +191,15 @@ def _rate_lines(rates: dict, processes: int) -> list[str]:
     ]
 
 
+def _operators_line(report: dict) -> str:
+    timed, distinct = report["operators"], report["signatures"]
+    total = sum(timed.values())
+    return (
+        f"operators: {len(timed)} of the {distinct} distinct operators of the step of {report['step']} timed "
+        f"(one call of each: {_us(total * 1e6)} us in all); the rest replay only with the step's own data: roofline"
+    )
+
+
 def _collective_lines(collectives: dict) -> list[str]:
     if "none" in collectives:
         return [f"collectives: {collectives['none']}"]
@@ -224,6 +259,10 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
             values["perf.sync_cost_us"] = (sync["sync_cost_s"] * 1e6, how, True)
         if sync["rank_variability"] > 0:
             values["perf.rank_variability"] = (sync["rank_variability"], how, True)
+    if "operators" in report:
+        how = f"{len(report['operators'])} of the {report['signatures']} distinct operators of the step of "
+        how += f"{report['step']}, timed by every process (optimus.perf.op_timing)"
+        values["perf.operator_times"] = ("operators.json", how, True)
     values["ranks_per_node"] = (device["processes"], "the processes measured, one per device", False)
     # The peak of the GEMM's dtype, where the model reads it: bf16's, or a CPU's probed fp32 peak (an
     # accelerator's fp32 peak is derived from the bf16 one, optimus.selftest.rates.peak_flops).

@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
+from optimus.config_checks import validate_machine_and_data
 from optimus.perf.costs import op_time
 from optimus.perf.machine import Link, MachineModel, with_timed_ops
 from optimus.perf.op_timing import _decode, _operator, op_signature, time_signature, traced_signatures
+from optimus.recipes import load_config
 
 aten = torch.ops.aten
 
@@ -99,3 +101,94 @@ def test_every_rank_times_the_traced_operators():
         in (timed.sources["operators"])
     )
     assert with_timed_ops(_machine(), {0: trace}).op_seconds == {}  # a machine that prices by the roofline
+
+
+# ---- a GPU's step: traced on the stand-in device, replayed on the device that times it
+
+
+def test_a_stand_in_step_replays_on_the_device_that_times_it():
+    """The cuda path's step, traced on the stand-in device, names its tensors as the accelerator's; replayed on
+    this CPU (as `optimus plan --calibrate` replays it on a GPU), every operator but the GPU-only attention
+    kernels runs and is timed."""
+    from optimus.dry_run import dry_run_rank
+    from optimus.perf.op_timing import time_signatures
+    from optimus.perf.step_trace import StepTrace
+
+    cfg = load_config(["model=tiny", "machine=nvidia", "kernels=torch"])
+    trace = dry_run_rank(cfg, 1, 0, 1.0, "cuda", step_trace=StepTrace(signatures=True))
+    kernels = [op for e in trace["events"] if e["e"] == "ops" for op in e["ops"] if op[0] != "view"]
+    assert kernels and all(op[4] is not None for op in kernels)  # every kernel of the device's step described
+    signatures = traced_signatures({0: trace})
+    assert all('{"t":' not in sig for sig in signatures if "_grouped_mm" in sig)  # its tensors: the device's
+    names = {json.loads(sig)[0] for sig in signatures}
+    assert {"aten._grouped_mm.default", "aten.index_add_.default"} <= names  # the GPU's expert path, not the CPU's
+    timed = time_signatures(signatures, torch.device("cpu"), rounds=1)
+    untimed = {json.loads(sig)[0] for sig in signatures if sig not in timed}
+    assert untimed <= {"aten._scaled_dot_product_flash_attention.default",
+                       "aten._scaled_dot_product_flash_attention_backward.default"}  # fmt: skip
+
+
+def _made(func, args, kwargs=None):
+    from optimus.perf.op_timing import _made_call
+
+    name, encoded_args, encoded_kwargs = json.loads(op_signature(func, args, kwargs or {}))
+    return _made_call(_operator(name), encoded_args, encoded_kwargs, torch.device("cpu"))
+
+
+def test_values_that_decide_the_work_are_those_of_a_balanced_routing():
+    # 10 rows over 4 experts: cumulative ends 2, 5, 7, 10 (floor of 10 x i / 4), for each grouped product.
+    offs = torch.zeros(4, dtype=torch.int32)
+    args, _ = _made(aten._grouped_mm.default, (torch.randn(10, 8), torch.randn(4, 8, 6), offs))
+    assert args[2].tolist() == [2, 5, 7, 10]
+    # x^T @ dy by expert (two matrices): the groups split the shared dimension, dy's 10 rows.
+    args, _ = _made(aten._grouped_mm.default, (torch.randn(8, 10).t().t(), torch.randn(10, 6), offs))
+    assert args[2].tolist() == [2, 5, 7, 10]
+    # A scatter's index spreads over the target's rows (3 of them), in element order.
+    index = torch.zeros(7, dtype=torch.int64)
+    args, _ = _made(aten.index_add_.default, (torch.zeros(3, 4), 0, index, torch.randn(7, 4)))
+    assert args[2].tolist() == [0, 1, 2, 0, 1, 2, 0]
+    args, _ = _made(aten.index.Tensor, (torch.randn(5, 2), [torch.zeros(6, dtype=torch.int64)]))
+    assert args[1][0].tolist() == [0, 1, 2, 3, 4, 0]
+    mask = torch.zeros(5, dtype=torch.bool)  # a boolean index keeps its zeros (nothing selected is valid)
+    args, _ = _made(aten.index.Tensor, (torch.randn(5, 2), [mask]))
+    assert not args[1][0].any()
+
+
+def test_the_expert_paths_token_indices_spread_over_the_tokens():
+    pytest.importorskip("triton")
+    import optimus.kernels.triton_backend  # noqa: F401  (registers the optimus:: operators)
+
+    token_idx = torch.zeros(6, dtype=torch.int64)
+    args, _ = _made(torch.ops.optimus.triton_combine.default, (torch.randn(6, 4), token_idx, torch.rand(6), 3,
+                                                                  torch.float32))  # fmt: skip
+    assert args[1].tolist() == [0, 1, 2, 0, 1, 2]
+    order, seg_end = torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)
+    args, _ = _made(torch.ops.optimus.triton_segment_sum.default, (torch.randn(6, 4), order, seg_end, torch.float32))
+    assert args[1].tolist() == list(range(6)) and args[2].tolist() == [2, 4, 6]
+
+
+# ---- the file a calibration writes
+
+
+def test_operator_times_round_trip_into_the_machine(tmp_path):
+    from optimus.config import ConfigError
+    from optimus.perf.machine import machine_model
+    from optimus.perf.op_timing import operator_times_json
+
+    signature = op_signature(*_calls()[0])
+    file = tmp_path / "operators.json"
+    file.write_text(operator_times_json({signature: 2.5e-4}, {"device": "1 x H200", "date": "2026-11-30"}))
+    cfg = load_config(["machine=nvidia", "machine.peak_flops=9.89e14", f"machine.perf.operator_times={file}"])
+    machine = machine_model(cfg.machine, 8)
+    assert machine.op_seconds == {signature: 2.5e-4}
+    assert machine.sources["operators"] == f"{file}: 1 operators timed on 1 x H200, 2026-11-30"
+    assert op_time(machine, "mm", 2e9, 0, False, signature) == 2.5e-4
+    for content in ("not json", '{"format": "another"}'):
+        file.write_text(content)
+        with pytest.raises(ConfigError, match="is not an operators.json of `optimus plan --calibrate`"):
+            machine_model(cfg.machine, 8)
+    file.unlink()
+    with pytest.raises(ConfigError, match=r"operator_times=.* is not a file: run `optimus plan --calibrate"):
+        machine_model(cfg.machine, 8)
+    with pytest.raises(ConfigError, match="machine=local times the traced step's operators here"):
+        validate_machine_and_data(load_config([f"machine.perf.operator_times={file}"]))
