@@ -293,6 +293,12 @@ def test_plan_calibrate_writes_the_same_machine_yaml_and_replaces_only_its_own(s
     key_lines = lambda text: [line.split(":")[0] for line in text.splitlines() if not line.startswith("#")]  # noqa: E731
     assert key_lines(calibrated) == key_lines(from_selftest)
     assert loaded_machine(out / "machine.yaml").perf.gemm_efficiency > 0
+    # One process measures no link, and one rank needs none: the file predicts a world of one.
+    layout = ["--world", "1", *SMALL, "train.global_batch=1", "machine.memory_gb=64"]
+    code, printed, err = run("plan", "--predict", "--json", *layout, f"machine.calibration={out / 'machine.yaml'}")
+    assert code == 0, err
+    low, high = json.loads(printed)["step_time_s_range"]
+    assert low < json.loads(printed)["step_time_s"] < high  # the timed operators' +-10% among the ranges
 
 
 def test_a_calibration_round_trip_predicts_with_its_numbers(tmp_path):

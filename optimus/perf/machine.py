@@ -94,6 +94,8 @@ class MachineModel:
     # traced step is, optimus.perf.op_timing); 0 where the roofline prices them. The times, by signature:
     op_threads: int = 0
     op_seconds: dict[str, float] = field(default_factory=dict)
+    # The operator times' range, a fraction either side, which the interval's ends take (a calibration's); 0: exact.
+    op_spread: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     # The range of each uncertain number, by its name here ("gemm_efficiency", "node.bandwidth", ...), as (low,
     # high) in the model's units (machine.perf.ranges, optimus.config); empty where every number is taken as exact.
@@ -113,7 +115,10 @@ class MachineModel:
                 links[link] = replace(links[link], **{attr: value})
             else:
                 changes[name] = value
-        return replace(self, **changes, **links, ranges={})
+        if self.op_spread:
+            factor = 1 - self.op_spread if end == "fast" else 1 + self.op_spread
+            changes["op_seconds"] = {sig: seconds * factor for sig, seconds in self.op_seconds.items()}
+        return replace(self, **changes, **links, ranges={}, op_spread=0.0)
 
     def bandwidth_at(self, moved: float) -> float:
         """Bytes/s of a kernel that moves `moved` bytes (log-linear between the measured sizes)."""
@@ -143,7 +148,8 @@ class MachineModel:
 
 # The recipe keys every cluster needs, and what to write when one is missing.
 _NETWORK = ("nic_gbs", "nics_per_node", "network_latency_us")
-_REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", "node_gbs", "node_latency_us", *_NETWORK)
+_NODE = ("node_gbs", "node_latency_us")
+_REQUIRED = ("gemm_efficiency", "memory_bandwidth_gbs", "kernel_floor_us", *_NODE, *_NETWORK)
 
 
 def measured_here(machine: MachineConfig) -> bool:
@@ -158,17 +164,18 @@ def times_operators(machine: MachineConfig) -> bool:
     return measured_here(machine) or bool(machine.perf.operator_times)
 
 
-def _timed_operators(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
-    """(op_seconds, sources) of machine.perf.operator_times: nothing where it is null."""
+def _timed_operators(path: str | None) -> tuple[dict[str, float], float, dict[str, str]]:
+    """(op_seconds, op_spread, sources) of machine.perf.operator_times: nothing where it is null."""
     from optimus.perf.op_timing import read_operator_times
 
     if not path:
-        return {}, {}
-    seconds, measured = read_operator_times(path)
+        return {}, 0.0, {}
+    seconds, measured, spread = read_operator_times(path)
     where = ", ".join(str(measured[key]) for key in ("device", "host", "date") if measured.get(key))
     where += f", torch {measured['torch']}" if measured.get("torch") else ""
     step = f", of the step of {measured['step']}" if measured.get("step") else ""
-    return seconds, {"operators": f"{path}: {len(seconds)} operators timed on {where or 'the device'}{step}"}
+    note = f"{path}: {len(seconds)} operators timed on {where or 'the device'}{step}, +-{spread:.0%}"
+    return seconds, spread, {"operators": note}
 
 
 def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
@@ -178,7 +185,8 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
     p = machine.perf
     # Ranks on one node send nothing over a network: a machine measured on one node (a calibration) has no NIC.
     one_node = bool(machine.ranks_per_node) and nproc <= machine.ranks_per_node
-    required = [key for key in _REQUIRED if not (one_node and key in _NETWORK)]
+    # ... and one rank sends nothing at all: a calibration of one process has no link.
+    required = [key for key in _REQUIRED if not (one_node and key in _NETWORK) and not (nproc == 1 and key in _NODE)]
     missing = [f"machine.perf.{key}" for key in required if getattr(p, key) is None]
     missing += [f"machine.{key}" for key in ("peak_flops", "ranks_per_node") if not getattr(machine, key)]
     if missing:
@@ -186,12 +194,13 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
             f"machine={machine.name} has no performance model ({', '.join(missing)} unset): set them in "
             f"recipes/machine/{machine.name}.yaml (or as overrides), with each number's source."
         )
-    node = Link(p.node_gbs * 1e9, p.node_latency_us * 1e-6)
+    has_node = None not in (p.node_gbs, p.node_latency_us)
+    node = Link(p.node_gbs * 1e9, p.node_latency_us * 1e-6) if has_node else Link(math.inf, 0.0)  # one rank: unused
     has_network = None not in (p.nic_gbs, p.network_latency_us)
     network = Link(p.nic_gbs * 1e9, p.network_latency_us * 1e-6) if has_network else node  # one node: unused
     package_latency = p.package_latency_us if p.package_latency_us is not None else p.node_latency_us
     package = Link(p.package_gbs * 1e9, package_latency * 1e-6) if p.package_gbs else node
-    op_seconds, op_sources = _timed_operators(p.operator_times)
+    op_seconds, op_spread, op_sources = _timed_operators(p.operator_times)
     return MachineModel(
         name=machine.name,
         peak_flops=float(machine.peak_flops),
@@ -210,6 +219,7 @@ def machine_model(machine: MachineConfig, nproc: int = 1) -> MachineModel:
         rank_variability=p.rank_variability or 0.0,
         sync_cost=(p.sync_cost_us or 0.0) * 1e-6,
         op_seconds=op_seconds,
+        op_spread=op_spread,
         sources={"recipe": machine.calibration or f"recipes/machine/{machine.name}.yaml", **op_sources},
         ranges=model_ranges(p),
     )

@@ -231,14 +231,16 @@ def traced_signatures(traces: dict[int, dict]) -> list[str]:
 OPERATOR_TIMES_FORMAT = "optimus-operator-times-v1"
 
 
-def operator_times_json(seconds: dict[str, float], measured: dict) -> str:
-    """operators.json: each signature's seconds, and `measured` (where, when, on what, the step they are of)."""
-    return json.dumps({"format": OPERATOR_TIMES_FORMAT, "measured": measured, "seconds": seconds}, indent=1) + "\n"
+def operator_times_json(seconds: dict[str, float], measured: dict, spread: float) -> str:
+    """operators.json: each signature's seconds, `measured` (where, when, on what, the step they are of), and the
+    times' range as a fraction either side (`spread`), which a prediction's interval takes."""
+    content = {"format": OPERATOR_TIMES_FORMAT, "measured": measured, "spread": spread, "seconds": seconds}
+    return json.dumps(content, indent=1) + "\n"
 
 
-def read_operator_times(path: str) -> tuple[dict[str, float], dict]:
-    """(seconds by signature, what they were measured on) of an operators.json; a ConfigError naming the file and
-    what to do where it is missing or not one."""
+def read_operator_times(path: str) -> tuple[dict[str, float], dict, float]:
+    """(seconds by signature, what they were measured on, their spread) of an operators.json; a ConfigError
+    naming the file and what to do where it is missing or not one."""
     from pathlib import Path
 
     from optimus.config import ConfigError
@@ -259,4 +261,5 @@ def read_operator_times(path: str) -> tuple[dict[str, float], dict]:
             f"machine.perf.operator_times={path} is not an operators.json of `optimus plan --calibrate`: run it "
             "again, or set machine.perf.operator_times=null."
         )
-    return {sig: float(s) for sig, s in content["seconds"].items()}, content.get("measured", {})
+    seconds = {sig: float(s) for sig, s in content["seconds"].items()}
+    return seconds, content.get("measured", {}), float(content.get("spread", 0.0))

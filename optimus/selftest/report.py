@@ -79,7 +79,7 @@ def operators_json(report: dict) -> str:
         "step": report["step"],
         "distinct": report["signatures"],
     }
-    return operator_times_json(report.get("operators", {}), measured)
+    return operator_times_json(report.get("operators", {}), measured, MEASURED_SPREAD)
 
 
 def failures(report: dict) -> list[str]:

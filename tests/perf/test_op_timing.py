@@ -177,12 +177,15 @@ def test_operator_times_round_trip_into_the_machine(tmp_path):
 
     signature = op_signature(*_calls()[0])
     file = tmp_path / "operators.json"
-    file.write_text(operator_times_json({signature: 2.5e-4}, {"device": "1 x H200", "date": "2026-11-30"}))
+    file.write_text(operator_times_json({signature: 2.5e-4}, {"device": "1 x H200", "date": "2026-11-30"}, 0.1))
     cfg = load_config(["machine=nvidia", "machine.peak_flops=9.89e14", f"machine.perf.operator_times={file}"])
     machine = machine_model(cfg.machine, 8)
     assert machine.op_seconds == {signature: 2.5e-4}
-    assert machine.sources["operators"] == f"{file}: 1 operators timed on 1 x H200, 2026-11-30"
+    assert machine.sources["operators"] == f"{file}: 1 operators timed on 1 x H200, 2026-11-30, +-10%"
     assert op_time(machine, "mm", 2e9, 0, False, signature) == 2.5e-4
+    # The interval's ends take the times' spread, as every measured number's range.
+    assert op_time(machine.at_end("fast"), "mm", 2e9, 0, False, signature) == pytest.approx(2.25e-4)
+    assert op_time(machine.at_end("slow"), "mm", 2e9, 0, False, signature) == pytest.approx(2.75e-4)
     for content in ("not json", '{"format": "another"}'):
         file.write_text(content)
         with pytest.raises(ConfigError, match="is not an operators.json of `optimus plan --calibrate`"):
