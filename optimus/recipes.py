@@ -78,7 +78,7 @@ def _apply_calibration(composed, overrides: list[str]) -> None:
         composed.machine = OmegaConf.merge(composed.machine, OmegaConf.load(file))
         operators = composed.machine.perf.get("operator_times")
         if operators and not Path(operators).expanduser().is_absolute():  # written beside the file
-            composed.machine.perf.operator_times = str(file.parent / operators)
+            composed.machine.perf.operator_times = str((file.parent / operators).resolve())
         composed.machine = OmegaConf.merge(composed.machine, OmegaConf.from_dotlist(explicit).get("machine", {}))
     composed.machine.calibration = str(file)
 

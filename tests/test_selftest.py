@@ -338,6 +338,20 @@ def test_a_calibration_round_trip_predicts_with_its_numbers(tmp_path):
     assert 1.5 * compute < compute_doubled <= 2 * compute * (1 + 1e-9)
 
 
+def test_a_step_no_dry_run_traces_is_calibrated_without_its_operators(tmp_path):
+    """A capacity limit's drops depend on values, so no dry run traces that step: the rates are calibrated, and
+    one line says why no operator was timed."""
+    out = tmp_path / "cal"
+    code, _, err = run("plan", "--calibrate", "--out", str(out), *SMALL, "model.moe.capacity_factor=1.25")
+    assert code == 0, err
+    assert err.strip().splitlines() == [
+        "optimus plan --calibrate: no operators timed: --calibrate traces dropless routing only (which tokens a "
+        "capacity limit drops depends on values): set model.moe.capacity_factor=null."
+    ]
+    assert [p.name for p in out.iterdir()] == ["machine.yaml"]
+    assert loaded_machine(out / "machine.yaml").perf.operator_times is None
+
+
 def test_a_calibration_file_that_is_not_there_is_one_line(tmp_path):
     code, _, err = run("plan", "model=tiny", f"machine.calibration={tmp_path / 'machine.yaml'}")
     assert code == 2 and len(err.strip().splitlines()) == 1
@@ -355,8 +369,8 @@ def test_a_calibration_file_that_is_not_there_is_one_line(tmp_path):
         (["plan", "--calibrate", "--json", "--out", "x"], "--calibrate measures this node and writes DIR/machine.yaml"),
         (["plan", "--calibrate", "--world", "0", "--out", "x"], "--world 0 must be at least 1."),
         (["plan", "--calibrate", "--out", "x", "model=tiny", "parallel.tp=2"],
-         "(--calibrate times the operators of the recipe's step at this node's 1 processes: name the layout's size "
-         "with --nodes N or --world N)."),
+         "(--calibrate times the operators of the recipe's step, by default at this node's 1 processes: name the "
+         "layout's size with --nodes N or --world N)."),
         (["plan", "--dry-run", "--calibrate"], "--calibrate measures this node"),
         (["plan", "--nproc", "2"], "--nproc belongs to `optimus plan --calibrate`"),
     ],

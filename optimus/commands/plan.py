@@ -336,6 +336,7 @@ def _calibrate(opts: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from optimus.commands.selftest import CALIBRATE, prepare, run_command
+    from optimus.output_dir import check_out_dir
     from optimus.ranks import discover
     from optimus.recipes import load_config
 
@@ -344,31 +345,43 @@ def _calibrate(opts: argparse.Namespace) -> int:
     cfg = load_config(opts.overrides)
     job, nproc = prepare(cfg, opts.device, opts.nproc, kernels=None)
     info = discover()
-    processes = nproc or info.world_size
+    if info.rank == 0:  # refused before the step is traced, as run_command would after it
+        check_out_dir(Path(opts.out), opts.overwrite, CALIBRATE.marker, CALIBRATE.what, CALIBRATE.files)
     given = opts.nodes is not None or opts.world is not None
-    world = world_size(cfg, opts.nodes, opts.world) if given else processes
-    signatures, step = _step_operators(job.cfg, world, progress=info.rank == 0)
-    job = replace(job, signatures=tuple(signatures), step=step)
+    world = world_size(cfg, opts.nodes, opts.world) if given else nproc or info.world_size
+    traced = _step_operators(job.cfg, world, given, progress=info.rank == 0)
+    if traced is not None:
+        job = replace(job, signatures=tuple(traced[0]), step=traced[1])
     return run_command(job, nproc, Path(opts.out), opts.overwrite, CALIBRATE)
 
 
-def _step_operators(cfg: OptimusConfig, world: int, progress: bool) -> tuple[list[str], str]:
+def _step_operators(cfg: OptimusConfig, world: int, given: bool, progress: bool) -> tuple[list[str], str] | None:
     """(the distinct operators of the recipe's step at `world` ranks, traced on this node's device path; what
-    that step is) for a calibration to time."""
+    that step is) for a calibration to time, or None (said on stderr) where no dry run can trace the recipe's
+    step: the rates and links are calibrated without them."""
     from optimus.config_checks import layout_of
+    from optimus.dry_run import check_dry_run_config
     from optimus.perf.op_timing import traced_signatures
     from optimus.perf.predict import trace_step
     from optimus.platform import detect_platform
 
+    try:
+        check_dry_run_config(cfg, "--calibrate")
+    except ConfigError as err:
+        if progress:
+            print(f"optimus plan --calibrate: no operators timed: {err}", file=sys.stderr)
+        return None
     path = detect_platform(cfg.machine, 0).path
     if progress:
         print(f"optimus plan --calibrate: the step at world {world} traced on the {path} path, to time its operators")
     try:
         traces = trace_step(cfg, world, progress="stdout" if progress else "none", device=path, signatures=True)
     except ConfigError as err:
+        if given:
+            raise
         raise ConfigError(
-            f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step at this node's "
-            f"{world} processes: name the layout's size with --nodes N or --world N)."
+            f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step, by default at this "
+            f"node's {world} processes: name the layout's size with --nodes N or --world N)."
         ) from None
     t, layout = cfg.train, layout_of(cfg, world)
     step = (

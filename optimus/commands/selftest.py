@@ -216,14 +216,15 @@ def run_command(job: Job, nproc: int, out: Path | None, overwrite: bool, output:
     print(rp.format_table(report, output.command))
     if out is not None:
         texts = {
-            "selftest.json": rp.to_json(report),
-            "machine.yaml": rp.machine_yaml(job.cfg.machine, report, output.command),
-            "operators.json": rp.operators_json(report),
+            "selftest.json": lambda: rp.to_json(report),
+            "machine.yaml": lambda: rp.machine_yaml(job.cfg.machine, report, output.command),
+            "operators.json": lambda: rp.operators_json(report),
         }
+        written = [name for name in output.files if name != "operators.json" or "operators" in report]
         with replacing_directory(out) as tmp:
-            for name in output.files:
-                (tmp / name).write_text(texts[name])
-        print(f"wrote {' and '.join(f'{out}/{name}' for name in output.files)}")
+            for name in written:
+                (tmp / name).write_text(texts[name]())
+        print(f"wrote {' and '.join(f'{out}/{name}' for name in written)}")
     for sentence in report["failures"]:
         print(f"{output.command}: {sentence}", file=sys.stderr)
     return 1 if report["failures"] else 0
@@ -311,9 +312,7 @@ def context(job: Job, platform: Platform, processes: int) -> dict:
             "compute_dtype": job.compute_dtype,
             "tokens_per_micro_batch": cfg.train.micro_batch * cfg.train.seq_len,
         },
-        "step": job.step,
-        "signatures": len(job.signatures),
-    }
+    } | ({"step": job.step, "signatures": len(job.signatures)} if job.signatures else {})
 
 
 def versions() -> dict:

@@ -136,6 +136,9 @@ def _spread_values(func, args: list, kwargs: dict) -> None:
         for dim, each in enumerate(indices[: target.dim()]):
             if isinstance(each, torch.Tensor):
                 _spread(each, target.shape[dim])
+    lookup = named.get("weight") if isinstance(named.get("weight"), torch.Tensor) else None
+    if isinstance(indices, torch.Tensor) and (lookup is not None or isinstance(named.get("num_weights"), int)):
+        _spread(indices, named.get("num_weights") or lookup.shape[0])  # an embedding's lookups and their gradient
     if isinstance(named.get("token_idx_A"), torch.Tensor):
         _spread(named["token_idx_A"], named.get("n_tokens") or first)
     if isinstance(named.get("order_A"), torch.Tensor):
@@ -143,8 +146,9 @@ def _spread_values(func, args: list, kwargs: dict) -> None:
 
 
 def _spread(index: torch.Tensor, size: int) -> None:
-    """Fill an integer index with 0, 1, ..., size - 1, 0, 1, ... in its element order (booleans stay False)."""
-    if index.dtype in (torch.int32, torch.int64) and size > 0:
+    """Fill an integer index with 0, 1, ..., size - 1, 0, 1, ... in its element order (booleans stay False, and
+    an expanded index, whose elements share memory, stays zeros)."""
+    if index.dtype in (torch.int32, torch.int64) and size > 0 and 0 not in index.stride():
         index.copy_((torch.arange(index.numel(), device=index.device) % size).reshape(index.shape))
 
 
@@ -184,8 +188,17 @@ def time_signature(signature: str, device: torch.device = _CPU) -> float | None:
         func = _operator(name)
         _time_call(func, encoded_args, encoded_kwargs, device)
         return _time_call(func, encoded_args, encoded_kwargs, device)
-    except Exception:  # an operator not registered here, a dtype without noise, arguments valid only with the
-        return None  # real data (offsets, sizes read from values)
+    except Exception as err:  # an operator not registered here, a dtype without noise, arguments valid only with
+        if _device_broken(err):  # the real data (offsets, sizes read from values); but not a failed device
+            raise
+        return None
+
+
+def _device_broken(err: Exception) -> bool:
+    """Whether an error leaves the device unusable for every later call (a device-side assert, a bad access), so
+    that timing must stop rather than price the rest by the roofline."""
+    text = str(err)
+    return "device-side assert" in text or "illegal memory access" in text
 
 
 def time_signatures(signatures: list[str], device: torch.device = _CPU, rounds: int = _ROUNDS) -> dict[str, float]:
@@ -199,7 +212,9 @@ def time_signatures(signatures: list[str], device: torch.device = _CPU, rounds: 
                 name, encoded_args, encoded_kwargs = json.loads(sig)
                 try:
                     samples[sig].append(_time_call(_operator(name), encoded_args, encoded_kwargs, device))
-                except Exception:  # made-up inputs that happen to be invalid this time: no time, the roofline
+                except Exception as err:  # made-up inputs that happen to be invalid this time: the roofline
+                    if _device_broken(err):
+                        raise
                     del samples[sig]
     return {sig: statistics.median(times) for sig, times in samples.items()}
 
@@ -253,13 +268,12 @@ def read_operator_times(path: str) -> tuple[dict[str, float], dict, float]:
         )
     try:
         content = json.loads(file.read_text())
-        ok = content.get("format") == OPERATOR_TIMES_FORMAT and isinstance(content.get("seconds"), dict)
-    except (ValueError, AttributeError):
-        ok = False
-    if not ok:
+        if content.get("format") != OPERATOR_TIMES_FORMAT or not isinstance(content.get("measured", {}), dict):
+            raise ValueError
+        seconds = {str(sig): float(s) for sig, s in content["seconds"].items()}
+        return seconds, content.get("measured", {}), float(content.get("spread", 0.0))
+    except (ValueError, TypeError, AttributeError, KeyError):
         raise ConfigError(
             f"machine.perf.operator_times={path} is not an operators.json of `optimus plan --calibrate`: run it "
             "again, or set machine.perf.operator_times=null."
-        )
-    seconds = {sig: float(s) for sig, s in content["seconds"].items()}
-    return seconds, content.get("measured", {}), float(content.get("spread", 0.0))
+        ) from None

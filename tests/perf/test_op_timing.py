@@ -152,6 +152,15 @@ def test_values_that_decide_the_work_are_those_of_a_balanced_routing():
     mask = torch.zeros(5, dtype=torch.bool)  # a boolean index keeps its zeros (nothing selected is valid)
     args, _ = _made(aten.index.Tensor, (torch.randn(5, 2), [mask]))
     assert not args[1][0].any()
+    # An embedding's lookups spread over its rows, and its gradient's over num_weights.
+    args, _ = _made(aten.embedding.default, (torch.randn(5, 2), torch.zeros(7, dtype=torch.int64)))
+    assert args[1].tolist() == [0, 1, 2, 3, 4, 0, 1]
+    backward = (torch.randn(7, 2), torch.zeros(7, dtype=torch.int64), 3, -1, False)
+    args, _ = _made(aten.embedding_dense_backward.default, backward)
+    assert args[1].tolist() == [0, 1, 2, 0, 1, 2, 0]
+    # An expanded index (one element in memory) cannot hold a spread: it stays zeros, still valid.
+    args, _ = _made(aten.index_select.default, (torch.randn(5, 2), 0, torch.zeros(1, dtype=torch.int64).expand(4)))
+    assert args[2].tolist() == [0, 0, 0, 0]
 
 
 def test_the_expert_paths_token_indices_spread_over_the_tokens():
