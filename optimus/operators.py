@@ -55,9 +55,10 @@ def _attention_args(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torc
 
 
 def launches_kernel(func) -> bool:
-    """Whether an operator runs a kernel: not a view, a metadata query (prim: a tensor's device) or an
-    allocation whose contents nobody computes."""
-    return not (func.is_view or func._overloadpacket.__name__ in _NO_KERNEL or func.namespace == "prim")
+    """Whether an operator runs a kernel: not a view, a metadata query (prim: a tensor's device), a profiler
+    range (torch.profiler.record_function's enter and exit) or an allocation whose contents nobody computes."""
+    no_kernel = func._overloadpacket.__name__ in _NO_KERNEL or func.namespace in ("prim", "profiler")
+    return not (func.is_view or no_kernel)
 
 
 def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from optimus.optim.grad_norm import sum_of_squares
 from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, group_state_bytes
@@ -36,6 +37,11 @@ from optimus.parallel.flat_buffer import FlatParams, Segment, same_start
 from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Profiler ranges (torch.profiler.record_function) around the data-parallel collectives' launches and the waits for
+# them, so that a profile tells a gradient reduction or a parameter gather from the step's other collectives and
+# shows where the step blocks on one (benchmarks/overlap.py reads them).
+GRAD_REDUCE, GRAD_REDUCE_WAIT = "optimus.grad_reduce", "optimus.grad_reduce.wait"
+PARAM_GATHER, PARAM_GATHER_WAIT = "optimus.param_gather", "optimus.param_gather.wait"
 
 
 @dataclass
@@ -292,17 +298,23 @@ class ShardGroup:
         groups, start the all-reduce of its shard over them (it holds no staged buffer, so it is not counted in
         BUCKETS_IN_FLIGHT)."""
         work, src, copy_to, shard = self.works.pop(0)
-        work.wait()
+        with record_function(GRAD_REDUCE_WAIT):
+            work.wait()
         if copy_to is not None:
             copy_to.copy_(src)
         if shard is not None:  # here, where every rank issues it in the same order among its other collectives (not
             # when its reduce-scatter happens to finish: ranks that order two groups' collectives differently can
             # deadlock on a GPU, where each communicator's collectives run in issue order)
-            self.replica_works.append(dist.all_reduce(shard, group=self.comm.replica_group, async_op=True))
+            with record_function(GRAD_REDUCE):
+                self.replica_works.append(dist.all_reduce(shard, group=self.comm.replica_group, async_op=True))
 
     def launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """Start reducing one bucket's gradient `src` into this rank's shard of it, `out`: the sum over every
         replica of the global batch, in grad_dtype."""
+        with record_function(GRAD_REDUCE):
+            self._launch(src, out)
+
+    def _launch(self, src: torch.Tensor, out: torch.Tensor) -> None:
         c = self.comm
         if c.shard_world == 1:  # one owner: all-reduces over the replicas, if any, into src; then src -> out
             copy_to = None if same_start(out, src) else out
@@ -350,8 +362,9 @@ class ShardGroup:
         self.launch_ready(force=True)
         while self.works:
             self.finish_oldest()
-        for work in self.replica_works:
-            work.wait()
+        with record_function(GRAD_REDUCE_WAIT):
+            for work in self.replica_works:
+                work.wait()
         self.replica_works.clear()
 
     def zero_grad(self) -> None:
@@ -418,7 +431,8 @@ class ShardGroup:
                 mine = flat.shard_view(self.master, b).to(flat.dtype)
             else:
                 mine = flat.owned_view(flat.buffer, b).clone()
-            work = _all_gather(received[b.start : b.end], mine, group=c.shard_group, async_op=True)
+            with record_function(PARAM_GATHER):
+                work = _all_gather(received[b.start : b.end], mine, group=c.shard_group, async_op=True)
             self.gathers[bi] = (work, mine)  # `mine` is kept until the collective has read it
 
     def wait_gathered(self, buckets: Iterable[int] | None = None) -> None:
@@ -426,7 +440,8 @@ class ShardGroup:
         for bi in list(self.gathers) if buckets is None else buckets:
             entry = self.gathers.pop(bi, None)
             if entry is not None:
-                entry[0].wait()
+                with record_function(PARAM_GATHER_WAIT):
+                    entry[0].wait()
 
     def state_bytes(self, state_bytes_per_element: int) -> StateBytes:
         es, gs = self.flat.buffer.element_size(), self.grad_shard.element_size()

@@ -113,3 +113,13 @@ def test_an_fp32_dry_runs_grouped_gemm_is_traced_as_its_products():
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
     ops = [op for e in trace.finish() if e["e"] == "ops" for op in e["ops"]]
     assert sum(op[1] * op[5] for op in ops if op[0] == "mm") == 2 * (2 * rows * k * n)
+
+
+def test_a_profiler_range_is_no_kernel():
+    """torch.profiler.record_function (the ranges Optimus opens around its data-parallel collectives) dispatches
+    operators of its own; a trace prices them as no kernel, as it does a view."""
+    from optimus.operators import launches_kernel
+
+    assert not launches_kernel(torch.ops.profiler._record_function_enter_new.default)
+    assert not launches_kernel(torch.ops.profiler._record_function_exit._RecordFunction)
+    assert launches_kernel(torch.ops.aten.mul.Tensor)
