@@ -12,8 +12,9 @@ an axis then takes only the values that keep it (parallel.pp=1 fixed: the pipeli
               stages), every axis in turn: each of its other values predicted (optimus.perf.predict, on the
               recipe's device path) with the rest held, the fastest kept; rounds until no axis improves the step.
               Layouts already predicted are not traced again, and `jobs` predictions run at once
-    verify    the `verify` fastest layouts' busiest ranks run as dry runs (optimus.dry_run): their measured peak
-              against the device
+    verify    the fastest layouts' busiest ranks run as dry runs (optimus.dry_run) until `verify` of them fit:
+              their measured peak against the device; one that does not fit is dropped from the ranking (the
+              planner's peak is an estimate, a few percent off), and the next one verified
 
 The descent is a local search: it predicts the layouts on its path (tens), not the thousands the axes span;
 each axis is tried from the best layout found so far, so what two axes gain together is found when each gains
@@ -155,10 +156,10 @@ def _shard_groups(cfg: OptimusConfig, world: int) -> list[int | None]:
 @dataclass
 class Visit:
     """One layout the search looked at: its values (the axes' keys and the checkpointing it takes), and what became
-    of it: invalid (why), dropped (planned peak over the device), or predicted."""
+    of it: invalid (why), dropped (planned peak over the device, or its busiest rank's dry run's), or predicted."""
 
     values: Values
-    status: str  # invalid | dropped | fits | predicted | failed
+    status: str  # invalid | dropped | fits | predicted | failed (dropped after its prediction: its dry run's peak)
     reason: str = ""
     peak_bytes: int | None = None
     device_bytes: int | None = None
@@ -190,7 +191,7 @@ class SearchResult:
         def order(visit: Visit) -> tuple[float, int]:
             return visit.step, sum(visit.values[k] != self.recipe.get(k) for k in visit.values)
 
-        return sorted((v for v in self.visits if v.prediction), key=order)
+        return sorted((v for v in self.visits if v.prediction and v.status != "dropped"), key=order)
 
     def count(self, status: str) -> int:
         return sum(v.status == status for v in self.visits)
@@ -315,6 +316,24 @@ class Search:
                 break
         return best
 
+    def verify_fastest(self, count: int) -> None:
+        """Dry runs of the fastest layouts' busiest ranks until `count` of them fit: one whose dry run measures
+        more than the device holds (the planner's peak is an estimate) is dropped with that peak, and the next
+        fastest verified in its place; at most 3 x `count` dry runs (each can take minutes)."""
+        confirmed, tries = 0, 0
+        while confirmed < count and tries < 3 * count:
+            unverified = [v for v in self.result().ranked() if v.verified is None]
+            if not unverified:
+                return
+            visit = unverified[0]
+            self.verify([visit])
+            tries += 1
+            if visit.verified.get("fits") is False:
+                visit.status, visit.peak_bytes = "dropped", visit.verified["peak_bytes"]
+                visit.reason = "its busiest rank's dry run does not fit the device"
+            else:  # fits, or the dry run failed (the ranking stands; the failure is reported with the layout)
+                confirmed += 1
+
     def verify(self, visits: list[Visit]) -> None:
         """The busiest rank of each of `visits`, as a dry run in a fresh process: its measured peak."""
         for visit in visits:
@@ -360,7 +379,7 @@ class Search:
                 )
             recipe = min(fitting, key=lambda v: v.values["parallel.pp"])
         self.descend({k: v for k, v in recipe.values.items() if k != CHECKPOINTING})
-        self.verify(self.result().ranked()[:verify])
+        self.verify_fastest(verify)
         return self.result()
 
     def _nodes(self) -> float | None:
@@ -470,7 +489,7 @@ def format_search(result: SearchResult, cfg: OptimusConfig, top: int = 10) -> li
         lines.append(f"{'':>5}{_changes(visit.values, cfg)}")
     dropped = sorted((v for v in result.visits if v.status == "dropped"), key=lambda v: v.peak_bytes)
     if dropped:
-        lines += ["", f"do not fit ({len(dropped)}; planned peak > device), the closest:"]
+        lines += ["", f"do not fit ({len(dropped)}; planned or dry-run peak > device), the closest:"]
         for visit in dropped[:3]:
             lines.append(f"  {visit.peak_bytes / 2**30:.1f} > {visit.device_bytes / 2**30:.1f} GiB: "
                          f"{_changes(visit.values, cfg)}")  # fmt: skip
