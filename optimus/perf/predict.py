@@ -31,6 +31,7 @@ from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.activation_checkpointing import recompute_flops_per_token
 from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
+from optimus.perf.buckets import BucketAdvice, advice_line, bucket_advice
 from optimus.perf.costs import collective_time
 from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
 from optimus.perf.op_timing import traced_signatures
@@ -69,6 +70,9 @@ class Prediction:
     mfu_range: list[float] | None = None
     hfu_range: list[float] | None = None
     corner_steps: list[float] | None = None  # [the step at the fast corner, at the slow corner]
+    # Under ZeRO-2: the gradient buckets' latency share on this machine and the size that would make them
+    # bandwidth-bound (optimus.perf.buckets.BucketAdvice); None where the step reduces no gradients in buckets.
+    buckets: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -347,8 +351,13 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
         mfu=utilisation(step, model_flops), hfu=utilisation(step, hardware_flops),
         time_split=_flat_split(split), traced_ranks=sorted(r["rank"] for r in traces.values()),
         machine_numbers={**asdict(machine), "op_seconds": {}},  # the operator times: thousands of keys
-        **planned_fit(cfg, world), **ranges,
+        **planned_fit(cfg, world), **ranges, buckets=_bucket_advice(cfg, machine, traces),
     )  # fmt: skip
+
+
+def _bucket_advice(cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> dict | None:
+    advice = bucket_advice(cfg.optim.bucket_mb, machine, traces) if cfg.optim.zero == 2 else None
+    return advice.as_dict() if advice is not None else None
 
 
 def _with_priced_note(machine: MachineModel, traces: dict[int, dict]) -> MachineModel:
@@ -507,6 +516,8 @@ def format_prediction(pred: Prediction) -> list[str]:
     sources = pred.machine_numbers.get("sources", {})
     if "priced" in sources:
         lines.append(f"  operators priced: {sources['priced']} ({sources['operators']})")
+    if pred.buckets is not None:
+        lines.append(f"  {advice_line(BucketAdvice(**pred.buckets))}")
     if pred.step_time_s_range is None:
         lines.append(f"  interval: none (machine={pred.machine}'s numbers carry no ranges: machine.perf.ranges)")
         return lines

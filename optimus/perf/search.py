@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from optimus.config import ConfigError, OptimusConfig
 from optimus.config_checks import layout_of, validate
 from optimus.model import count_params_of_config
+from optimus.perf.buckets import BucketAdvice, advice_line
 from optimus.perf.machine import MachineModel
 
 # The keys a layout sets, axis by axis, in the order the descent tries them. Values are generated from the layout
@@ -495,6 +496,9 @@ def format_search(result: SearchResult, cfg: OptimusConfig, top: int = 10) -> li
                          f"{_changes(visit.values, cfg)}")  # fmt: skip
     if ranked:
         lines += ["", "fastest layout, as overrides:", "  " + " ".join(overrides(ranked[0].values))]
+        buckets = ranked[0].prediction.get("buckets")
+        if buckets:  # the search tried BUCKET_MB; the machine's links may want another size (optimus.perf.buckets)
+            lines.append(f"  {advice_line(BucketAdvice(**buckets))}")
     return lines
 
 

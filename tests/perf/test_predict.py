@@ -85,6 +85,21 @@ def test_both_utilisation_conventions(capsys):
     assert "MFU" in text and "counts the model's FLOPs" in text
 
 
+def test_gradient_buckets_on_the_machine(capsys):
+    # ZeRO-2 buckets of 64 KiB on frontier's links are latency-bound; at the size the prediction names, every group
+    # is bandwidth-bound or reduces its gradients in one bucket (then there is nothing to advise). ZeRO-1 reduces in
+    # the optimizer step: no buckets.
+    base = ["--world", "8", "machine=frontier", *SMALL, "train.global_batch=16", "parallel.ep=4"]
+    small = predict_json(capsys, *base, "optim.zero=2", "optim.bucket_mb=0.0625")["buckets"]
+    assert small["bucket_mb"] == 0.0625 and small["latency_share"] > 0.1
+    assert small["advised_mb"] > 0.0625 and small["advised_share"] < small["latency_share"]
+    advised = predict_json(capsys, *base, "optim.zero=2", f"optim.bucket_mb={small['advised_mb']}")["buckets"]
+    assert advised is None or advised["latency_share"] <= 0.1
+    assert predict_json(capsys, *base, "optim.zero=1")["buckets"] is None
+    assert main(["plan", "--predict", *base, "optim.zero=2", "optim.bucket_mb=0.0625"]) == 0
+    assert f"optim.bucket_mb={small['advised_mb']} would take it to" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -14,7 +14,18 @@ from optimus.config_checks import validate
 from optimus.job_scripts import check_groups_in_node
 from optimus.perf.machine import machine_model
 from optimus.perf.predict import check_predictable
-from optimus.perf.search import AXES, STRUCTURE, Search, axis_values, fixed_keys, values_of, with_values
+from optimus.perf.search import (
+    AXES,
+    STRUCTURE,
+    Search,
+    SearchResult,
+    Visit,
+    axis_values,
+    fixed_keys,
+    format_search,
+    values_of,
+    with_values,
+)
 from optimus.plan import make_plan
 from optimus.recipes import load_config
 from tests.conftest import TINY_MODEL
@@ -133,6 +144,25 @@ def test_bucket_sizes_are_tried_under_zero_2_only():
     assert axis_values("bucket", with_values(cfg, {"optim.zero": 1}), WORLD) == [{"optim.bucket_mb": 32.0}]
     under_zero2 = axis_values("bucket", with_values(cfg, {"optim.zero": 2}), WORLD)
     assert [v["optim.bucket_mb"] for v in under_zero2] == [32.0, 128.0, 512.0]
+
+
+def test_the_winners_buckets_are_weighed_against_the_machine():
+    # The search tries fixed bucket sizes; under the winner's overrides it prints what the prediction says of its
+    # buckets on the machine's links (optimus.perf.buckets), and nothing where the winner has no bucketed reductions.
+    cfg = load_config(ARGS)
+    buckets = {"bucket_mb": 32.0, "group_size": 96, "latency_share": 0.15, "advised_mb": 64, "advised_share": 0.06}
+    values = {"optim.zero": 2, "optim.bucket_mb": 32.0}
+    visit = Visit(values, "predicted", peak_bytes=2**30, prediction={**fake_prediction(cfg), "buckets": buckets})
+    result = SearchResult(world=WORLD, nodes=None, machine="frontier", structures=1, visits=[visit])
+    lines = format_search(result, cfg)
+    assert lines[-2:] == [
+        "  optim.zero=2 optim.bucket_mb=32",
+        "  gradient buckets: optim.bucket_mb=32, whose reduce-scatter over 96 ranks spends 15% of its time on the "
+        "links' fixed costs; optim.bucket_mb=64 would take it to 6% (each group under 10% or in one bucket; check "
+        "the memory with optimus plan)",
+    ]
+    visit.prediction["buckets"] = None
+    assert format_search(result, cfg)[-1] == "  optim.zero=2 optim.bucket_mb=32"
 
 
 def test_invalid_layouts_are_those_the_config_checks_refuse():
