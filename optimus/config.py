@@ -250,7 +250,10 @@ class LoggingConfig:
 class ProfileConfig:
     timers: bool = False  # step-time breakdown in metrics.jsonl; synchronises the device at every phase
     torch: bool = False  # torch.profiler chrome trace of the steps in torch_steps, per rank, into run.dir
-    torch_steps: str = "3-5"  # first-last optimizer step (1-based, inclusive) of the trace
+    torch_steps: str = "3-5"  # first-last optimizer step (1-based, inclusive) of the trace and of `operators`
+    # every operator of the steps in torch_steps timed inside the step, with the signature the performance model
+    # replays, per rank into run.dir/operators/ (optimus/train/operator_times.py); synchronises a GPU per operator
+    operators: bool = False
     collectives: bool = False  # every collective of the first step, per rank, into run.dir/collectives/
     host_syncs: bool = False  # the first step's host synchronisations by source line, into run.dir/host_syncs/
     memory: bool = False  # the first step's peak memory by category (torch's MemTracker), into run.dir/memory/

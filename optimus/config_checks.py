@@ -315,7 +315,7 @@ def validate_profile(cfg: OptimusConfig) -> None:
             "its autograd.grad backward): measure interleaved_1f1b, whose forwards and backwards are the same work, "
             "or set profile.memory=false."
         )
-    if not cfg.profile.torch:
+    if not cfg.profile.torch and not cfg.profile.operators:
         return
     last = parse_step_window(cfg.profile.torch_steps)[1]
     if last > cfg.train.steps:

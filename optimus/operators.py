@@ -11,11 +11,16 @@ kernel with the bytes it reads and writes, or no kernel) and whether it multipli
 operators: the CPU's attention kernel, `aten._sparse_mm` for the CSR combine, `aten.bmm` over padded experts,
 `c10d.alltoall_base_` for gloo's reduce-scatter).
 
+`op_signature` writes one call down so that it can be run again (optimus.perf.op_timing replays it; the
+step's own timing, optimus.train.operator_times, keys its times by it): the operator, and each argument as JSON,
+a tensor as its shape, strides and dtype, on the host (`t`) or on the step's accelerator (`a`).
+
 Apart from the performance model (optimus.perf), which imports it, so that a dry run imports no part of it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -110,3 +115,36 @@ class OperatorCounter(TorchDispatchMode):
     def summary(self) -> dict[str, dict[str, int]]:
         """The operators by name, most bytes first."""
         return dict(sorted(self.operators.items(), key=lambda item: (-item[1]["bytes"], item[0])))
+
+
+# ---- a call written down to be replayed
+
+
+class _NotReplayable(Exception):
+    """An argument a signature cannot describe (see the module's docstring)."""
+
+
+def _encode(x):
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise _NotReplayable
+        where = "t" if x.device.type == "cpu" else "a"
+        return {where: [list(x.shape), list(x.stride()), str(x.dtype).removeprefix("torch.")]}
+    if isinstance(x, (torch.dtype, torch.memory_format, torch.layout)):
+        return {"torch": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"device": "cpu" if x.type == "cpu" else "accelerator"}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_encode(item) for item in x]
+    raise _NotReplayable  # a generator, a SymInt, an opaque object
+
+
+def op_signature(func, args: tuple, kwargs: dict) -> str | None:
+    """The call as a signature string, or None when it cannot be replayed from its description."""
+    try:
+        encoded_kwargs = {key: _encode(value) for key, value in kwargs.items()}
+        return json.dumps([str(func), _encode(list(args)), encoded_kwargs], separators=(",", ":"))
+    except (_NotReplayable, TypeError):  # TypeError: a symbolic size inside a tensor's shape
+        return None

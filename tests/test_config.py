@@ -239,6 +239,10 @@ ZERO_BUBBLE_ON_TWO_RANKS = [
             ["profile.torch=true", "profile.torch_steps=10-20"],
             "profile.torch_steps=10-20 ends after the run's train.steps=4",
         ),
+        (
+            ["profile.operators=true", "profile.torch_steps=10-20"],
+            "profile.torch_steps=10-20 ends after the run's train.steps=4",
+        ),
         (["data.mix=[{path: shards, weight: 1}]"], "data.mix is read only with data=tokens, not data=builtin"),
         # torch's module tracker fails on the zero-bubble schedule's backward, after the run's files were written.
         (

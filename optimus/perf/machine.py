@@ -552,7 +552,7 @@ def _op_timing_process(signatures: list[str], threads: int, results) -> None:
     results.put(cpu_times(signatures, threads))
 
 
-def _timed_by_every_rank(signatures: list[str], threads: int, ranks: int) -> dict[str, float]:
+def timed_by_every_rank(signatures: list[str], threads: int, ranks: int) -> dict[str, float]:
     """Each signature's mean time over `ranks` processes timing them all at once, `threads` threads each: the
     ranks of a run share this machine's memory bandwidth and caches as they compute."""
     timeout_s = 300.0 + 2.0 * len(signatures)  # five rounds of each, most under a millisecond
@@ -570,7 +570,7 @@ def with_timed_ops(machine: MachineModel, traces: dict[int, dict]) -> MachineMod
         return machine
     signatures = traced_signatures(traces)
     try:
-        seconds = _timed_by_every_rank(signatures, machine.op_threads, machine.ranks_per_node)
+        seconds = timed_by_every_rank(signatures, machine.op_threads, machine.ranks_per_node)
     except RuntimeError as err:  # a timing process that died (out of memory): the roofline prices them all
         note = f"none of the {len(signatures)} distinct operators of the traced step timed ({err}): roofline"
         return replace(machine, sources={**machine.sources, "operators": note})

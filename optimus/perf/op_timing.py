@@ -39,36 +39,6 @@ _REGISTERED_BY = {"optimus": "optimus.kernels.triton_backend"}
 _GROUP_ENDS = ("offs", "offsets_E", "seg_end_T")
 
 
-class _NotReplayable(Exception):
-    """An argument a signature cannot describe (see the module's docstring)."""
-
-
-def _encode(x):
-    if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided:
-            raise _NotReplayable
-        where = "t" if x.device.type == "cpu" else "a"
-        return {where: [list(x.shape), list(x.stride()), str(x.dtype).removeprefix("torch.")]}
-    if isinstance(x, (torch.dtype, torch.memory_format, torch.layout)):
-        return {"torch": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.device):
-        return {"device": "cpu" if x.type == "cpu" else "accelerator"}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, (list, tuple)):
-        return [_encode(item) for item in x]
-    raise _NotReplayable  # a generator, a SymInt, an opaque object
-
-
-def op_signature(func, args: tuple, kwargs: dict) -> str | None:
-    """The call as a signature string, or None when it cannot be replayed from its description."""
-    try:
-        encoded_kwargs = {key: _encode(value) for key, value in kwargs.items()}
-        return json.dumps([str(func), _encode(list(args)), encoded_kwargs], separators=(",", ":"))
-    except (_NotReplayable, TypeError):  # TypeError: a symbolic size inside a tensor's shape
-        return None
-
-
 def _span(shape: list[int], stride: list[int]) -> int:
     """Elements of storage a tensor of that shape and stride reaches."""
     return 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0

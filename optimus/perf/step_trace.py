@@ -36,7 +36,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from optimus.kernels.torch_private import current_graph_task_id
-from optimus.operators import launches_kernel, op_cost
+from optimus.operators import launches_kernel, op_cost, op_signature
 from optimus.parallel.collective_trace import (
     _NAMESPACES,
     _NOT_COLLECTIVES,
@@ -46,7 +46,6 @@ from optimus.parallel.collective_trace import (
     _record,
     _tensors,
 )
-from optimus.perf.op_timing import op_signature
 
 # The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures.
 FORMAT = 2

@@ -55,6 +55,7 @@ from optimus.train.metrics import (
     write_problem,
     write_text_atomic,
 )
+from optimus.train.operator_times import OperatorTimes
 from optimus.train.run_dir import (
     ClaimLost,
     last_record_step,
@@ -140,6 +141,9 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops_per_device(self.platform, cfg.machine, compute_dtype)
         self.trace = TorchTrace(
             cfg.profile.torch, cfg.profile.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type
+        )
+        self.operator_times = OperatorTimes(
+            cfg.profile.operators, cfg.profile.torch_steps, self.run_dir, self.ps.rank, self.platform.device_type
         )
 
         # Every pipeline stage reads the same data, and so do the ranks of a tensor-parallel group.
@@ -377,6 +381,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 trace.before_step(self.step + 1)
+                self.operator_times.before_step(self.step + 1)
                 self.timers.pop_totals()  # drop what evaluation timed (its dispatches)
                 start = time.perf_counter()
                 record = self._traced_step()
@@ -387,6 +392,7 @@ class Trainer:
                     self._record_peak_memory(bar)
                     record_memory = False
                 elapsed = time.perf_counter() - start
+                self.operator_times.after_step(self.step)
                 trace.after_step(self.step)
                 record = {"step": self.step, **record, "tokens": self.tokens_seen, "step_time_s": elapsed}
                 record.update(self.timers.pop_totals())  # time_<phase>_s, only with profile.timers=true
@@ -425,6 +431,7 @@ class Trainer:
             raise
         finally:
             self.stop_signal.restore()
+            self.operator_times.close()
             trace.close()
             bar.close()
             metrics.close()

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from optimus.config_checks import validate_machine_and_data
+from optimus.operators import op_signature
 from optimus.perf.costs import op_time
 from optimus.perf.machine import Link, MachineModel, with_timed_ops
-from optimus.perf.op_timing import _decode, _operator, op_signature, time_signature, traced_signatures
+from optimus.perf.op_timing import _decode, _operator, time_signature, traced_signatures
 from optimus.recipes import load_config
 
 aten = torch.ops.aten
