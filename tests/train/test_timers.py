@@ -10,6 +10,7 @@ import pytest
 from optimus.cli import load_config
 from optimus.config import ConfigError
 from optimus.config_checks import parse_step_window
+from optimus.optim.shard_group import GRAD_REDUCE, GRAD_REDUCE_WAIT, PARAM_GATHER
 from optimus.train import timers as timers_module
 from optimus.train.timers import Timers
 from optimus.train.trainer import Trainer
@@ -108,4 +109,6 @@ def test_expert_parallel_training_writes_every_phase_and_a_trace(tmp_path, corpu
         assert 0 < timed <= record["step_time_s"]  # exclusive phases never add up to more than the step
     for rank in range(2):
         trace = json.loads((run_dir / f"trace_rank{rank}.json").read_text())
-        assert trace["traceEvents"]
+        # The sharded optimizer's collectives sit in their named ranges (benchmarks/overlap.py reads them).
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {GRAD_REDUCE, GRAD_REDUCE_WAIT, PARAM_GATHER} <= names
