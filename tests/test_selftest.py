@@ -27,6 +27,7 @@ from optimus.recipes import load_config
 from optimus.selftest import collectives, kernels
 from optimus.selftest import report as selftest_report
 from optimus.selftest.kernels import kernel_cases
+from tests.distributed import run_distributed
 from tests.unchanged import unchanged
 
 # A small MoE in fp32 (on a CPU the torch backend's 16-bit products take per-expert kernels instead of
@@ -383,6 +384,42 @@ def test_user_errors_are_one_line_before_any_work(args, message, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     code, _, err = run(*args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _rank_1_of_2(monkeypatch) -> None:
+    from optimus.ranks import RankInfo
+
+    info = RankInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=1,
+                    launcher="torchrun")  # fmt: skip
+    monkeypatch.setattr("optimus.ranks.discover", lambda: info)
+    monkeypatch.setattr("optimus.commands.selftest.discover", lambda: info)
+
+
+def test_under_a_launcher_only_rank_0_traces_and_the_others_refuse_a_layout_as_it_would(tmp_path, monkeypatch):
+    # A node's processes started by a launcher: rank 1 neither traces the step (rank 0 sends it the operators,
+    # below) nor waits for a rank 0 that refused the layout: it says the same sentence.
+    def trace(*args, **kwargs):
+        raise AssertionError("rank 1 traced the step")
+
+    _rank_1_of_2(monkeypatch)
+    monkeypatch.setattr("optimus.commands.plan._step_operators", trace)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run("plan", "--calibrate", "--out", "x", "model=tiny", "parallel.tp=4")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "parallel.tp=4 does not divide" in err and "by default at this node's 2 processes" in err
+
+
+def _operators_each_rank_times() -> tuple:
+    from optimus.commands.selftest import Job, with_operators_of_rank0
+
+    mine = (("sig-a", "sig-b"), "the step") if dist.get_rank() == 0 else ((), None)
+    job = Job(load_config([]), None, None, "fp32", signatures=mine[0], step=mine[1])
+    shared = with_operators_of_rank0(job)
+    return shared.signatures, shared.step
+
+
+def test_rank_0s_operators_reach_every_rank():
+    assert run_distributed(_operators_each_rank_times, 2) == [(("sig-a", "sig-b"), "the step")] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

@@ -349,10 +349,32 @@ def _calibrate(opts: argparse.Namespace) -> int:
         check_out_dir(Path(opts.out), opts.overwrite, CALIBRATE.marker, CALIBRATE.what, CALIBRATE.files)
     given = opts.nodes is not None or opts.world is not None
     world = world_size(cfg, opts.nodes, opts.world) if given else nproc or info.world_size
-    traced = _step_operators(job.cfg, world, given, progress=info.rank == 0)
-    if traced is not None:
-        job = replace(job, signatures=tuple(traced[0]), step=traced[1])
+    if info.rank == 0:  # under a launcher the others receive its operators when the processes meet (selftest_rank)
+        traced = _step_operators(job.cfg, world, given, progress=True)
+        if traced is not None:
+            job = replace(job, signatures=tuple(traced[0]), step=traced[1])
+    else:  # refused here as rank 0's trace would refuse it, rather than waiting for a rank 0 that has stopped
+        _check_step_layout(job.cfg, world, given)
     return run_command(job, nproc, Path(opts.out), opts.overwrite, CALIBRATE)
+
+
+def _check_step_layout(cfg: OptimusConfig, world: int, given: bool) -> None:
+    """Refuse, in one sentence, a recipe whose layout does not divide the world the calibration traces."""
+    from optimus.config_checks import validate
+
+    try:
+        validate(cfg, world)
+    except ConfigError as err:
+        raise _layout_refusal(err, world, given) from None
+
+
+def _layout_refusal(err: ConfigError, world: int, given: bool) -> ConfigError:
+    if given:
+        return err
+    return ConfigError(
+        f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step, by default at this "
+        f"node's {world} processes: name the layout's size with --nodes N or --world N)."
+    )
 
 
 def _step_operators(cfg: OptimusConfig, world: int, given: bool, progress: bool) -> tuple[list[str], str] | None:
@@ -377,12 +399,7 @@ def _step_operators(cfg: OptimusConfig, world: int, given: bool, progress: bool)
     try:
         traces = trace_step(cfg, world, progress="stdout" if progress else "none", device=path, signatures=True)
     except ConfigError as err:
-        if given:
-            raise
-        raise ConfigError(
-            f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step, by default at this "
-            f"node's {world} processes: name the layout's size with --nodes N or --world N)."
-        ) from None
+        raise _layout_refusal(err, world, given) from None
     t, layout = cfg.train, layout_of(cfg, world)
     step = (
         f"model={cfg.model.name} at world {world} (pp {layout.pp}, tp {layout.tp}, ep {layout.ep}), micro-batch "

@@ -14,7 +14,7 @@ import datetime
 import platform as python_platform
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -250,6 +250,8 @@ def selftest_rank(job: Job, info: RankInfo) -> dict | None:
     if peers:
         init_process_group(info, platform.backend, platform.device, job.cfg.parallel.timeout_s)
     try:
+        if peers:
+            job = with_operators_of_rank0(job)
         mine = rank_results(job, platform, info.rank)
         if peers:
             dist.barrier()  # every rank's own measurements are done: the links are timed alone
@@ -264,6 +266,15 @@ def selftest_rank(job: Job, info: RankInfo) -> dict | None:
     finally:
         if peers and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def with_operators_of_rank0(job: Job) -> Job:
+    """The job with rank 0's operators to time: a calibration under a launcher traces the step on rank 0 only
+    (optimus plan --calibrate), so that a node's processes do not each trace it."""
+    shared = [(job.signatures, job.step)]
+    dist.broadcast_object_list(shared, src=0)
+    signatures, step = shared[0]
+    return replace(job, signatures=tuple(signatures), step=step)
 
 
 def rank_results(job: Job, platform: Platform, rank: int) -> dict:
