@@ -21,9 +21,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.config_checks import parse_step_window
+from optimus.kernels.torch_private import TorchDispatchMode
 from optimus.operators import op_signature
 from optimus.train.metrics import write_json_atomic
 
