@@ -11,7 +11,9 @@ placement, the library's choice of algorithm; the slope between two of them): `1
 `bucket_advice` reads it off the traced step's own reduce-scatters, the largest of each group (a full bucket),
 and names the smallest power of two MiB at which every group's share is at most LATENCY_SHARE_MAX or its
 gradients reduce in one bucket: a larger bucket does not change a group's one reduction (so a group that reduces
-in one bucket already is left out).
+in one bucket already is left out). `optim.max_collective_numel` caps a bucket's elements whatever
+`optim.bucket_mb` says (optimus.optim.memory.bucket_numel), so the advice weighs a size at its capped bytes and
+names none above the cap: it says to raise the cap instead.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class BucketAdvice:
     # reduce in one bucket (a larger one changes nothing); None where no size up to the largest gets there
     advised_mb: int | None
     advised_share: float | None  # the largest group share at advised_mb
+    cap_mb: float | None = None  # the MiB that optim.max_collective_numel allows a bucket, where that is below the
+    # largest of BUCKET_SIZES_MB
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,15 +78,18 @@ def _bucketed_groups(traces: dict[int, dict]) -> list[_Group]:
     ]
 
 
-def bucket_advice(bucket_mb: float, machine: MachineModel, traces: dict[int, dict]) -> BucketAdvice | None:
+def bucket_advice(
+    bucket_mb: float, machine: MachineModel, traces: dict[int, dict], cap_mb: float = float("inf")
+) -> BucketAdvice | None:
     """The traced step's gradient buckets against the machine's links (module docstring); None where the step
-    reduces no gradients in buckets (ZeRO-1, which reduces in the optimizer step, or one bucket per group)."""
+    reduces no gradients in buckets (ZeRO-1, which reduces in the optimizer step, or one bucket per group).
+    `cap_mb`: the MiB of parameters that optim.max_collective_numel allows one bucket."""
     groups = _bucketed_groups(traces)
     if not groups:
         return None
 
-    def bucket_bytes(g: _Group, mb: float) -> int:
-        return min(int(g.call["bytes"] * mb / bucket_mb), g.total)
+    def bucket_bytes(g: _Group, mb: float) -> int:  # the traced bucket was min(bucket_mb, cap_mb) MiB
+        return min(int(g.call["bytes"] * min(mb, cap_mb) / min(bucket_mb, cap_mb)), g.total)
 
     def share(g: _Group, mb: float) -> float:
         return latency_share(machine, {**g.call, "bytes": bucket_bytes(g, mb)}, g.rank)
@@ -91,13 +98,14 @@ def bucket_advice(bucket_mb: float, machine: MachineModel, traces: dict[int, dic
         return all(share(g, mb) <= LATENCY_SHARE_MAX or bucket_bytes(g, mb) == g.total for g in groups)
 
     worst = max(groups, key=lambda g: share(g, bucket_mb))
-    advised = next((mb for mb in BUCKET_SIZES_MB if enough(mb)), None)
+    advised = next((mb for mb in BUCKET_SIZES_MB if mb <= cap_mb and enough(mb)), None)
     return BucketAdvice(
         bucket_mb=bucket_mb,
         group_size=len(worst.call["ranks"]),
         latency_share=share(worst, bucket_mb),
         advised_mb=advised,
         advised_share=None if advised is None else max(share(g, advised) for g in groups),
+        cap_mb=cap_mb if cap_mb < BUCKET_SIZES_MB[-1] else None,
     )
 
 
@@ -109,6 +117,11 @@ def advice_line(advice: BucketAdvice) -> str:
     )
     if advice.latency_share <= LATENCY_SHARE_MAX:
         return f"{now} (bandwidth-bound)"
+    if advice.advised_mb is None and advice.cap_mb is not None:
+        return (
+            f"{now}; optim.max_collective_numel caps a bucket at {advice.cap_mb:g} MiB, and no bucket up to that "
+            f"brings it under {LATENCY_SHARE_MAX:.0%}: raise optim.max_collective_numel with optim.bucket_mb"
+        )
     if advice.advised_mb is None:
         return f"{now}; no bucket up to {BUCKET_SIZES_MB[-1]} MiB brings that under {LATENCY_SHARE_MAX:.0%}"
     return (

@@ -356,7 +356,12 @@ def prediction_of(cfg: OptimusConfig, world: int, machine: MachineModel, traces:
 
 
 def _bucket_advice(cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> dict | None:
-    advice = bucket_advice(cfg.optim.bucket_mb, machine, traces) if cfg.optim.zero == 2 else None
+    from optimus.plan import DTYPE_BYTES, planned_dtype
+
+    if cfg.optim.zero != 2:
+        return None
+    cap_mb = cfg.optim.max_collective_numel * DTYPE_BYTES[planned_dtype(cfg)] / 2**20  # a bucket's elements' cap
+    advice = bucket_advice(cfg.optim.bucket_mb, machine, traces, cap_mb)
     return advice.as_dict() if advice is not None else None
 
 

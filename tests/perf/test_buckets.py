@@ -94,3 +94,26 @@ def test_lines_for_bandwidth_bound_and_hopeless_buckets():
     assert advice_line(fine).endswith("(bandwidth-bound)")
     hopeless = BucketAdvice(bucket_mb=32, group_size=8, latency_share=0.9, advised_mb=None, advised_share=None)
     assert "no bucket up to 4096 MiB" in advice_line(hopeless)
+
+
+def test_a_collective_cap_below_the_advice_bounds_it():
+    # As test_the_smallest_power_of_two_that_is_bandwidth_bound, with optim.max_collective_numel allowing a bucket
+    # 2 MiB of parameters: 4 MiB would be capped to 2 MiB, whose share (10.7%) is above 10%; no size is advised
+    # and the line says to raise the cap. At a cap of 3 MiB, the traced 1 MiB buckets still scale to 4 MiB.
+    events = [reduce_scatter([0, 1], 4 * MiB)] * 4 + [reduce_scatter([0, 1], MiB)]
+    capped = bucket_advice(1.0, machine(), trace(*events), cap_mb=2.0)
+    assert capped.advised_mb is None and capped.cap_mb == 2.0
+    assert "caps a bucket at 2 MiB" in advice_line(capped) and "raise optim.max_collective_numel" in advice_line(capped)
+    assert bucket_advice(1.0, machine(), trace(*events), cap_mb=8.0).advised_mb == 4
+
+
+def test_buckets_traced_at_the_cap_are_scaled_from_it():
+    # optim.bucket_mb=8 under a cap of 2 MiB: the traced buckets are the cap's (4 MiB of gradients each, 19%).
+    # Sizes are scaled from the cap: 1 and 2 MiB are the only ones a run would get, and neither is under 10%.
+    events = [reduce_scatter([0, 1], 4 * MiB)] * 4 + [reduce_scatter([0, 1], MiB)]
+    at_cap = bucket_advice(8.0, machine(), trace(*events), cap_mb=2.0)
+    assert at_cap.latency_share == pytest.approx(50 * US / (4 * MiB / 2 / 10e9 + 50 * US))
+    assert at_cap.advised_mb is None
+    # Read as uncapped 8 MiB buckets, the same trace would have 32 MiB advised (4 MiB x 32 / 8 = 16 MiB of
+    # gradients, 5.9%): a size the cap would hold at 2 MiB.
+    assert bucket_advice(8.0, machine(), trace(*events)).advised_mb == 32

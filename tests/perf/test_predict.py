@@ -98,6 +98,9 @@ def test_gradient_buckets_on_the_machine(capsys):
     assert predict_json(capsys, *base, "optim.zero=1")["buckets"] is None
     assert main(["plan", "--predict", *base, "optim.zero=2", "optim.bucket_mb=0.0625"]) == 0
     assert f"optim.bucket_mb={small['advised_mb']} would take it to" in capsys.readouterr().out
+    # optim.max_collective_numel at 64 KiB of bf16 parameters caps any bucket there: nothing larger is advised.
+    capped = predict_json(capsys, *base, "optim.zero=2", "optim.bucket_mb=0.0625", "optim.max_collective_numel=32768")
+    assert capped["buckets"]["cap_mb"] == 0.0625 and capped["buckets"]["advised_mb"] is None
 
 
 @pytest.mark.parametrize(
