@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
-from contextlib import contextmanager
+
+from optimus.stop_signals import StopRequested, ignore_stop_signals, stop_signals_raise, stopped
 
 # Before anything imports torch: its OpenMP runtime reads this once, as it loads. Threads that wait for the rest of
 # their team then sleep instead of spinning; on cores that other processes share, a spinning thread holds the core
@@ -97,14 +97,14 @@ def cmd_train(overrides: list[str]) -> int:
         try:
             summary = spawn_local(cfg.parallel.nproc, run_spawned_rank, (spec,))[0]
         except SpawnStopped as stopped:  # ended by a stop signal; where they saved first, they said so
-            _ignore_stop_signals()
+            ignore_stop_signals()
             if not stopped.saved:
                 print(f"optimus: {stopped}.", file=sys.stderr)
             return stopped.exit_code
     else:
         summary = run_rank(spec)
     if summary and "stopped_by" in summary:  # it has said where it saved and how to resume: nothing to add
-        _ignore_stop_signals()
+        ignore_stop_signals()
     elif info.rank == 0 and summary:
         print(f"Finished {summary['steps']} steps; run directory: {summary['run_dir']}")
     return 0
@@ -162,89 +162,7 @@ def _command(command: str, rest: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stop signals and a closed output: one line (or none), never a traceback
-
-
-class StopRequested(BaseException):
-    """SIGTERM or SIGUSR1 (what PBS and SLURM send before a kill), raised where the command is, as Ctrl-C raises
-    KeyboardInterrupt: a BaseException, so that no `except Exception` takes it for a failure."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-RAISED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGINT raises KeyboardInterrupt already
-# The stop signals, as optimus.local_launcher.FORWARDED_SIGNALS and optimus.train.faults.STOP_SIGNALS (both import
-# torch; tests/test_signals.py holds the three equal).
-ENDING_SIGNALS = (signal.SIGINT, *RAISED_SIGNALS)
-
-
-def _raise_stop(signum, frame) -> None:
-    raise StopRequested(signum)
-
-
-@contextmanager
-def _stop_signals_raise(whole_process: bool):
-    """While a command runs, SIGTERM and SIGUSR1 end it as Ctrl-C does: by an exception, so its `finally` blocks
-    run (its child processes are ended, what it half-wrote is removed) and `main` says it in one line. Where one
-    of them is ignored (nohup-like) it stays so. The trainer and the local launcher put their own handlers over
-    these while they run (a stop at a step boundary), and put these back. At the end they are restored (`main`
-    also runs inside tests), except where the command ended by a stop and is the `whole_process`: ignored
-    (`_ignore_stop_signals`) until the interpreter has ended, as one line has said it all."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in ENDING_SIGNALS}
-    for sig in RAISED_SIGNALS:
-        if previous[sig] == signal.SIG_DFL:
-            signal.signal(sig, _raise_stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            if not (whole_process and signal.getsignal(sig) == signal.SIG_IGN):
-                signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
-
-
-def _ignore_stop_signals() -> None:
-    """The command is ending by a stop, and has said so: another Ctrl-C must not break its cleanup into a
-    traceback, nor add a line."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in ENDING_SIGNALS:
-            if signal.getsignal(sig) is not None:  # None: set outside Python, left alone
-                signal.signal(sig, signal.SIG_IGN)
-
-
-def _forget_interrupted_exec() -> None:
-    """CPython (Python/pythonrun.c; met on 3.11) remembers a KeyboardInterrupt that left code run by `exec` of a
-    string (a dataclass's generated __init__, as a module is imported) even where the command caught it, and
-    `python -m optimus` then ends by killing itself with SIGINT instead of returning its exit code. Running a
-    string through `exec` clears that flag; SIGINT is ignored by now, so nothing sets it again."""
-    exec("pass")
-
-
-def _end_child_processes() -> None:
-    """Kill the processes this one started through multiprocessing and that still run (a dry run's tracing
-    process, the machine's measuring ones): nothing will read their results, and a parent that exits while one
-    runs waits for it (multiprocessing joins them at exit)."""
-    import multiprocessing
-
-    children = multiprocessing.active_children()
-    for child in children:
-        child.kill()
-    for child in children:
-        child.join()
-
-
-def _stopped(stop: BaseException) -> int:
-    """The command was stopped by a signal: end what it started, say so in one line, 128 + the signal."""
-    _ignore_stop_signals()
-    _forget_interrupted_exec()
-    _end_child_processes()
-    signum = stop.signum if isinstance(stop, StopRequested) else signal.SIGINT
-    print(f"optimus: stopped by {str(stop) or signal.Signals(signum).name}.", file=sys.stderr)
-    return 128 + signum
+# A closed output (stop signals: optimus.stop_signals): one line (or none), never a traceback
 
 
 def _reader_gone() -> int:
@@ -261,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     whole_process = argv is None  # the process's own command line (`optimus ...`), not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
-    with _stop_signals_raise(whole_process):
+    with stop_signals_raise(whole_process):
         try:
             if not argv or argv[0] in ("-h", "--help", "help"):
                 print(USAGE)
@@ -273,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return _reader_gone()
         except (KeyboardInterrupt, StopRequested) as stop:
-            return _stopped(stop)
+            return stopped(stop)
 
 
 if __name__ == "__main__":

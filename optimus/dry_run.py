@@ -51,6 +51,7 @@ from optimus.output_dir import check_out_dir, replacing_directory
 from optimus.parallel.collective_trace import CollectiveTrace
 from optimus.platform import DEVICE_PATHS, Platform, declared_device_path, detect_platform, stand_in_platform
 from optimus.run_spec import resolve_run
+from optimus.stop_signals import stops_end_the_process
 from optimus.train import step_memory
 from optimus.train.step import TrainStep, parallel_state_of
 from optimus.train.step_memory import step_memory_tracker
@@ -184,7 +185,8 @@ def dry_run_rank(
     if spec.platform.traced:
         set_custom_default_backend(dist.group.WORLD)  # else ending the group logs torch's "No backend of type 0"
     try:
-        with known_warnings_quiet(), engine_error_explained(), sharding_metadata_apart():
+        # In the step's dispatch modes a stop signal ends the process at once: an exception could not unwind them.
+        with stops_end_the_process(), known_warnings_quiet(), engine_error_explained(), sharding_metadata_apart():
             step, recorders = _step(spec, imbalance, step_trace)
         ps = step.ps
     finally:

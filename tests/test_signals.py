@@ -350,8 +350,8 @@ def test_a_measuring_process_ends_with_a_command_killed_by_sigkill(tmp_path):
 
 
 def test_the_stop_signals_are_one_set():
-    from optimus.cli import ENDING_SIGNALS
     from optimus.local_launcher import FORWARDED_SIGNALS
+    from optimus.stop_signals import ENDING_SIGNALS
     from optimus.train.faults import STOP_SIGNALS
 
     assert set(ENDING_SIGNALS) == set(FORWARDED_SIGNALS) == set(STOP_SIGNALS)
