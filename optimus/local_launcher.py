@@ -9,7 +9,6 @@ The ranks it starts are handed torchrun's environment, so `discover()` finds the
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -21,12 +20,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from optimus.config import ConfigError
 from optimus.kernels.torch_private import process_context_processes
+from optimus.processes import ProcessEnd, quiet_resource_tracker, start_forkserver
 
 
 def _free_port() -> int:
@@ -70,7 +70,6 @@ class RankRefused(ConfigError):
 
 
 _SPAWN_DIR = "OPTIMUS_SPAWN_DIR"  # where a rank of spawn_local leaves the sentence of a user error
-_LAUNCHER_PID = "OPTIMUS_LAUNCHER_PID"  # the process that started the ranks (their parent)
 
 
 _SAVED_AT_STOP = "saved-at-stop"  # in the spawn dir: the ranks saved at a stop signal, and said so
@@ -100,44 +99,33 @@ def report_user_error(message: str) -> bool:
 # session), nothing would stop its ranks: they would train on, and after their last step wait forever for the
 # launcher to collect their result.
 
-LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher
+LAUNCHER_POLL_S = 1.0  # how often a rank looks for its launcher where there is no pidfd
 ORPHAN_EXIT_S = 20.0  # after the launcher has gone: time to save at a step boundary before the rank ends anyway
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _set_parent_death_signal(sig: signal.Signals) -> None:
-    """Linux: the kernel sends `sig` to this process when its parent dies (immediate; the poll is the fallback)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # no prctl in this libc: polling the parent pid still notices
 
 
 class _LauncherWatch:
     """Notices that the launcher has gone, asks the rank to stop as SIGTERM does (it saves at the next step
-    boundary: optimus.train.faults), and ends the process if that has not happened within ORPHAN_EXIT_S."""
+    boundary: optimus.train.faults), and ends the process if that has not happened within ORPHAN_EXIT_S.
+
+    The launcher is not the rank's parent (the ranks are forked from a forkserver, which outlives the launcher
+    until they end), so neither the parent pid nor Linux's parent-death signal would tell: the watch follows the
+    launcher's own process (optimus.processes.ProcessEnd)."""
 
     def __init__(self, launcher_pid: int):
-        self.launcher_pid = launcher_pid
+        self.launcher = ProcessEnd(launcher_pid, poll_s=LAUNCHER_POLL_S)
 
     def start(self) -> None:
-        _set_parent_death_signal(signal.SIGTERM)
-        # The launcher is the ranks' parent (torch's starter runs inside it); if it died before the line above,
-        # the parent pid has changed already and the first poll sees it.
         threading.Thread(target=self._watch, name="optimus-launcher-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        while not self.launcher_gone():
-            time.sleep(LAUNCHER_POLL_S)
+        self.launcher.wait()
         _remove_spawn_dir()
-        os.kill(os.getpid(), signal.SIGTERM)  # where the parent-death signal is missing or came too early
+        os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(ORPHAN_EXIT_S)
         self.exit(1)  # stuck (in a collective with a rank that has ended): no one will come for it
 
     def launcher_gone(self) -> bool:
-        return os.getppid() != self.launcher_pid
+        return self.launcher.has_ended()
 
     @staticmethod
     def exit(code: int) -> None:
@@ -159,15 +147,65 @@ def _end_at_start_up(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _rank_main(entrypoint: Callable, *args) -> Any:
-    """What spawn_local runs in each rank: `entrypoint(*args)`, ending with the launcher."""
+@dataclass(frozen=True)
+class _Launch:
+    """What a rank takes from its launcher at the launch, which a rank forked from the forkserver would otherwise
+    have from the server's start: the environment, the working directory, and the launcher's pid (for its
+    standard output and error, and the watch)."""
+
+    environ: dict[str, str]  # the launcher's, with the rank's torchrun variables
+    cwd: str
+    launcher_pid: int
+
+
+def _take_the_launch(launch: _Launch) -> None:
+    """The launcher's environment (torch's starter has set every variable of it; what the launcher has unset
+    since the server started goes, but the starter's own), working directory, intra-op threads, and output."""
+    for key in set(os.environ) - set(launch.environ):
+        if not key.startswith("TORCHELASTIC_"):  # the starter's own: the file for this rank's error
+            del os.environ[key]
+    os.chdir(launch.cwd)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # the OpenMP runtime read the server's value when torch loaded
+        import torch
+
+        torch.set_num_threads(int(threads))
+    _write_where_the_launcher_writes(launch.launcher_pid)
+
+
+def _write_where_the_launcher_writes(launcher_pid: int) -> None:
+    """The server's standard output and error are the launcher's when the server started. Where the launcher
+    has pointed its own elsewhere since (pytest's capture, test by test), the rank writes where they point now:
+    the same file opened again, appending. Otherwise (a launcher's first launch, a terminal, a job's log)
+    nothing changes: the rank shares the launcher's own open files, their offsets included."""
+    for fd in (1, 2):
+        theirs = f"/proc/{launcher_pid}/fd/{fd}"
+        try:
+            ours, now = os.fstat(fd), os.stat(theirs)
+        except OSError:
+            continue  # no /proc, or either is closed: leave it
+        if (ours.st_dev, ours.st_ino) == (now.st_dev, now.st_ino):
+            continue
+        try:
+            reopened = os.open(theirs, os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        os.dup2(reopened, fd)
+        os.close(reopened)
+
+
+def _rank_main(launch: _Launch, entrypoint: Callable, *args) -> Any:
+    """What spawn_local runs in each rank: `entrypoint(*args)`, in the launch's environment, ending with the
+    launcher."""
     signal.signal(signal.SIGINT, _end_at_start_up)
-    # The launcher started this process with SIGINT blocked, so that a Ctrl-C (which reaches every process of
-    # the terminal's group) while it imported torch waited for here instead of raising a KeyboardInterrupt
-    # somewhere in those imports: a pending one takes effect now.
+    # The server (started by _start_ranks with SIGINT blocked) forked this process with SIGINT blocked, so that
+    # a Ctrl-C (which reaches every process of the terminal's group) until here waited instead of raising a
+    # KeyboardInterrupt in the server's imports or the rank's: a pending one takes effect now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    watch = _LauncherWatch(int(os.environ[_LAUNCHER_PID]))
+    watch = _LauncherWatch(launch.launcher_pid)
     watch.start()
+    _take_the_launch(launch)
     result = entrypoint(*args)
     if watch.launcher_gone():
         watch.exit(0)
@@ -320,53 +358,13 @@ def _stopped(forwarder: _Forwarder, first_failed: dict[int, int], log_dir: Path)
     return SpawnStopped(f"stopped by {first} before the ranks had started training", 128 + by_launcher[0])
 
 
-def quiet_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker (shared by the processes this one starts) unable to warn about
-    the semaphores of a process that was killed: it removes them, and its warning after the one line that says
-    what happened is noise."""
-    from multiprocessing import resource_tracker
-
-    saved = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
-    try:
-        with ctrl_c_held():  # it ignores Ctrl-C once running; blocked from its start too
-            resource_tracker.ensure_running()  # a no-op when it runs already
-    finally:
-        if saved is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = saved
-
-
-@contextmanager
-def ctrl_c_held():
-    """The helper processes started in this block begin with SIGINT blocked (a thread's signal mask survives
-    fork and exec): a Ctrl-C, which reaches the terminal's whole group, then cannot end one with a traceback as
-    it imports its modules; running, they ignore SIGINT. This process keeps its Ctrl-C: one that comes during
-    the block (taken by another thread, or waiting until the mask is restored) is held and raised once the block
-    is over, so nothing it starts is interrupted half-way. (Ignoring SIGINT instead, SIG_IGN, would be inherited
-    too, but would lose a Ctrl-C that came in the block.)"""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    held = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a Ctrl-C that waited is taken now, by the holder
-        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
-        if held:
-            os.kill(os.getpid(), signal.SIGINT)
-
-
 def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str | None = None) -> dict[int, Any]:
     """Run `entrypoint(*args)` in `nproc` fresh processes; returns {rank: value}.
 
-    `entrypoint` must be importable by name (a module-level function): children are spawned,
-    not forked. Each child sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
-    `discover()` works inside it. Unlike torchrun's agent, which kills the ranks 30 s after a
+    `entrypoint` must be importable by name (a module-level function): the ranks are forked from
+    multiprocessing's forkserver (see _start_ranks), not from this process. Each sees this process's
+    environment, working directory and output, with torchrun's variables added (RANK, WORLD_SIZE,
+    MASTER_ADDR, ...), so `discover()` works inside it. Unlike torchrun's agent, which kills the ranks 30 s after a
     SIGTERM, this parent passes SIGTERM, SIGINT and SIGUSR1 on and waits for the ranks to save
     and return (their values say that they stopped); a stop signal that ends them before they could
     save ends in SpawnStopped. A rank's user error (report_user_error) ends in RankRefused, any other
@@ -382,9 +380,10 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
     port = str(_free_port())
     envs = {
         rank: {
+            **os.environ,
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _SPAWN_DIR: str(log_dir),
-            "TORCHELASTIC_RUN_ID": run_id or f"optimus-{os.getpid()}", _LAUNCHER_PID: str(os.getpid()),
+            "TORCHELASTIC_RUN_ID": run_id or f"optimus-{os.getpid()}",
         }
         for rank in range(nproc)
     }  # fmt: skip
@@ -431,26 +430,41 @@ def spawn_local(nproc: int, entrypoint: Callable, args: tuple = (), run_id: str 
 _TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the signals torch's starter turns into SignalException
 
 
+# What multiprocessing's forkserver imports once, as it starts: everything a rank of `optimus train` imports (about
+# 10 s of CPU on a slow core), which each rank forked from it then has loaded.
+RANK_MODULES = ("optimus.train.rank",)
+
+
 def _start_ranks(nproc: int, entrypoint: Callable, args: tuple, envs: dict, log_dir: Path) -> Any:
-    """torch's elastic process starter, with SIGINT blocked while it starts the ranks: they inherit the mask and
-    unblock it in _rank_main, so a Ctrl-C (which reaches every process of the terminal's group) waits there
-    instead of raising a KeyboardInterrupt inside their imports of torch (SIGTERM and SIGUSR1 end them
-    silently then). The starter is told to leave the stop signals to the forwarder (SIGHUP and SIGQUIT it still
-    raises as SignalException)."""
+    """torch's elastic process starter, whose ranks are forked from multiprocessing's forkserver (spawned where
+    the platform has none). The server (one per launching process, which its measuring processes share:
+    optimus.processes.start_forkserver) imports RANK_MODULES once where this launch starts it, so N ranks cost
+    one import of torch and the trainer instead of N, each on its share of the cores; the ranks of later
+    launches from the same process (a script's, the tests') start at once. A rank forked from it has the
+    server's environment, directory and output: `_rank_main` takes the launch's (`_Launch`).
+
+    SIGINT is blocked while the server starts and the ranks are forked (they inherit the server's mask): a
+    Ctrl-C (which reaches every process of the terminal's group) then waits, in a rank until _rank_main
+    unblocks it, instead of raising a KeyboardInterrupt inside the server's imports; the running server ignores
+    it. The starter is told to leave the stop signals to the forwarder (SIGHUP and SIGQUIT it still raises as
+    SignalException)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     saved_tempdir, saved_signals = tempfile.tempdir, os.environ.get(_TORCH_SIGNALS)
-    tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
-    os.environ[_TORCH_SIGNALS] = "SIGHUP,SIGQUIT"
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     try:
+        start_method = "forkserver" if start_forkserver(RANK_MODULES) else "spawn"  # before the log dir below
+        tempfile.tempdir = str(log_dir)  # torch's per-process error pickles, left behind when a rank fails
+        os.environ[_TORCH_SIGNALS] = "SIGHUP,SIGQUIT"
         return start_processes(
             name="optimus",
             entrypoint=_rank_main,
-            args={rank: (entrypoint, *args) for rank in range(nproc)},
+            args={
+                rank: (_Launch(dict(envs[rank]), os.getcwd(), os.getpid()), entrypoint, *args) for rank in range(nproc)
+            },
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
-            start_method="spawn",
+            start_method=start_method,
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -173,7 +173,6 @@ WATCHED_RANK = """
 import os, signal, sys, time
 import optimus.local_launcher as local_launcher
 
-local_launcher._set_parent_death_signal = lambda sig: None  # as where prctl is missing: polling the parent must do
 local_launcher.LAUNCHER_POLL_S, local_launcher.ORPHAN_EXIT_S = 0.05, 1.0
 signal.signal(signal.SIGTERM, lambda signum, frame: open(sys.argv[1], "w").write("asked to stop"))
 local_launcher._LauncherWatch(os.getppid()).start()
@@ -188,8 +187,8 @@ time.sleep(120)
 """
 
 
-def test_without_the_parent_death_signal_a_rank_still_ends_with_its_launcher(tmp_path):
-    """The poll of the parent pid asks the rank to stop, and ends it when it does not (it is stuck)."""
+def test_a_stuck_rank_still_ends_with_its_launcher(tmp_path):
+    """The poll of the launcher's pid asks the rank to stop, and ends it when it does not (it is stuck)."""
     asked = tmp_path / "asked"
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WATCHED_RANK, str(asked)], start_new_session=True)
     try:

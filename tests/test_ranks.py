@@ -311,7 +311,7 @@ def test_ctrl_c_held_keeps_a_ctrl_c_from_helpers_but_not_from_this_process(with_
     import threading
     import time
 
-    from optimus.local_launcher import ctrl_c_held
+    from optimus.processes import ctrl_c_held
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # a thread that does not block SIGINT

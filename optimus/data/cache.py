@@ -24,6 +24,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from optimus.data.errors import DataError
+from optimus.processes import process_exists
 
 
 def cache_root() -> Path:
@@ -103,17 +104,6 @@ def remove_dead_staging(target: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-
-
-def process_exists(pid: int) -> bool:
-    """Whether a process with this pid runs on this host (another user's included)."""
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 def write_error(what: str, err: OSError, elsewhere: str) -> DataError:

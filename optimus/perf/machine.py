@@ -19,7 +19,6 @@ import math
 import multiprocessing
 import multiprocessing.context
 import os
-import select
 import signal
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ import torch
 
 from optimus.config import ConfigError, MachineConfig, MachinePerfConfig
 from optimus.perf.collectives import library_of, ring_steps
+from optimus.processes import ProcessEnd, quiet_resource_tracker, start_forkserver
 
 
 @dataclass(frozen=True)
@@ -251,27 +251,10 @@ def fresh_process_context():
     from a forkserver where there is one (a process that imported torch and optimus.perf and built nothing,
     so a child starts in a fraction of a second instead of importing torch again), spawned elsewhere. Its
     processes end with the command that started them (`_CommandBound`)."""
-    from optimus.local_launcher import quiet_resource_tracker
-
     quiet_resource_tracker()  # shared with the processes: no warning about the semaphores of one that was killed
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if not start_forkserver(["optimus.perf.predict"]):  # the preload: none once the server runs
         return _SpawnContext()
-    ctx = _ForkServerContext()
-    ctx.set_forkserver_preload(["optimus.perf.predict"])  # no effect once the server runs
-    _start_forkserver()
-    return ctx
-
-
-def _start_forkserver() -> None:
-    """Start the forkserver (a no-op once it runs) with Ctrl-C blocked from its start: it first imports torch,
-    and a Ctrl-C (the terminal's reaches its whole group) would end it there with a traceback. Running, it
-    ignores SIGINT itself."""
-    from multiprocessing import forkserver
-
-    from optimus.local_launcher import ctrl_c_held
-
-    with ctrl_c_held():
-        forkserver.ensure_running()
+    return _ForkServerContext()
 
 
 class _CommandBound:
@@ -319,26 +302,8 @@ def _stop_signals_held():
 
 def _exit_after(pid: int) -> None:
     """End this process once process `pid` has ended."""
-    try:
-        handle = os.pidfd_open(pid)  # readable once it has ended (Linux 5.3)
-    except ProcessLookupError:
-        os._exit(1)
-    except (AttributeError, OSError):  # no pidfd here: poll
-        while _exists(pid):
-            time.sleep(1.0)
-        os._exit(1)
-    select.select([handle], [], [])
+    ProcessEnd(pid).wait()
     os._exit(1)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if "forkserver" in multiprocessing.get_all_start_methods():

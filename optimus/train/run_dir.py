@@ -19,8 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from optimus.config import ConfigError, OptimusConfig
-from optimus.data.cache import process_exists
 from optimus.parallel import ParallelState
+from optimus.processes import process_exists
 from optimus.train.checkpoint_dirs import LATEST, TMP_SUFFIX, checkpoint_root, has_checkpoint, published
 from optimus.train.metrics import NO_SPACE, wandb_refusal, write_text_atomic
 
