@@ -222,6 +222,27 @@ def test_spawn_local_surfaces_the_child_exception():
         spawn_local(1, _fail_on_rank_zero)  # one process keeps it cheap; the path is the same for N
 
 
+def _what_the_rank_sees() -> tuple:
+    launch = os.environ.get("OPTIMUS_TEST_LAUNCH")
+    return launch, "OPTIMUS_TEST_UNSET" in os.environ, os.getcwd(), torch.get_num_threads()
+
+
+def test_each_launch_gives_its_ranks_the_launchers_environment_and_directory_of_that_moment(tmp_path, monkeypatch):
+    """The ranks are forked from a server started at an earlier launch: what the launcher set, unset or changed
+    since (environment, working directory, OMP_NUM_THREADS) is what each rank sees, not the server's."""
+    monkeypatch.setenv("OPTIMUS_TEST_LAUNCH", "first")
+    monkeypatch.setenv("OPTIMUS_TEST_UNSET", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert spawn_local(1, _what_the_rank_sees)[0][:2] == ("first", True)  # the server runs from here on
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "later")
+    monkeypatch.setenv("OPTIMUS_TEST_LAUNCH", "second")
+    monkeypatch.delenv("OPTIMUS_TEST_UNSET")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    expected = ("second", False, str(tmp_path / "later"), 1)
+    assert spawn_local(2, _what_the_rank_sees) == {0: expected, 1: expected}
+
+
 def _refuse_on_rank_one() -> int:
     """Rank 1 meets a user error; rank 0 waits in a collective it will never complete."""
     from optimus.local_launcher import report_user_error
