@@ -2,7 +2,10 @@
 
 Every child forked from the server inherits the loaded modules, so a test body
 does not spend seconds in its first `torch.testing.assert_close` (which pulls in
-sympy and torch.distributed.tensor) or its first kernel-backend lookup.
+sympy and torch.distributed.tensor) or its first kernel-backend lookup. A pytest
+process has one forkserver, whichever code starts it first: `optimus train
+parallel.nproc=N` run in-process forks its ranks from this one too, so the
+trainer's rank module is imported here as optimus.local_launcher would have it.
 """
 
 import torch
@@ -15,6 +18,7 @@ try:
 
     import optimus.model  # noqa: F401
     import optimus.parallel  # noqa: F401
+    import optimus.train.rank  # noqa: F401
     from optimus.kernels import get_backend
 
     get_backend("torch")
