@@ -291,6 +291,16 @@ class Search:
         values = axis_values(axis, with_values(self.cfg, layout), self.world)
         return [v for v in values if all(v.get(k, layout[k]) == layout[k] for k in held)]
 
+    def _advised(self, axis: str, best: Visit) -> list[Values]:
+        """Beside BUCKET_MB's sizes, the bucket size that `best`'s prediction advises for the machine's links
+        (optimus.perf.buckets: the smallest that takes every group's reduce-scatter off the latency-bound side),
+        where it has bucketed reductions (ZeRO-2) and the bucket size is not fixed."""
+        advice = (best.prediction or {}).get("buckets")
+        if axis != "bucket" or "optim.bucket_mb" in self.fixed or not advice or advice["advised_mb"] is None:
+            return []
+        advised = float(advice["advised_mb"])
+        return [] if advised in BUCKET_MB else [{"optim.bucket_mb": advised}]
+
     def structures(self) -> list[Visit]:
         """Every structural layout (the axes of STRUCTURE that are not fixed) with the recipe's other keys, planned."""
         base = values_of(self.cfg, AXIS_KEYS)
@@ -308,7 +318,7 @@ class Search:
             improved = False
             for axis in AXES:
                 here = {k: v for k, v in best.values.items() if k != CHECKPOINTING}
-                trials = [self.planned({**here, **v}) for v in self._values(axis, here)]
+                trials = [self.planned({**here, **v}) for v in self._values(axis, here) + self._advised(axis, best)]
                 self.predicted(trials)
                 fastest = min([best, *trials], key=lambda v: v.step)
                 if fastest.step < best.step:
@@ -497,7 +507,7 @@ def format_search(result: SearchResult, cfg: OptimusConfig, top: int = 10) -> li
     if ranked:
         lines += ["", "fastest layout, as overrides:", "  " + " ".join(overrides(ranked[0].values))]
         buckets = ranked[0].prediction.get("buckets")
-        if buckets:  # the search tried BUCKET_MB; the machine's links may want another size (optimus.perf.buckets)
+        if buckets:  # the winner's buckets on the machine's links (optimus.perf.buckets), as --predict prints them
             lines.append(f"  {advice_line(BucketAdvice(**buckets))}")
     return lines
 

@@ -146,8 +146,34 @@ def test_bucket_sizes_are_tried_under_zero_2_only():
     assert [v["optim.bucket_mb"] for v in under_zero2] == [32.0, 128.0, 512.0]
 
 
+def advising_prediction(cfg) -> dict:
+    """fake_prediction with a bucket term that is least at 64 MiB, and, under ZeRO-2, the advice of 64 MiB that a
+    prediction gives for the machine's links (optimus.perf.buckets.BucketAdvice)."""
+    out = fake_prediction(cfg)
+    mb = cfg.optim.bucket_mb
+    step = out["step_time_s"] - 0.001 * mb + 0.01 * abs(mb - 64.0) / 64.0
+    advice = {"bucket_mb": mb, "group_size": 2, "latency_share": 0.3, "advised_mb": 64, "advised_share": 0.08}
+    return {**out, "step_time_s": step, "buckets": advice if cfg.optim.zero == 2 else None}
+
+
+def test_the_bucket_size_a_prediction_advises_is_tried_beside_the_fixed_sizes():
+    cfg = load_config([*ARGS, "optim.zero=2"])
+    machine = machine_model(cfg.machine, WORLD)
+    result = Search(cfg, WORLD, machine, {"optim.zero"}, predict_fn=advising_prediction).run(verify=0)
+    assert {v.values["optim.bucket_mb"] for v in result.ranked()} == {32.0, 64.0, 128.0, 512.0}
+    assert result.ranked()[0].values["optim.bucket_mb"] == 64.0
+    # Under ZeRO-1 the prediction advises nothing (no bucketed reductions): the recipe's size only.
+    cfg1 = load_config([*ARGS, "optim.zero=1"])
+    zero1 = Search(cfg1, WORLD, machine, {"optim.zero"}, predict_fn=advising_prediction).run(verify=0)
+    assert {v.values["optim.bucket_mb"] for v in zero1.visits} == {cfg1.optim.bucket_mb}
+    # A bucket size given on the command line stays, advice or not.
+    cfg128 = load_config([*ARGS, "optim.zero=2", "optim.bucket_mb=128"])
+    held = Search(cfg128, WORLD, machine, {"optim.zero", "optim.bucket_mb"}, predict_fn=advising_prediction)
+    assert {v.values["optim.bucket_mb"] for v in held.run(verify=0).visits} == {128.0}
+
+
 def test_the_winners_buckets_are_weighed_against_the_machine():
-    # The search tries fixed bucket sizes; under the winner's overrides it prints what the prediction says of its
+    # Under the winner's overrides the search prints what the prediction says of its
     # buckets on the machine's links (optimus.perf.buckets), and nothing where the winner has no bucketed reductions.
     cfg = load_config(ARGS)
     buckets = {"bucket_mb": 32.0, "group_size": 96, "latency_share": 0.15, "advised_mb": 64, "advised_share": 0.06}
