@@ -7,6 +7,9 @@ python benchmarks/search.py seed [--only RECIPE ...] [--out benchmarks/results]
     the Aurora MoE study's claim priced: each recipe's layout predicted with optim.sharding=standard and ep_aware,
     and with the torch expert path (kernels=torch) and the Triton kernels (kernels=triton), on its device path:
     search_seed.json
+python benchmarks/search.py overlap [--only RECIPE ...] [--out benchmarks/results]
+    each recipe's layout predicted with optim.overlap_param_gather=false and =true (the parameter all-gathers
+    waited for at the end of the step, or left to the next forward: optimus.perf.carried): search_overlap.json
 python benchmarks/search.py tables [--out benchmarks/results]
     the markdown tables of benchmarks/results/search.md from search_results.json (its text is written by
     hand around them)
@@ -36,6 +39,7 @@ RECIPES = {
 }  # fmt: skip
 RESULTS = "search_results.json"
 SEED = "search_seed.json"
+OVERLAP = "search_overlap.json"
 SEED_COMBINATIONS = [(s, k) for k in ("torch", "triton") for s in ("standard", "ep_aware")]
 
 
@@ -60,22 +64,51 @@ def run(names: list[str], jobs: int | None, out: Path) -> None:
         print(f"  {seconds:.0f} s; {len(result['ranked'])} layouts predicted", flush=True)
 
 
-def seed(names: list[str], out: Path) -> None:
-    path = out / SEED
+def _predicted(name: str, overrides: list[str]) -> dict:
+    """`optimus plan --predict --json` of a recipe at its node count with `overrides`: the figures the tables use."""
+    command = ["optimus", "plan", "--predict", "--json", "--nodes", str(RECIPES[name]), f"experiment={name}"]
+    command += overrides
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode not in (0, 1):  # 1: predicted, but its planned peak does not fit
+        raise SystemExit(f"{name}: the prediction failed:\n{done.stderr[-2000:]}")
+    p = json.loads(done.stdout)
+    keep = ("step_time_s", "step_time_s_range", "mfu", "mfu_range", "time_split", "fits", "peak_bytes")
+    return {k: p[k] for k in keep}
+
+
+def _predicted_rows(file: str, names: list[str], variants: dict[str, list[str]], out: Path) -> None:
+    """Each recipe predicted with each variant's overrides, into `out / file` (rows of `names` replaced)."""
+    path = out / file
     rows = json.loads(path.read_text()) if path.exists() else {}
     for name in names:
         rows[name] = {"machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_flags": cpu_flags(), "torch": _torch()}}
-        for sharding, kernels in SEED_COMBINATIONS:
-            command = ["optimus", "plan", "--predict", "--json", "--nodes", str(RECIPES[name]), f"experiment={name}",
-                       f"optim.sharding={sharding}", f"kernels={kernels}"]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-            if done.returncode not in (0, 1):  # 1: predicted, but its planned peak does not fit
-                raise SystemExit(f"{name}: the prediction failed:\n{done.stderr[-2000:]}")
-            p = json.loads(done.stdout)
-            keep = ("step_time_s", "step_time_s_range", "mfu", "mfu_range", "time_split", "fits", "peak_bytes")
-            rows[name][f"{sharding}+{kernels}"] = {k: p[k] for k in keep}
-            print(f"{name} {sharding} {kernels}: {p['step_time_s']:.3f} s", flush=True)
+        for label, overrides in variants.items():
+            rows[name][label] = _predicted(name, overrides)
+            print(f"{name} {label}: {rows[name][label]['step_time_s']:.3f} s", flush=True)
         path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def seed(names: list[str], out: Path) -> None:
+    variants = {f"{s}+{k}": [f"optim.sharding={s}", f"kernels={k}"] for s, k in SEED_COMBINATIONS}
+    _predicted_rows(SEED, names, variants, out)
+
+
+def overlap(names: list[str], out: Path) -> None:
+    variants = {f"overlap_param_gather={flag}": [f"optim.overlap_param_gather={flag}"] for flag in ("false", "true")}
+    _predicted_rows(OVERLAP, names, variants, out)
+
+
+def overlap_table(out: Path) -> None:
+    rows = json.loads((out / OVERLAP).read_text())
+    print("| recipe | step s, gathers at the step's end | step s, left to the next forward | speed-up | "
+          "exposed data-parallel s (end -> next forward) | MFU % (likely) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        off, on = row["overlap_param_gather=false"], row["overlap_param_gather=true"]
+        dp = [r["time_split"].get("exposed_data_parallel", 0.0) for r in (off, on)]
+        print(f"| {name} | {off['step_time_s']:.3f} | {on['step_time_s']:.3f} | "
+              f"{off['step_time_s'] / on['step_time_s']:.3f}x | {dp[0]:.3f} -> {dp[1]:.3f} | "
+              f"{100 * off['mfu']:.1f} -> {100 * on['mfu']:.1f} |")  # fmt: skip
 
 
 def seed_table(out: Path) -> None:
@@ -146,7 +179,7 @@ def _is_recipe(visit: dict, recipe: dict) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("run", "seed", "tables"))
+    parser.add_argument("mode", choices=("run", "seed", "overlap", "tables"))
     parser.add_argument("--only", nargs="+", choices=sorted(RECIPES), default=[])
     parser.add_argument("--jobs", type=int)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -155,6 +188,8 @@ def main() -> None:
         run(args.only or list(RECIPES), args.jobs, args.out)
     elif args.mode == "seed":
         seed(args.only or list(RECIPES), args.out)
+    elif args.mode == "overlap":
+        overlap(args.only or list(RECIPES), args.out)
     else:
         tables(args.out)
         print()
@@ -162,6 +197,9 @@ def main() -> None:
         if (args.out / SEED).exists():
             print()
             seed_table(args.out)
+        if (args.out / OVERLAP).exists():
+            print()
+            overlap_table(args.out)
 
 
 if __name__ == "__main__":

@@ -268,6 +268,8 @@ def _step(spec, imbalance: float, step_trace) -> tuple[TrainStep, StepRecorders]
             with step.timers("data_wait"):
                 micro_batches = batches.next_step()
             step.run(micro_batches, 0, lambda: False, recorders.collectives)
+            if step_trace is not None and cfg.optim.overlap_param_gather:  # left in flight for the next forward
+                step_trace.carry_to_next_forward(step.model.named_parameters())
     return step, recorders
 
 

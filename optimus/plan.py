@@ -160,7 +160,10 @@ class PlanInputs:
         return cls(
             stage, layout.micro_batches(t.global_batch, t.micro_batch), compute_dtype, DTYPE_BYTES[o.grad_dtype],
             o.zero, resolve_sharding(o.sharding, stage.world),
-            bucket_numel(zero_bucket_bytes(o.bucket_mb, o.zero), o.max_collective_numel, DTYPE_BYTES[compute_dtype]),
+            bucket_numel(
+                zero_bucket_bytes(o.bucket_mb, o.zero, o.overlap_param_gather), o.max_collective_numel,
+                DTYPE_BYTES[compute_dtype],
+            ),
             planned_kernels(cfg, path), attention.itemsize, cfg.parallel.dispatcher if layout.ep > 1 else "local",
         )  # fmt: skip
 

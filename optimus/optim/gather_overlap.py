@@ -9,7 +9,8 @@ waits, in a forward pre-hook, only for the buckets that hold its own parameters:
   transformer blocks) waits for the parameters of its whole subtree;
 - a *root* (the module the caller runs: the model, or each pipeline stage) waits
   for the rest (embedding, final norm, LM head). step() starts these buckets
-  first, so the blocks' buckets travel while the first blocks compute.
+  first, then the blocks' in the order the forward runs the blocks (gather_order),
+  so the later blocks' buckets travel while the first blocks compute.
 
 What this needs from the model: a parameter is read only inside the forward of the
 block that holds it, or of its root. Optimus's Transformer keeps to it (a router
@@ -58,20 +59,28 @@ def buckets_needed(params: list[nn.Parameter], where: dict[int, list[tuple[str, 
 
 
 def attach_gather_waits(sharder, roots: list[nn.Module]) -> list:
-    """Register the forward pre-hooks of every unit of `roots` and order each group's all-gathers: the roots'
-    buckets first, then the rest in buffer order. Returns the hooks' handles."""
+    """Register the forward pre-hooks of every unit of `roots` and order each group's all-gathers as the forward
+    needs them (gather_order). Returns the hooks' handles."""
     where = buckets_of_params(sharder)
-    waits = []  # (module, its buckets by group)
-    first: dict[str, set[int]] = defaultdict(set)  # the roots' own buckets, started first
-    for root in roots:
-        for module, params in forward_units(root):
-            waits.append((module, buckets_needed(params, where)))
-        for kind, buckets in waits[-1][1].items():  # forward_units lists the root itself last
-            first[kind].update(buckets)
+    waits = [(module, buckets_needed(params, where)) for root in roots for module, params in forward_units(root)]
     for kind, group in sharder.groups.items():
-        head = sorted(first[kind])
-        group.gather_order = head + [bi for bi in range(len(group.flat.buckets)) if bi not in first[kind]]
+        group.gather_order = gather_order(kind, len(group.flat.buckets), roots, waits)
     return [module.register_forward_pre_hook(_waiter(sharder, needs)) for module, needs in waits if needs]
+
+
+def gather_order(kind: str, n_buckets: int, roots: list[nn.Module], waits: list[tuple[nn.Module, dict]]) -> list[int]:
+    """The order a group's buckets are all-gathered in: the roots' own buckets (every root waits for them before its
+    first block), then each block's in the order the forward runs the blocks, then any no unit waits for. The flat
+    buffer holds the parameters in reverse model order (its buckets fill as the backward produces gradients), so
+    buffer order would gather the first blocks' buckets last, and the first block would wait for nearly all of them.
+    Every rank of a shard group holds the same blocks, so each issues the same order."""
+    is_root = {id(root) for root in roots}
+    at_start = [waits_of for module, waits_of in waits if id(module) in is_root]
+    by_block = [waits_of for module, waits_of in waits if id(module) not in is_root]
+    order: list[int] = []
+    for needs in at_start + by_block:
+        order += [bi for bi in needs.get(kind, ()) if bi not in order]
+    return order + [bi for bi in range(n_buckets) if bi not in order]
 
 
 def _waiter(sharder, needs: dict[str, list[int]]):

@@ -146,10 +146,12 @@ def rank_update_bytes(
     return {"step_work_bytes": work, "gather_received_bytes": received, "param_gather_received_bytes": gathered}
 
 
-def zero_bucket_bytes(bucket_mb: float, zero: int) -> int:
-    """Bytes of parameters per bucket: `optim.bucket_mb` under ZeRO-2; ZeRO-1 reduces in step(), where only
+def zero_bucket_bytes(bucket_mb: float, zero: int, overlap_param_gather: bool = False) -> int:
+    """Bytes of parameters per bucket: `optim.bucket_mb` under ZeRO-2 (the backward reduces bucket by bucket) and
+    with `overlap_param_gather` (each block of the next forward waits for its own buckets: in one bucket, the first
+    block would wait for every parameter of the group); otherwise ZeRO-1 reduces and gathers in step(), where only
     the collective size limit cuts a group."""
-    return int(bucket_mb * 2**20) if zero == 2 else 2**62
+    return int(bucket_mb * 2**20) if zero == 2 or overlap_param_gather else 2**62
 
 
 def bucket_numel(bucket_bytes: int, max_numel: int, param_size: int) -> int:

@@ -152,10 +152,12 @@ def build_sharder(
     model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, scheme: str, micro_batches: int = 1, timers=None,
     tied=None,
 ) -> GradSharder:  # fmt: skip
-    """The gradient sharder that `cfg` (optim.zero, grad_dtype, bucket_mb, max_collective_numel) describes."""
+    """The gradient sharder that `cfg` (optim.zero, grad_dtype, bucket_mb, max_collective_numel,
+    overlap_param_gather) describes."""
+    bucket_bytes = zero_bucket_bytes(cfg.bucket_mb, cfg.zero, cfg.overlap_param_gather)
     return GradSharder(
-        model, ps, scheme, cfg.zero, TORCH_DTYPES[cfg.grad_dtype], zero_bucket_bytes(cfg.bucket_mb, cfg.zero),
-        cfg.max_collective_numel, micro_batches, timers, tied,
+        model, ps, scheme, cfg.zero, TORCH_DTYPES[cfg.grad_dtype], bucket_bytes, cfg.max_collective_numel,
+        micro_batches, timers, tied,
     )  # fmt: skip
 
 

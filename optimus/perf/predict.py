@@ -11,6 +11,9 @@ first rank of the first, second and last pipeline ranks (the second stands for t
                   layers cost; torch's schedule order for every pipeline rank played out across stages
                   (play_schedule); the step adds what comes before the schedule and after it (the optimizer)
 
+Parameter all-gathers that the step leaves in flight for the next forward (optim.overlap_param_gather) are priced
+as every step after the first meets them: in the next forward (optimus.perf.carried).
+
 Time split: compute, optimizer (its kernels), exposed communication by kind, pipeline bubble. Its parts add up
 to the step time of the rank that ends last. MFU counts the model's FLOPs (optimus.model.flops_per_token, as
 `optimus train` reports it) over the step time and the devices' bf16 peak; HFU adds the forward that activation
@@ -30,8 +33,9 @@ from optimus.config_checks import layout_of
 from optimus.efficiency import strong_efficiency, weak_efficiency
 from optimus.model import count_params_of_config, flops_per_token, moe_layer_ids
 from optimus.parallel.activation_checkpointing import recompute_flops_per_token
-from optimus.parallel.pipeline import stage_layer_ids, stage_sizes
+from optimus.parallel.pipeline import rank_stage_indices, stage_layer_ids, stage_sizes
 from optimus.perf.buckets import BucketAdvice, advice_line, bucket_advice
+from optimus.perf.carried import carried_delay, carried_waits, end_carrying, first_forward, stage_gate
 from optimus.perf.costs import collective_time
 from optimus.perf.machine import MachineModel, fresh_process_context, machine_model, times_operators, with_timed_ops
 from optimus.perf.op_timing import traced_signatures
@@ -98,9 +102,14 @@ def predict_from_traces(
     step replayed, and the wait for the slowest of the world's ranks (optimus.perf.stragglers)."""
     p = cfg.parallel
     if p.pp == 1:
-        stream = Stream(machine, traces[0]["rank"], p.tp).run(traces[0]["events"])
-        stream.drain()
+        events = traces[0]["events"]
+        stream = Stream(machine, traces[0]["rank"], p.tp).run(events)
+        carried = end_carrying(stream, carried_waits(events))
         step, split = stream.t, stream.split
+        if carried:  # the steady state: the next step's forward waits for them (optimus.perf.carried)
+            delay = carried_delay(machine, traces[0]["rank"], p.tp, first_forward(events), carried)
+            step += sum(delay.values())
+            split.update(delay)
     else:
         step, split = _pipeline_step(cfg, world, machine, traces)
     wait = straggler_wait(step, machine.rank_variability, world)
@@ -172,39 +181,83 @@ def _traced_parts(machine, traces, tp, n_stages, layers_of, moe_ids) -> dict[tup
     return parts
 
 
+@dataclass
+class _Stages:
+    """A pipeline's stages as the replay costs them: each stage's layers, and the mean cost of each part (a layer of a
+    kind, the embedding, the head, the rest) of each action type, from the traced actions."""
+
+    n_stages: int
+    moe_ids: set[int]
+    layers_of: list[list[int]]
+    parts: dict[tuple[str, str], _Part]
+
+    @classmethod
+    def of(cls, cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> _Stages:
+        p, m = cfg.parallel, cfg.model
+        n_stages = p.pp * p.pp_virtual
+        moe_ids = set(moe_layer_ids(m))
+        layers_of = stage_layer_ids(stage_sizes(m, n_stages, list(p.pp_layers) if p.pp_layers else None))
+        return cls(n_stages, moe_ids, layers_of, _traced_parts(machine, traces, p.tp, n_stages, layers_of, moe_ids))
+
+    def cost(self, kind: str, stage: int) -> tuple[float, float, Counter]:
+        """(seconds, seconds of async collectives still in flight at its end, split by kind) of a stage's action."""
+        split, in_flight = Counter(), 0.0
+        for part in _stage_parts(stage, self.n_stages, self.layers_of, self.moe_ids):
+            part_split, part_in_flight = self.parts[(kind, part)].mean()
+            split.update(part_split)
+            in_flight += part_in_flight
+        return sum(split.values()), in_flight, split
+
+    def places(self, stage: int) -> list[str]:
+        """The model parts a stage holds, as a trace names them (optimus.perf.step_trace.place_of)."""
+        head = ["head"] if stage == self.n_stages - 1 else []
+        return (["embed"] if stage == 0 else []) + [f"layers.{i}" for i in self.layers_of[stage]] + head
+
+    def forward_offsets(self, stage: int) -> dict[str, float]:
+        """Seconds of a stage's forward before each of its layers starts (the embedding first, then the layers)."""
+        elapsed = sum(self.parts[("F", "embed")].mean()[0].values()) if stage == 0 else 0.0
+        offsets = {}
+        for i in self.layers_of[stage]:
+            offsets[f"layers.{i}"] = elapsed
+            elapsed += sum(self.parts[("F", _place_class(f"layers.{i}", self.moe_ids))].mean()[0].values())
+        return offsets
+
+
 def stage_costs(cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> dict[tuple[str, int], tuple]:
     """Every stage's action of each type (F, B, I, W) as (seconds, seconds of async collectives still in flight
     at its end, split by kind): the sum of its parts' costs from the traced actions."""
-    p, m = cfg.parallel, cfg.model
-    n_stages = p.pp * p.pp_virtual
-    moe_ids = set(moe_layer_ids(m))
-    layers_of = stage_layer_ids(stage_sizes(m, n_stages, list(p.pp_layers) if p.pp_layers else None))
-    parts = _traced_parts(machine, traces, p.tp, n_stages, layers_of, moe_ids)
-    costs = {}
-    for kind in ("F", "B", "I", "W"):
-        for stage in range(n_stages):
-            split, in_flight = Counter(), 0.0
-            for part in _stage_parts(stage, n_stages, layers_of, moe_ids):
-                part_split, part_in_flight = parts[(kind, part)].mean()
-                split.update(part_split)
-                in_flight += part_in_flight
-            costs[(kind, stage)] = (sum(split.values()), in_flight, split)
-    return costs
+    stages = _Stages.of(cfg, machine, traces)
+    return {(kind, s): stages.cost(kind, s) for kind in "FBIW" for s in range(stages.n_stages)}
 
 
 def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
     p = cfg.parallel
-    n_stages = p.pp * p.pp_virtual
-    stage_cost = stage_costs(cfg, machine, traces)
+    stages = _Stages.of(cfg, machine, traces)
+    stage_cost = {(kind, s): stages.cost(kind, s) for kind in "FBIW" for s in range(stages.n_stages)}
 
     # What runs before the schedule (pipeline rank 0's) and after it (each traced rank's own: the optimizer;
-    # a rank not traced has the middle one's), the sends between stages left to `transfer`.
+    # a rank not traced has the middle one's), the sends between stages left to `transfer`. What the step after
+    # leaves in flight for the next forward (optim.overlap_param_gather) holds each stage's first forward
+    # (optimus.perf.carried) and occupies its rank's channel.
     before = Stream(machine, traces[0]["rank"], p.tp).run(split_actions(traces[0]["events"])[0], skip_p2p=True)
     before.drain()
-    after = {}
+    after, carried = {}, {}
     for pp_rank, result in traces.items():
         after[pp_rank] = Stream(machine, result["rank"], p.tp).run(split_actions(result["events"])[2], skip_p2p=True)
-        after[pp_rank].drain()
+        carried[pp_rank] = end_carrying(after[pp_rank], carried_waits(result["events"]))
+
+    def traced_as(pp_rank: int) -> int:
+        return pp_rank if pp_rank in traces else traced_pp_ranks(p.pp)[1]
+
+    gates, channel_busy = {}, {}
+    for pp_rank in range(p.pp):
+        held = carried[traced_as(pp_rank)]
+        if not held:
+            continue
+        channel_busy[pp_rank] = max(0.0, max(c.left for c in held.values()) - before.t)
+        for stage, traced_stage in zip(rank_stage_indices(pp_rank, p.pp, p.pp_virtual),
+                                       rank_stage_indices(traced_as(pp_rank), p.pp, p.pp_virtual)):  # fmt: skip
+            gates[stage] = stage_gate(held, stages.places(traced_stage), stages.forward_offsets(traced_stage), before.t)
 
     def after_of(pp_rank: int) -> Stream:
         return after.get(pp_rank, after[traced_pp_ranks(p.pp)[1]])
@@ -225,13 +278,15 @@ def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
         return collective_time(machine, {"op": "send", "ranks": [ra, rb], "bytes": p2p_bytes}, ra)
 
     order = schedule_order(cfg, traces)
-    played = play_schedule(order, n_stages, lambda kind, stage: stage_cost[(kind, stage)][:2], transfer)
+    played = play_schedule(
+        order, stages.n_stages, lambda kind, stage: stage_cost[(kind, stage)][:2], transfer, gates, channel_busy
+    )
     critical = max(played.end, key=lambda rank: played.end[rank] + after_of(rank).t)  # the rank that ends last
     split = Counter(before.split)
     for kind, stage, _ in order[critical]:
         split.update(stage_cost[(kind, stage)][2])
     split["pipeline_bubble"] += played.bubble(critical)
-    split["data_parallel"] += played.comm_tail[critical]
+    split["data_parallel"] += played.comm_tail[critical] + played.held[critical]
     split.update(after_of(critical).split)
     return before.t + played.end[critical] + after_of(critical).t, split
 

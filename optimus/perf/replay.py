@@ -190,9 +190,11 @@ class PipelineResult:
     end: dict[int, float]  # per pipeline rank: when its last action and its reductions have ended
     busy: dict[int, float]  # per pipeline rank: time spent in its actions
     comm_tail: dict[int, float]  # per pipeline rank: reductions still running after its last action
+    # per pipeline rank: time its first forwards waited for parameters still gathered from the step before
+    held: dict[int, float] = field(default_factory=dict)
 
     def bubble(self, rank: int) -> float:
-        return self.end[rank] - self.comm_tail[rank] - self.busy[rank]
+        return self.end[rank] - self.comm_tail[rank] - self.busy[rank] - self.held.get(rank, 0.0)
 
 
 def play_schedule(
@@ -200,12 +202,17 @@ def play_schedule(
     n_stages: int,
     action_time,  # (type, stage) -> (seconds, seconds of async collectives issued)
     transfer,  # (from_stage, to_stage) -> seconds to send one micro-batch's activations or gradients
+    gates: dict[int, float] | None = None,  # stage -> the earliest its first forward starts (optimus.perf.carried)
+    channel_busy: dict[int, float] | None = None,  # rank -> until when its channel runs what the step before left
 ) -> PipelineResult:
-    """Every rank's actions in its order, each starting once its rank is free and its inputs have arrived."""
+    """Every rank's actions in its order, each starting once its rank is free and its inputs have arrived (a
+    stage's first forward also once its `gates` time has come)."""
     done: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(order, 0.0)
-    channel = dict.fromkeys(order, 0.0)
+    channel = {rank: (channel_busy or {}).get(rank, 0.0) for rank in order}
     busy = dict.fromkeys(order, 0.0)
+    held = dict.fromkeys(order, 0.0)
+    gates = dict(gates or {})  # each stage's gate holds its first forward only
     position = dict.fromkeys(order, 0)
     remaining = sum(len(actions) for actions in order.values())
     while remaining:
@@ -218,6 +225,10 @@ def play_schedule(
                     break
                 seconds, async_seconds = action_time(kind, stage)
                 start = max(free[rank], ready)
+                if kind == "F" and stage in gates:
+                    gate = gates.pop(stage)
+                    held[rank] += max(0.0, gate - start)
+                    start = max(start, gate)
                 free[rank] = start + seconds
                 channel[rank] = max(channel[rank], start) + async_seconds
                 busy[rank] += seconds
@@ -229,7 +240,7 @@ def play_schedule(
             stuck = {r: a[position[r]] for r, a in order.items() if position[r] < len(a)}
             raise ValueError(f"the pipeline schedule cannot proceed: next actions {stuck}")
     end = {r: max(free[r], channel[r]) for r in order}
-    return PipelineResult(end=end, busy=busy, comm_tail={r: end[r] - free[r] for r in order})
+    return PipelineResult(end=end, busy=busy, comm_tail={r: end[r] - free[r] for r in order}, held=held)
 
 
 def _inputs_ready(kind, stage, mb, n_stages, done, transfer) -> float | None:

@@ -125,8 +125,9 @@ def axis_values(axis: str, cfg: OptimusConfig, world: int) -> list[Values]:
         return [{"optim.shard_ranks": s} for s in _shard_groups(cfg, world)]
     if axis == "param_gather":
         return [{"optim.overlap_param_gather": flag} for flag in (False, True)]
-    if axis == "bucket":  # under ZeRO-1 the gradients reduce in step(), not in buckets (zero_bucket_bytes)
-        return [{"optim.bucket_mb": mb} for mb in (BUCKET_MB if cfg.optim.zero == 2 else (cfg.optim.bucket_mb,))]
+    if axis == "bucket":  # ZeRO-1 reduces and gathers in step(), not in buckets, unless the gathers overlap
+        bucketed = cfg.optim.zero == 2 or cfg.optim.overlap_param_gather  # (optim.memory.zero_bucket_bytes)
+        return [{"optim.bucket_mb": mb} for mb in (BUCKET_MB if bucketed else (cfg.optim.bucket_mb,))]
     if axis == "dispatch":
         if not moe or p.ep == 1:
             return [{"parallel.dispatcher": p.dispatcher, "parallel.ep_overlap_chunks": p.ep_overlap_chunks}]

@@ -23,13 +23,17 @@ step the code will run - its recomputation, its optimizer, its loss - rather tha
     {"e": "action", "type": "F" | "B" | "I" | "W", "stage": 2, "mb": 5} ... {"e": "end"}
         one action of a pipeline schedule (forward, full backward, input backward, weight backward of
         micro-batch `mb` on stage `stage`), when `mark_actions` wraps the rank's pipeline stages
+    {"e": "carry", "waits": [[12, ["embed", "layers.0"]], [13, ["layers.1"]], ...]}
+        at the end, where the step leaves async collectives in flight that the next step's forward waits for
+        (the parameter all-gathers of optim.overlap_param_gather: `carry_to_next_forward`): each one's id and
+        the model parts whose parameters it writes
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 import torch
@@ -46,9 +50,11 @@ from optimus.parallel.collective_trace import (
     _record,
     _tensors,
 )
+from optimus.parallel.tensor_parallel import local_tensor
 
-# The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures.
-FORMAT = 2
+# The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures, 3 since
+# a step that leaves its parameter gathers to the next forward says so (a `carry` event).
+FORMAT = 3
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.
@@ -211,6 +217,20 @@ class StepTrace(CollectiveTrace):
             self._ops, self._ops_key = Counter(), key
         self._ops[(kind, flops, moved, fp32, signature)] += 1
         return out
+
+    def carry_to_next_forward(self, named_parameters) -> None:
+        """Record which async collectives still in flight write which parameters (`named_parameters`: (whole-model
+        name, parameter) pairs), as one `carry` event: the collectives the next step's forward waits for, part by
+        part, where the step leaves them in flight (optim.overlap_param_gather). Nothing where none is."""
+        waits: dict[int, set[str]] = defaultdict(set)
+        for name, param in named_parameters:
+            held = local_tensor(param)  # under tensor parallelism, the shard in the flat buffer
+            storage, (start, end) = StorageWeakRef(held.untyped_storage()), _byte_range(held)
+            for (written, first, last), cid in self._pending.items():
+                if written == storage and first < end and start < last:
+                    waits[cid].add(place_of(name.rpartition(".")[0]))
+        if waits:
+            self._emit({"e": "carry", "waits": [[cid, sorted(places)] for cid, places in sorted(waits.items())]})
 
     def finish(self) -> list[dict]:
         """The events, with the last run of operators closed."""

@@ -178,18 +178,28 @@ def test_units_are_blocks_then_the_root_with_the_rest():
     assert {id(p) for p in rest} == {id(stage.norm.weight), id(stage.lm_head.weight)}
 
 
-def test_root_buckets_are_gathered_first():
+def test_root_buckets_are_gathered_first_then_the_blocks_in_forward_order():
     model = new_model()
     ps = build_parallel_state(1)
-    opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=3000), ps, 1.0, "none")
+    opt = ShardedAdamW(model, OptimConfig(zero=1, max_collective_numel=1000), ps, 1.0, "none")
     where = buckets_of_params(opt.sharder)
     dense = opt.sharder.groups["dense"]
-    assert len(dense.flat.buckets) > 4
+    assert len(dense.flat.buckets) > 10  # some hold only a block's parameters
     opt.overlap_param_gather([model])
     root_params = [model.embed.weight, model.norm.weight, model.lm_head.weight]
     root_buckets = sorted({bi for p in root_params for kind, bi in where[id(p)] if kind == "dense"})
     assert dense.gather_order[: len(root_buckets)] == root_buckets
     assert sorted(dense.gather_order) == list(range(len(dense.flat.buckets)))
+    # Then each block's buckets as the forward reaches the block: the first block that needs a bucket never
+    # decreases along the order (the buffer holds the parameters in reverse model order, so buffer order would).
+    first_block = {}
+    for i, block in enumerate(model.layers.values()):
+        for p in block.parameters():
+            for kind, bi in where[id(p)]:
+                if kind == "dense":
+                    first_block.setdefault(bi, i)
+    blocks_order = [first_block[bi] for bi in dense.gather_order[len(root_buckets) :] if bi in first_block]
+    assert blocks_order == sorted(blocks_order) and len(set(blocks_order)) > 1
     opt.overlap_param_gather([model])  # again: the new hooks replace the old ones
     assert len(model._forward_pre_hooks) == 1
     assert all(len(block._forward_pre_hooks) == 1 for block in model.layers.values())

@@ -138,12 +138,14 @@ def test_a_fixed_key_leaves_its_axis_the_values_that_keep_it():
     assert schedules == {("1f1b", 1), ("interleaved_1f1b", 2)} and all(v.values["parallel.pp"] == 2 for v in two.visits)
 
 
-def test_bucket_sizes_are_tried_under_zero_2_only():
-    # ZeRO-1 reduces the gradients in the step, whatever optim.bucket_mb says (optim.memory.zero_bucket_bytes).
+def test_bucket_sizes_are_tried_where_the_step_has_buckets():
+    # ZeRO-1 reduces and gathers in the step, whatever optim.bucket_mb says, unless its gathers overlap the next
+    # forward (optim.memory.zero_bucket_bytes).
     cfg = load_config(ARGS)
     assert axis_values("bucket", with_values(cfg, {"optim.zero": 1}), WORLD) == [{"optim.bucket_mb": 32.0}]
-    under_zero2 = axis_values("bucket", with_values(cfg, {"optim.zero": 2}), WORLD)
-    assert [v["optim.bucket_mb"] for v in under_zero2] == [32.0, 128.0, 512.0]
+    for bucketed in ({"optim.zero": 2}, {"optim.zero": 1, "optim.overlap_param_gather": True}):
+        values = axis_values("bucket", with_values(cfg, bucketed), WORLD)
+        assert [v["optim.bucket_mb"] for v in values] == [32.0, 128.0, 512.0]
 
 
 def advising_prediction(cfg) -> dict:
