@@ -208,6 +208,10 @@ class _Stages:
             in_flight += part_in_flight
         return sum(split.values()), in_flight, split
 
+    def costs(self) -> dict[tuple[str, int], tuple[float, float, Counter]]:
+        """`cost` of every stage's action of each type (F, B, I, W)."""
+        return {(kind, s): self.cost(kind, s) for kind in "FBIW" for s in range(self.n_stages)}
+
     def places(self, stage: int) -> list[str]:
         """The model parts a stage holds, as a trace names them (optimus.perf.step_trace.place_of)."""
         head = ["head"] if stage == self.n_stages - 1 else []
@@ -226,14 +230,13 @@ class _Stages:
 def stage_costs(cfg: OptimusConfig, machine: MachineModel, traces: dict[int, dict]) -> dict[tuple[str, int], tuple]:
     """Every stage's action of each type (F, B, I, W) as (seconds, seconds of async collectives still in flight
     at its end, split by kind): the sum of its parts' costs from the traced actions."""
-    stages = _Stages.of(cfg, machine, traces)
-    return {(kind, s): stages.cost(kind, s) for kind in "FBIW" for s in range(stages.n_stages)}
+    return _Stages.of(cfg, machine, traces).costs()
 
 
 def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
     p = cfg.parallel
     stages = _Stages.of(cfg, machine, traces)
-    stage_cost = {(kind, s): stages.cost(kind, s) for kind in "FBIW" for s in range(stages.n_stages)}
+    stage_cost = stages.costs()
 
     # What runs before the schedule (pipeline rank 0's) and after it (each traced rank's own: the optimizer;
     # a rank not traced has the middle one's), the sends between stages left to `transfer`. What the step after
@@ -260,7 +263,7 @@ def _pipeline_step(cfg, world, machine, traces) -> tuple[float, Counter]:
             gates[stage] = stage_gate(held, stages.places(traced_stage), stages.forward_offsets(traced_stage), before.t)
 
     def after_of(pp_rank: int) -> Stream:
-        return after.get(pp_rank, after[traced_pp_ranks(p.pp)[1]])
+        return after[traced_as(pp_rank)]
 
     sends = [
         e["call"]["bytes"]
