@@ -75,8 +75,10 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
     moved = _nbytes(inputs) + _nbytes(_tensors([out]))
     fp32 = any(t.dtype == torch.float32 for t in inputs)
     if _ATTENTION.search(name):
+        # The query's dtype is the products'. A backward also reads the forward's logsumexp, which is fp32 for
+        # bf16 attention too: it does not make the kernel an fp32 one.
         q, k, causal = _attention_args(func, args, kwargs)
-        return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, fp32
+        return "attn", attention_flops(q, k, causal, name.endswith("_backward")), moved, q.dtype == torch.float32
     packet = func._overloadpacket
     if packet in flop_registry:
         compute = _named_arguments(func, args, kwargs).get("dtype")  # an operator that casts to its compute dtype

@@ -53,8 +53,9 @@ from optimus.parallel.collective_trace import (
 from optimus.parallel.tensor_parallel import local_tensor
 
 # The version of `.events`' layout, for caches of traces: 2 since each run of operators carries signatures, 3 since
-# a step that leaves its parameter gathers to the next forward says so (a `carry` event).
-FORMAT = 3
+# a step that leaves its parameter gathers to the next forward says so (a `carry` event), 4 since a bf16 attention's
+# backward is no fp32 product (optimus.operators.op_cost).
+FORMAT = 4
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.

@@ -123,3 +123,17 @@ def test_a_profiler_range_is_no_kernel():
     assert not launches_kernel(torch.ops.profiler._record_function_enter_new.default)
     assert not launches_kernel(torch.ops.profiler._record_function_exit._RecordFunction)
     assert launches_kernel(torch.ops.aten.mul.Tensor)
+
+
+def test_a_bf16_attention_backward_is_priced_in_bf16():
+    """The backward of a bf16 attention kernel reads the forward's fp32 logsumexp; its products are still bf16,
+    so the trace marks it as no fp32 product (priced at the bf16 peak, as its forward is), and an fp32
+    attention as one."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 2, 8, 4, dtype=dtype, requires_grad=True)  # [B, H, S, D]
+        trace = StepTrace()
+        with trace:
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        attention = [op for e in trace.finish() if e["e"] == "ops" for op in e["ops"] if op[0] == "attn"]
+        flops = [attention_flops(q, q, True, backward) for backward in (False, True)]
+        assert [(op[1], op[3]) for op in attention] == [(f, dtype == torch.float32) for f in flops]
