@@ -9,7 +9,7 @@ so the replay prices the steady state:
 
 - the step ends when its own work is done, the carried gathers still running (`Carried.left` seconds more);
 - its forward (one stage: the first micro-batch's; a pipeline: each stage's first) waits for each gather before the
-  part that reads what it writes, with those gathers ahead of the forward's own collectives on the channel.
+  part that reads what it writes, with those gathers ahead of the forward's own collectives on their channels.
 
 What that costs the step is what the next step's forward loses to them; the steady state's step pays it once.
 """
@@ -31,6 +31,7 @@ class Carried:
     kind: str  # its split kind (optimus.perf.replay.comm_kind: data_parallel for a parameter gather)
     place: str  # where it was issued (the optimizer)
     places: list[str]  # the model parts whose parameters it writes: each one's forward waits for it
+    channel: str  # the channel it holds (optimus.perf.replay.channel_of)
 
 
 def carried_waits(events: list[dict]) -> dict[int, list[str]]:
@@ -46,7 +47,10 @@ def end_carrying(stream: Stream, waits: dict[int, list[str]]) -> dict[int, Carri
     the stream waits for every other one in flight; those, with the seconds each still runs after its end."""
     held = {cid: stream.pending.pop(cid) for cid in waits if cid in stream.pending}
     stream.drain()
-    return {cid: Carried(max(0.0, end - stream.t), kind, place, waits[cid]) for cid, (end, kind, place) in held.items()}
+    return {
+        cid: Carried(max(0.0, end - stream.t), kind, place, waits[cid], stream.async_cost[cid][2])
+        for cid, (end, kind, place) in held.items()
+    }
 
 
 def _waits_at_start(carried: Carried) -> bool:
@@ -81,10 +85,13 @@ def carried_delay(
     machine: MachineModel, rank: int, tp: int, forward: list[dict], carried: dict[int, Carried]
 ) -> Counter:
     """What the carried collectives add to a one-stage step's first forward (`forward`), by split kind: its replay
-    with them in flight from its start (ahead of its own collectives on the channel) less its replay without."""
+    with them in flight from its start (ahead of its own collectives on their channels) less its replay without."""
     alone = Stream(machine, rank, tp).run(forward)
     alone.drain()
-    waiting = Stream(machine, rank, tp, comm_free=max(c.left for c in carried.values()))
+    busy: dict[str, float] = {}
+    for c in carried.values():
+        busy[c.channel] = max(busy.get(c.channel, 0.0), c.left)
+    waiting = Stream(machine, rank, tp, comm_free=busy)
     waiting.pending = {cid: (c.left, c.kind, c.place) for cid, c in carried.items()}
     waiting.run(with_carried_waits(forward, carried))
     waiting.drain()

@@ -2,9 +2,17 @@
 
 `Stream` replays events as the device runs them: operators one after another on a compute stream; a
 collective the code waits for where it is issued (synchronous) blocks the stream until it ends; an
-asynchronous one runs on the communication channel (one collective at a time, in issue order) while the
-stream goes on, and blocks the stream only at the trace's `wait` for it (the first operator that reads what
-it wrote), or at the end of the step. Time the stream spends blocked is exposed communication, by kind.
+asynchronous one runs on a communication channel while the stream goes on, and blocks the stream only at
+the trace's `wait` for it (the first operator that reads what it wrote), or at the end of the step. Time the
+stream spends blocked is exposed communication, by kind.
+
+A channel runs one collective at a time, in issue order. A GPU library (NCCL, RCCL, oneCCL) runs each process
+group's collectives on the group's own stream, so collectives of different groups run at once unless they
+share links: the replay gives each link class (optimus.perf.costs.group_link: the slowest link a group spans)
+a channel of its own, so that an expert all-to-all inside a node runs beside a data-parallel reduction across
+nodes, and two collectives that cross the network queue one behind the other (what two at once would take
+sharing the NICs). On a CPU (gloo, the `ring` library) the collectives run on the cores the operators run on,
+and the replay keeps one channel for all of them.
 
 `play_schedule` runs every pipeline rank's actions in the order its schedule lists them (torch's own
 `pipeline_order`): an action starts when its rank is free and its inputs have arrived - a forward after the
@@ -20,7 +28,7 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from optimus.perf.costs import collective_time, ops_time
+from optimus.perf.costs import collective_time, group_link, ops_time
 from optimus.perf.machine import MachineModel
 from optimus.perf.step_trace import phase_module, place_of_phase
 
@@ -45,18 +53,29 @@ def comm_kind(call: dict, tp: int) -> str:
     return "data_parallel"
 
 
+ONE_CHANNEL = "all"  # the channel of every collective on a machine whose library runs one at a time (gloo)
+
+
+def channel_of(machine: MachineModel, call: dict) -> str:
+    """The communication channel a collective queues on: its group's slowest link class where the machine's
+    library runs each group on a stream of its own (a GPU's), one channel for every collective on a CPU's."""
+    if machine.library == "ring":
+        return ONE_CHANNEL
+    return group_link(machine, call["ranks"])
+
+
 @dataclass
 class Stream:
-    """One rank's compute stream and communication channel (times in seconds from the stream's start)."""
+    """One rank's compute stream and communication channels (times in seconds from the stream's start)."""
 
     machine: MachineModel
     rank: int
     tp: int = 1
     t: float = 0.0
-    comm_free: float = 0.0
+    comm_free: dict = field(default_factory=dict)  # channel (channel_of) -> when its last collective ends
     split: Counter = field(default_factory=Counter)  # compute / optimizer / exposed comm by kind
     place_split: Counter = field(default_factory=Counter)  # stream time by (model part, split kind)
-    async_cost: dict = field(default_factory=dict)  # async collective id -> (its seconds, model part)
+    async_cost: dict = field(default_factory=dict)  # async collective id -> (its seconds, model part, channel)
     pending: dict = field(default_factory=dict)  # async collective id -> (end, kind, place)
 
     def _block_until(self, end: float, kind: str, place: str) -> None:
@@ -79,11 +98,12 @@ class Stream:
                     continue
                 cost = collective_time(self.machine, call, self.rank)
                 kind, place = comm_kind(call, self.tp), place_of_phase(call["phase"])
-                end = max(self.t, self.comm_free) + cost
-                self.comm_free = end
+                channel = channel_of(self.machine, call)
+                end = max(self.t, self.comm_free.get(channel, 0.0)) + cost
+                self.comm_free[channel] = end
                 if e["async"]:
                     self.pending[e["id"]] = (end, kind, place)
-                    self.async_cost[e["id"]] = (cost, place)
+                    self.async_cost[e["id"]] = (cost, place, channel)
                 else:
                     self._block_until(end, kind, place)
             elif e["e"] == "wait" and e["id"] in self.pending:
@@ -94,7 +114,7 @@ class Stream:
         """Channel seconds of the async collectives not yet waited for, by model part."""
         out = Counter()
         for cid in self.pending:
-            cost, place = self.async_cost[cid]
+            cost, place, _ = self.async_cost[cid]
             out[place] += cost
         return out
 

@@ -61,7 +61,7 @@ def test_the_next_forward_waits_for_each_gather_before_the_part_that_reads_it():
     assert dict(delay) == pytest.approx({"data_parallel": 4.5 * MS})
     # A gather that writes only a layer's parameters is waited for at that layer: with both on layer 1 alone, the
     # forward runs its first 3 ms while they travel and waits 4.5 ms before layer 1.
-    late = {cid: Carried(c.left, c.kind, c.place, ["layers.1"]) for cid, c in carried.items()}
+    late = {cid: Carried(c.left, c.kind, c.place, ["layers.1"], c.channel) for cid, c in carried.items()}
     assert dict(carried_delay(hand_machine(), 0, 1, first_forward(events), late)) == pytest.approx(
         {"data_parallel": 4.5 * MS}
     )
@@ -75,8 +75,8 @@ def test_a_stage_gate_is_the_latest_landing_less_the_forward_before_its_part():
     # Gathers landing 5 ms (the embedding and layer 0) and 8 ms (layer 1) after the step before, 0.5 ms of work
     # before the schedule, layer 1 starting 3 ms into the stage's forward: the forward must start by
     # max(5 - 0.5 - 0, 8 - 0.5 - 3) = 4.5 ms. A stage that holds none of their parts is not held.
-    carried = {1: Carried(5.0, "data_parallel", "optimizer", ["embed", "layers.0"]),
-               2: Carried(8.0, "data_parallel", "optimizer", ["layers.1"])}  # fmt: skip
+    carried = {1: Carried(5.0, "data_parallel", "optimizer", ["embed", "layers.0"], "network"),
+               2: Carried(8.0, "data_parallel", "optimizer", ["layers.1"], "network")}  # fmt: skip
     offsets = {"layers.0": 1.0, "layers.1": 3.0}
     assert stage_gate(carried, ["embed", "layers.0", "layers.1"], offsets, 0.5) == pytest.approx(4.5)
     assert stage_gate(carried, ["layers.2", "head"], {"layers.2": 0.0}, 0.5) == 0.0

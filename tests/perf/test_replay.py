@@ -89,10 +89,34 @@ def test_overlapped_reduce_scatter():
     stream = Stream(m, rank=0).run(exposed)
     assert stream.drain() == pytest.approx(2.5)
     assert stream.split["data_parallel"] == pytest.approx(0.5)
-    # Synchronous, it blocks the stream for all of it; two async ones queue on the one channel.
+    # Synchronous, it blocks the stream for all of it; two async ones of one group queue on its channel.
     assert Stream(m, 0).run([_ops(1.0), _reduce_scatter(0, 0.5, False), _ops(1.0)]).drain() == pytest.approx(2.5)
     queued = [_reduce_scatter(0, 1.0, True), _reduce_scatter(1, 1.0, True), _ops(1.5), {"e": "wait", "id": 1}]
     assert Stream(m, 0).run(queued).drain() == pytest.approx(2.0)
+
+
+def test_a_gpu_librarys_collectives_queue_by_link_class():
+    # NCCL runs each group on a stream of its own: a reduce-scatter across nodes (ranks 0 and 4) in flight does not
+    # hold an all-reduce inside the node (ranks 0 and 2), which starts at once; a second collective across nodes
+    # queues behind the first. gloo (the `ring` library) runs one at a time: the all-reduce waits for the
+    # reduce-scatter. Costs from collective_time; what is checked is how the replay composes them.
+    across = {"op": "reduce_scatter", "ranks": [0, 4], "bytes": 10**9, "phase": "backward", "dtype": "float32"}
+    inside = {"op": "all_reduce", "ranks": [0, 2], "bytes": 10**8, "phase": "forward layers.0", "dtype": "bfloat16"}
+    gather = {"op": "all_gather", "ranks": [0, 4], "bytes": 10**8, "phase": "optimizer", "dtype": "bfloat16"}
+    events = [{"e": "comm", "id": 1, "async": True, "call": across}, {"e": "comm", "id": 2, "async": False,
+              "call": inside}, _ops(0.01), {"e": "wait", "id": 1}, {"e": "comm", "id": 3, "async": True,
+              "call": gather}]  # fmt: skip
+    for library in ("nccl", "ring"):
+        m = machine(library=library)
+        rs, ar, ag = (collective_time(m, call, 0) for call in (across, inside, gather))
+        assert rs > ar + 0.01  # the reduce-scatter outlasts the all-reduce and the operators
+        stream = Stream(m, 0).run(events)
+        if library == "nccl":  # the all-reduce from 0; the wait at the reduce-scatter's end; then the gather
+            assert stream.split["data_parallel"] == pytest.approx(ar + rs - (ar + 0.01))
+            assert stream.drain() == pytest.approx(rs + ag)
+        else:  # the all-reduce after the reduce-scatter: the stream then waits for nothing more
+            assert stream.split["tensor_parallel"] + stream.split["data_parallel"] == pytest.approx(rs + ar)
+            assert stream.drain() == pytest.approx(rs + ar + 0.01 + ag)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
