@@ -96,27 +96,28 @@ def test_overlapped_reduce_scatter():
 
 
 def test_a_gpu_librarys_collectives_queue_by_link_class():
-    # NCCL runs each group on a stream of its own: a reduce-scatter across nodes (ranks 0 and 4) in flight does not
-    # hold an all-reduce inside the node (ranks 0 and 2), which starts at once; a second collective across nodes
-    # queues behind the first. gloo (the `ring` library) runs one at a time: the all-reduce waits for the
-    # reduce-scatter. Costs from collective_time; what is checked is how the replay composes them.
+    # NCCL runs each group on a stream of its own. A reduce-scatter across nodes (ranks 0 and 4) and then an
+    # all-gather across nodes are issued asynchronously: the gather queues behind the reduce-scatter on the
+    # network's channel. A synchronous all-reduce inside the node (ranks 0 and 2) starts at once beside them. gloo
+    # (the `ring` library) runs one collective at a time: the all-reduce waits for both. Each cost is
+    # collective_time's; what is checked is how the replay composes them.
     across = {"op": "reduce_scatter", "ranks": [0, 4], "bytes": 10**9, "phase": "backward", "dtype": "float32"}
-    inside = {"op": "all_reduce", "ranks": [0, 2], "bytes": 10**8, "phase": "forward layers.0", "dtype": "bfloat16"}
     gather = {"op": "all_gather", "ranks": [0, 4], "bytes": 10**8, "phase": "optimizer", "dtype": "bfloat16"}
-    events = [{"e": "comm", "id": 1, "async": True, "call": across}, {"e": "comm", "id": 2, "async": False,
-              "call": inside}, _ops(0.01), {"e": "wait", "id": 1}, {"e": "comm", "id": 3, "async": True,
-              "call": gather}]  # fmt: skip
+    inside = {"op": "all_reduce", "ranks": [0, 2], "bytes": 10**8, "phase": "forward layers.0", "dtype": "bfloat16"}
+    events = [{"e": "comm", "id": 1, "async": True, "call": across}, {"e": "comm", "id": 2, "async": True,
+              "call": gather}, {"e": "comm", "id": 3, "async": False, "call": inside}, _ops(0.01),
+              {"e": "wait", "id": 1}, {"e": "wait", "id": 2}]  # fmt: skip
     for library in ("nccl", "ring"):
         m = machine(library=library)
-        rs, ar, ag = (collective_time(m, call, 0) for call in (across, inside, gather))
+        rs, ag, ar = (collective_time(m, call, 0) for call in (across, gather, inside))
         assert rs > ar + 0.01  # the reduce-scatter outlasts the all-reduce and the operators
         stream = Stream(m, 0).run(events)
-        if library == "nccl":  # the all-reduce from 0; the wait at the reduce-scatter's end; then the gather
-            assert stream.split["data_parallel"] == pytest.approx(ar + rs - (ar + 0.01))
-            assert stream.drain() == pytest.approx(rs + ag)
-        else:  # the all-reduce after the reduce-scatter: the stream then waits for nothing more
-            assert stream.split["tensor_parallel"] + stream.split["data_parallel"] == pytest.approx(rs + ar)
-            assert stream.drain() == pytest.approx(rs + ar + 0.01 + ag)
+        if library == "nccl":  # the all-reduce and the operators end at ar + 0.01; the gather at rs + ag
+            assert stream.t == pytest.approx(rs + ag)
+            assert stream.split["data_parallel"] == pytest.approx(rs + ag - 0.01)
+        else:  # the all-reduce starts when the gather ends; nothing is left to wait for after the operators
+            assert stream.t == pytest.approx(rs + ag + ar + 0.01)
+            assert stream.split["data_parallel"] == pytest.approx(rs + ag + ar)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
