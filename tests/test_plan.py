@@ -310,6 +310,10 @@ def test_plan_cli(capsys):
     assert "layout: world 4 = PP 1 x DP 2 x TP 2 with sequence parallelism\n" in capsys.readouterr().out
     assert main(["plan", *TINY_MODEL, "--nodes", "2"]) == 2  # machine=local has no ranks_per_node
     assert "--world" in capsys.readouterr().err
+    # A layout that does not divide parallel.nproc, with neither --nodes nor --world: the refusal names both.
+    assert main(["plan", *TINY_MODEL, "parallel.pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 does not divide the world size 1" in err and "--nodes N or --world N" in err
     with pytest.raises(ConfigError, match="parallel.ep"):
         make_plan(load_config([*TINY_MODEL, "parallel.ep=3", "train.micro_batch=1", "train.global_batch=6"]), 6)
 

@@ -172,9 +172,26 @@ def world_size(cfg: OptimusConfig, nodes: list[int] | int | None, world: int | N
                 "pass --world instead of --nodes, or set machine.ranks_per_node."
             )
         return nodes * cfg.machine.ranks_per_node
-    if world is not None and world < 1:
-        raise ConfigError(f"--world {world} must be at least 1.")
-    return world if world is not None else cfg.parallel.nproc
+    if world is not None:
+        if world < 1:
+            raise ConfigError(f"--world {world} must be at least 1.")
+        return world
+    _check_default_world(cfg)
+    return cfg.parallel.nproc
+
+
+def _check_default_world(cfg: OptimusConfig) -> None:
+    """Without --nodes or --world a plan is of parallel.nproc ranks: a cluster recipe's layout does not divide that,
+    and the refusal says which option names the size."""
+    from optimus.config_checks import layout_of
+
+    try:
+        layout_of(cfg, cfg.parallel.nproc)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{str(err).rstrip('.')} (with neither --nodes nor --world the world is parallel.nproc="
+            f"{cfg.parallel.nproc}: name the layout's size with --nodes N or --world N)."
+        ) from None
 
 
 def _plan(opts: argparse.Namespace) -> int:
