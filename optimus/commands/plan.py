@@ -188,10 +188,8 @@ def _check_default_world(cfg: OptimusConfig) -> None:
     try:
         layout_of(cfg, cfg.parallel.nproc)
     except ConfigError as err:
-        raise ConfigError(
-            f"{str(err).rstrip('.')} (with neither --nodes nor --world the world is parallel.nproc="
-            f"{cfg.parallel.nproc}: name the layout's size with --nodes N or --world N)."
-        ) from None
+        why = f"with neither --nodes nor --world the world is parallel.nproc={cfg.parallel.nproc}"
+        raise _size_refusal(err, why) from None
 
 
 def _plan(opts: argparse.Namespace) -> int:
@@ -388,10 +386,13 @@ def _check_step_layout(cfg: OptimusConfig, world: int, given: bool) -> None:
 def _layout_refusal(err: ConfigError, world: int, given: bool) -> ConfigError:
     if given:
         return err
-    return ConfigError(
-        f"{str(err).rstrip('.')} (--calibrate times the operators of the recipe's step, by default at this "
-        f"node's {world} processes: name the layout's size with --nodes N or --world N)."
-    )
+    why = f"--calibrate times the operators of the recipe's step, by default at this node's {world} processes"
+    return _size_refusal(err, why)
+
+
+def _size_refusal(err: ConfigError, why: str) -> ConfigError:
+    """A layout refused at a world the user did not name: the refusal, why that world, and the options naming one."""
+    return ConfigError(f"{str(err).rstrip('.')} ({why}: name the layout's size with --nodes N or --world N).")
 
 
 def _step_operators(cfg: OptimusConfig, world: int, given: bool, progress: bool) -> tuple[list[str], str] | None:

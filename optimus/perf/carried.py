@@ -48,7 +48,7 @@ def end_carrying(stream: Stream, waits: dict[int, list[str]]) -> dict[int, Carri
     held = {cid: stream.pending.pop(cid) for cid in waits if cid in stream.pending}
     stream.drain()
     return {
-        cid: Carried(max(0.0, end - stream.t), kind, place, waits[cid], stream.async_cost[cid][2])
+        cid: Carried(max(0.0, end - stream.t), kind, place, waits[cid], stream.async_cost[cid].channel)
         for cid, (end, kind, place) in held.items()
     }
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from optimus.perf.costs import collective_time, group_link, ops_time
 from optimus.perf.machine import MachineModel
@@ -64,6 +65,14 @@ def channel_of(machine: MachineModel, call: dict) -> str:
     return group_link(machine, call["ranks"])
 
 
+class AsyncCost(NamedTuple):
+    """An async collective as issued: its seconds on its channel, the model part it is of, and the channel."""
+
+    seconds: float
+    place: str
+    channel: str
+
+
 @dataclass
 class Stream:
     """One rank's compute stream and communication channels (times in seconds from the stream's start)."""
@@ -75,7 +84,7 @@ class Stream:
     comm_free: dict = field(default_factory=dict)  # channel (channel_of) -> when its last collective ends
     split: Counter = field(default_factory=Counter)  # compute / optimizer / exposed comm by kind
     place_split: Counter = field(default_factory=Counter)  # stream time by (model part, split kind)
-    async_cost: dict = field(default_factory=dict)  # async collective id -> (its seconds, model part, channel)
+    async_cost: dict = field(default_factory=dict)  # async collective id -> AsyncCost
     pending: dict = field(default_factory=dict)  # async collective id -> (end, kind, place)
 
     def _block_until(self, end: float, kind: str, place: str) -> None:
@@ -103,7 +112,7 @@ class Stream:
                 self.comm_free[channel] = end
                 if e["async"]:
                     self.pending[e["id"]] = (end, kind, place)
-                    self.async_cost[e["id"]] = (cost, place, channel)
+                    self.async_cost[e["id"]] = AsyncCost(cost, place, channel)
                 else:
                     self._block_until(end, kind, place)
             elif e["e"] == "wait" and e["id"] in self.pending:
@@ -114,8 +123,8 @@ class Stream:
         """Channel seconds of the async collectives not yet waited for, by model part."""
         out = Counter()
         for cid in self.pending:
-            cost, place, _ = self.async_cost[cid]
-            out[place] += cost
+            issued = self.async_cost[cid]
+            out[issued.place] += issued.seconds
         return out
 
     def drain(self) -> float:
