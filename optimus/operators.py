@@ -72,8 +72,12 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
     if not launches_kernel(func):
         return "view", 0, 0, False
     inputs = _tensors(list(args) + list(kwargs.values()))
-    moved = _nbytes(inputs) + _nbytes(_tensors([out]))
-    fp32 = any(t.dtype == torch.float32 for t in inputs)
+    written, returned = _written(func, args, kwargs), _tensors([out])
+    # An operator that writes an argument in place and returns nothing (a custom operator's mutated argument)
+    # reads and writes it, as an in-place aten operator, which returns its `self`, is counted.
+    moved = _nbytes(inputs) + _nbytes(returned if returned else written)
+    # What an operator writes (an fp32 sum it adds a product into) does not make its products fp32 ones.
+    fp32 = any(t.dtype == torch.float32 for t in inputs if not any(t is w for w in written))
     if _ATTENTION.search(name):
         # The query's dtype is the products'. A backward also reads the forward's logsumexp, which is fp32 for
         # bf16 attention too: it does not make the kernel an fp32 one.
@@ -88,6 +92,13 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
         a, b = inputs[0], inputs[1]
         return "mm", 2 * a.shape[0] * a.shape[-1] * b.shape[-1], moved, fp32
     return "mem", 0, moved, False
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an operator writes in place (its schema marks them `Tensor(a!)`)."""
+    named = _named_arguments(func, args, kwargs)
+    marked = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return _tensors([named.get(name) for name in marked])
 
 
 def operator_name(func) -> str:

@@ -3,7 +3,8 @@
 Each differentiable operation is a `torch.library.custom_op` with a fake implementation (its outputs' shapes,
 dtypes and strides from its inputs' alone) and a registered backward built from further custom operators. So
 the path runs on fake tensors (`FakeTensorMode`, a dry run), forward and backward, and torch.compile can trace
-it without looking inside a kernel.
+it without looking inside a kernel. A weight whose optimizer offers an fp32 gradient sink (optimus.kernels.grad_sink)
+has its gradient added there by the weight-gradient kernel itself.
 
 Imported only when the triton backend is chosen (it imports triton). Everything runs in the compute dtype
 (autocast dtype under autocast, else the input's dtype) with fp32 accumulation; weight gradients come back in
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from optimus.kernels import grad_sink
 from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
@@ -89,6 +91,28 @@ def _grouped_wgrad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, dtype: torch.d
 @_grouped_wgrad.register_fake
 def _(x_AM, g_AN, offsets_E, dtype):
     return x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=dtype)
+
+
+@torch.library.custom_op("optimus::triton_grouped_wgrad_into", mutates_args=("sum_EMN",))
+def _grouped_wgrad_into(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, sum_EMN: Tensor) -> None:
+    """sum[e] += x[rows of e]^T @ g[rows of e] in fp32, in place (a weight's gradient sink: grad_sink)."""
+    tk.grouped_wgrad_into(x_AM, g_AN, offsets_E, sum_EMN)
+
+
+@_grouped_wgrad_into.register_fake
+def _(x_AM, g_AN, offsets_E, sum_EMN):
+    return None
+
+
+def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor, sink: Tensor | None) -> Tensor:
+    """A grouped weight's gradient, returned in the weight's dtype; or, where the optimizer offers a sink
+    (grad_sink.sink_of, read when the forward ran), added there, with an uninitialised tensor returned in its
+    place for the optimizer's hook to drop (grad_sink.mark_added)."""
+    if sink is None:
+        return _grouped_wgrad(x_AM, g_AN, offsets_E, w_EMN.dtype)
+    _grouped_wgrad_into(x_AM, g_AN, offsets_E, sink)
+    grad_sink.mark_added(w_EMN)
+    return torch.empty_like(w_EMN)
 
 
 # ---- the differentiable operators ----
@@ -171,6 +195,8 @@ def _swiglu_mlp_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero gradients for h13 and h, which nothing downstream uses
     ctx.save_for_backward(x_AD, w13_EDF2, w2_EFD, offsets_E, h13_AF2, h_AF)
     ctx.dtype = dtype
+    ctx.sinks = (grad_sink.sink_of(w13_EDF2), grad_sink.sink_of(w2_EFD))
+    ctx.weights = (w13_EDF2, w2_EFD)  # the parameter objects, which a sink's use marks
 
 
 def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
@@ -181,9 +207,9 @@ def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
     if ctx.needs_input_grad[0]:
         dx_AD = _grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, ctx.dtype).to(x_AD.dtype)
     if ctx.needs_input_grad[1]:
-        dw13 = _grouped_wgrad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, w13_EDF2.dtype)  # [E, D, 2F]
+        dw13 = _weight_grad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, ctx.weights[0], ctx.sinks[0])  # [E, D, 2F]
     if ctx.needs_input_grad[2]:
-        dw2 = _grouped_wgrad(h_AF, dy_c, offsets_E, w2_EFD.dtype)  # [E, F, D]
+        dw2 = _weight_grad(h_AF, dy_c, offsets_E, ctx.weights[1], ctx.sinks[1])  # [E, F, D]
     return dx_AD, dw13, dw2, None, None
 
 
@@ -205,6 +231,8 @@ def _grouped_mm_setup(ctx, inputs, output):
     x_AK, w_EKN, offsets_E, dtype = inputs
     ctx.save_for_backward(x_AK, w_EKN, offsets_E)
     ctx.dtype = dtype
+    ctx.sink = grad_sink.sink_of(w_EKN)
+    ctx.weight = w_EKN  # the parameter object, which a sink's use marks
 
 
 def _grouped_mm_backward(ctx, dy_AN):
@@ -214,7 +242,7 @@ def _grouped_mm_backward(ctx, dy_AN):
     if ctx.needs_input_grad[0]:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
         dx = _grouped_mm(dy_c, w_EKN.transpose(1, 2), offsets_E, ctx.dtype).to(x_AK.dtype)
     if ctx.needs_input_grad[1]:
-        dw = _grouped_wgrad(x_AK.to(ctx.dtype), dy_c, offsets_E, w_EKN.dtype)
+        dw = _weight_grad(x_AK.to(ctx.dtype), dy_c, offsets_E, ctx.weight, ctx.sink)
     return dx, dw, None, None
 
 
@@ -278,6 +306,6 @@ def _grouped_mm_flops(x_shape, w_shape, offsets_shape, dtype, out_shape=None) ->
     return 2 * x_shape[0] * x_shape[1] * w_shape[2]
 
 
-@register_flop_formula(torch.ops.optimus.triton_grouped_wgrad)
-def _grouped_wgrad_flops(x_shape, g_shape, offsets_shape, dtype, out_shape=None) -> int:
+@register_flop_formula([torch.ops.optimus.triton_grouped_wgrad, torch.ops.optimus.triton_grouped_wgrad_into])
+def _grouped_wgrad_flops(x_shape, g_shape, offsets_shape, *_, out_shape=None) -> int:
     return 2 * x_shape[0] * x_shape[1] * g_shape[1]

@@ -9,7 +9,7 @@ Kernels:
   _grouped_gemm_kernel    y[rows of e] = x[rows of e] @ w[e]   (forward and input grad; any strides)
   _swiglu_fwd_kernel      h13 = x @ w13[e]; h = silu(gate) * up, fused in the epilogue
   _swiglu_bwd_kernel      dh = dy @ w2[e]^T, then d gate / d up from h13, fused in the epilogue
-  _grouped_wgrad_kernel   dw[e] = x[rows of e]^T @ g[rows of e]
+  _grouped_wgrad_kernel   dw[e] = x[rows of e]^T @ g[rows of e]   (or dw[e] += ..., into an fp32 buffer)
   _gather_rows_kernel     out[a] = src[idx[a]]                       (permute)
   _segment_sum_kernel     out[t] = sum_{a of t} w[a] * src[a]        (combine, permute backward)
   _combine_bwd_kernel     dy[a] = w[a] * dout[t(a)], dw[a] = <dout[t(a)], y[a]>
@@ -197,14 +197,18 @@ def _swiglu_bwd_kernel(
         tl.store(dh13_ptr + offs + F, d_up.to(out_ty), mask=mask)
 
 
-@triton.autotune(configs=gemm_configs(), key=["M", "N"])
+# restore_value: the autotuner runs each config on the real arguments; an accumulating call must not add once per
+# config tried.
+@triton.autotune(configs=gemm_configs(), key=["M", "N", "ACCUMULATE"], restore_value=["dw_ptr"])
 @triton.jit
 def _grouped_wgrad_kernel(
     x_ptr, g_ptr, dw_ptr, offsets_ptr, M, N,
     sxa, sxm, sga, sgn, sde, sdm, sdn,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # dw[e][M, N] = x[rows of e][:, M]^T @ g[rows of e][:, N]; BLOCK_K walks the expert's rows.
+    # dw[e][M, N] = x[rows of e][:, M]^T @ g[rows of e][:, N]; BLOCK_K walks the expert's rows. ACCUMULATE: dw[e]
+    # (fp32) += the same, the sum taken in fp32 before any rounding.
     expert = tl.program_id(0)
     n_col_tiles = tl.cdiv(N, BLOCK_N)
     ms = (tl.program_id(1) // n_col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,6 +224,8 @@ def _grouped_wgrad_kernel(
         b = tl.load(g_ptr + rs[:, None] * sga + ns[None, :] * sgn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     dw_ptrs = dw_ptr + expert.to(tl.int64) * sde + ms[:, None] * sdm + ns[None, :] * sdn
+    if ACCUMULATE:
+        acc += tl.load(dw_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -326,15 +332,25 @@ def swiglu_backward(dy_AD: torch.Tensor, w2_EFD: torch.Tensor, h13_AF2: torch.Te
 
 def grouped_wgrad(x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype):
     """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype` (zero for experts without rows)."""
+    dw_EMN = x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=dtype)
+    _launch_wgrad(x_AM, g_AN, offsets_E, dw_EMN, accumulate=False)
+    return dw_EMN
+
+
+def grouped_wgrad_into(x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, sum_EMN: torch.Tensor):
+    """sum[e] += x[rows of e]^T @ g[rows of e] in place; `sum_EMN` fp32 [E, M, N] (gradient-accumulation fusion)."""
+    if sum_EMN.dtype != torch.float32 or sum_EMN.shape != (offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1]):
+        raise ValueError(f"grouped_wgrad_into adds into an fp32 [E, M, N] tensor, not {sum_EMN.dtype} {sum_EMN.shape}")
+    _launch_wgrad(x_AM, g_AN, offsets_E, sum_EMN, accumulate=True)
+
+
+def _launch_wgrad(x_AM, g_AN, offsets_E, dw_EMN, accumulate: bool) -> None:
     M, N = x_AM.shape[1], g_AN.shape[1]
-    E = offsets_E.shape[0]
-    dw_EMN = x_AM.new_empty(E, M, N, dtype=dtype)
-    grid = lambda meta: (E, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (offsets_E.shape[0], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
     _grouped_wgrad_kernel[grid](
         x_AM, g_AN, dw_EMN, offsets_E, M, N,
-        *x_AM.stride(), *g_AN.stride(), *dw_EMN.stride(), PREC=_prec(x_AM.dtype),
+        *x_AM.stride(), *g_AN.stride(), *dw_EMN.stride(), PREC=_prec(x_AM.dtype), ACCUMULATE=accumulate,
     )  # fmt: skip
-    return dw_EMN
 
 
 def gather_rows(src_ND: torch.Tensor, idx_A: torch.Tensor) -> torch.Tensor:

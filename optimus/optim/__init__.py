@@ -1,6 +1,6 @@
 """The EP-aware sharded optimizer (a gradient sharder and an update rule), gradient clipping and LR schedules."""
 
-from optimus.config import SHARDING_SCHEMES, OptimusConfig
+from optimus.config import SHARDING_SCHEMES, WEIGHT_PASS_SCHEDULES, OptimusConfig
 from optimus.optim.memory import StateBytes, rank_state_bytes
 from optimus.optim.protocol import Optimizer
 from optimus.optim.schedule import lr_at
@@ -24,9 +24,9 @@ def build_optimizer(
     """The optimizer `cfg` describes (optim.sharding resolved) over a stage's ranks `ps`: it averages, clips and
     applies the gradients of `micro_batches` backwards in `step(lr)`."""
     sharding = resolve_sharding(cfg.optim.sharding, ps.world_size)
-    if cfg.optim.update == "muon":
-        return ShardedMuon(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied)
-    return ShardedAdamW(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied)
+    rule = ShardedMuon if cfg.optim.update == "muon" else ShardedAdamW
+    grad_sinks = cfg.parallel.pp_schedule not in WEIGHT_PASS_SCHEDULES
+    return rule(model, cfg.optim, ps, cfg.train.grad_clip, sharding, timers, micro_batches, tied, grad_sinks)
 
 
 __all__ = [

@@ -9,7 +9,9 @@ micro-batch, seen by a tensor hook (which also fires in a zero-bubble pipeline s
 autograd's accumulation and its hooks are skipped), so the `micro_batches`-th arrival is the step's last; no
 caller has to say which backward is the last. A parameter that missed a micro-batch is reduced in `reduce()`. A
 group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
-its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. With
+its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. ZeRO-1
+with hook-fed fp32 gradients offers its full buffer as each parameter's gradient sink (optimus.kernels.grad_sink):
+a kernel that adds a weight's gradient there itself returns none for autograd to store or the hook to add. With
 hierarchical sharding (optim.shard_ranks: a GroupComm with a replica group) the reduce-scatter runs inside the shard
 group and, once it has finished, the shard it produced is all-reduced over the replica group (in flight beside the
 next buckets' reduce-scatters, holding no staged copy); `reduce_rest` waits for those too.
@@ -28,8 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from optimus.kernels import grad_sink
 from optimus.optim.grad_norm import sum_of_squares
 from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, group_state_bytes
 from optimus.parallel.collectives import reduce_scatter_sum
@@ -87,10 +91,13 @@ class ShardGroup:
     """One parameter group: flat params, gradient buffers and the fp32 master copy of the owned shard."""
 
     def __init__(
-        self, named, comm: GroupComm, bucket: int, zero: int, grad_dtype, offsets, micro_batches: int, tp=None
-    ):
+        self, named, comm: GroupComm, bucket: int, zero: int, grad_dtype, offsets, micro_batches: int, tp=None,
+        grad_sinks: bool = True,
+    ):  # fmt: skip
         """`bucket`: elements per bucket; `tp`: a TensorParallelGrads for the dense group of a tensor-parallel
-        model, else None; `micro_batches`: backwards per step, hence gradient arrivals per parameter (ZeRO-2)."""
+        model, else None; `micro_batches`: backwards per step, hence gradient arrivals per parameter (ZeRO-2);
+        `grad_sinks`: offer the full fp32 buffer to kernels that can add a weight's gradient into it themselves
+        (optimus.kernels.grad_sink), where gradients would otherwise reach it by hook (ZeRO-1)."""
         self.comm, self.zero, self.tp, self.micro_batches = comm, zero, tp, micro_batches
         self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, bucket, offsets)
         flat, dev = self.flat, self.flat.device
@@ -122,6 +129,7 @@ class ShardGroup:
         ]
         if zero == 1 and not self.grads_by_hook:
             self.point_grads_at_buffer()
+        self.offer_grad_sinks(grad_sinks)
         self.reset()
 
     # ---- bookkeeping --------------------------------------------------------
@@ -129,6 +137,16 @@ class ShardGroup:
     def refresh_master(self) -> None:
         for b in self.flat.buckets:
             self.flat.shard_view(self.master, b).copy_(self.flat.owned_view(self.flat.buffer, b))
+
+    def offer_grad_sinks(self, wanted: bool) -> None:
+        """Offer each parameter's slice of the full buffer as its gradient sink where a fused kernel may add to it:
+        ZeRO-1 (one buffer for the step), fp32 gradients that hooks would otherwise add in, no tensor parallelism
+        (whose gradients are DTensors). Elsewhere take back an offer an earlier optimizer made."""
+        fusable = wanted and self.zero == 1 and self.grads_by_hook and self.tp is None
+        fusable = fusable and self.grad_dtype == torch.float32
+        for s in self.flat.slots:
+            plain = not isinstance(s.param, DTensor)
+            grad_sink.attach(s.param, self.full_grad if fusable and plain else None, s.start)
 
     def point_grads_at_buffer(self) -> None:
         for s in self.flat.slots:

@@ -150,14 +150,14 @@ class ShardedOptimizer:
 
 def build_sharder(
     model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, scheme: str, micro_batches: int = 1, timers=None,
-    tied=None,
+    tied=None, grad_sinks: bool = True,
 ) -> GradSharder:  # fmt: skip
     """The gradient sharder that `cfg` (optim.zero, grad_dtype, bucket_mb, max_collective_numel,
     overlap_param_gather) describes."""
     bucket_bytes = zero_bucket_bytes(cfg.bucket_mb, cfg.zero, cfg.overlap_param_gather)
     return GradSharder(
         model, ps, scheme, cfg.zero, TORCH_DTYPES[cfg.grad_dtype], bucket_bytes, cfg.max_collective_numel,
-        micro_batches, timers, tied,
+        micro_batches, timers, tied, grad_sinks,
     )  # fmt: skip
 
 
@@ -168,13 +168,15 @@ def adamw_hyper(cfg: OptimConfig) -> AdamWHyper:
 class ShardedAdamW(ShardedOptimizer):
     """AdamW for `optim.sharding=none | standard | ep_aware` over `model`'s trainable parameters (see
     optimus.optim.sharder). `micro_batches`: the backwards of one optimizer step (ZeRO-2 reduces after the last);
-    `tied`: tie_embeddings across pipeline stages (optimus.parallel.pipeline.TiedEmbedding)."""
+    `tied`: tie_embeddings across pipeline stages (optimus.parallel.pipeline.TiedEmbedding); `grad_sinks`: offer
+    kernels the fp32 gradient buffer to add weight gradients into (optimus.kernels.grad_sink; False under a
+    schedule with a weight pass of its own, config.WEIGHT_PASS_SCHEDULES)."""
 
     def __init__(
         self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, grad_clip: float, scheme: str,
-        timers=None, micro_batches: int = 1, tied=None,
+        timers=None, micro_batches: int = 1, tied=None, grad_sinks: bool = True,
     ):  # fmt: skip
-        sharder = build_sharder(model, cfg, ps, scheme, micro_batches, timers, tied)
+        sharder = build_sharder(model, cfg, ps, scheme, micro_batches, timers, tied, grad_sinks)
         shards = {kind: (g.flat.shard_numel, g.flat.device) for kind, g in sharder.groups.items()}
         super().__init__(sharder, self.make_rule(cfg, shards), grad_clip)
 

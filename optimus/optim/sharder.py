@@ -42,6 +42,7 @@ from contextlib import nullcontext
 
 import torch
 
+from optimus.kernels import grad_sink
 from optimus.model.moe.experts import expert_offsets
 from optimus.optim.gather_overlap import attach_gather_waits, buckets_needed, buckets_of_params
 from optimus.optim.grad_norm import global_grad_norm, owned_sq_norm
@@ -110,12 +111,12 @@ class GradSharder:
     Per step: backwards (hooks collect the gradients), then `reduce()` -> the global norm of the mean gradient,
     an update of `owned_slices()`, `gather()`, `zero_grad()`. `tied` (optimus.parallel.pipeline.TiedEmbedding):
     tie_embeddings across pipeline stages, whose head gradient joins the embedding's before its reduction and
-    whose head takes the embedding's updated values after `gather()`.
+    whose head takes the embedding's updated values after `gather()`. `grad_sinks`: see ShardGroup.
     """
 
     def __init__(
         self, model: torch.nn.Module, ps: ParallelState, scheme: str, zero: int, grad_dtype: torch.dtype,
-        bucket_bytes: int, max_numel: int, micro_batches: int = 1, timers=None, tied=None,
+        bucket_bytes: int, max_numel: int, micro_batches: int = 1, timers=None, tied=None, grad_sinks: bool = True,
     ):  # fmt: skip
         self.ps, self.scheme, self.zero, self.tied = ps, scheme, zero, tied
         self.mean_scale = 1.0 / ps.dp  # the reductions sum over the replicas of the global batch
@@ -136,7 +137,7 @@ class GradSharder:
             bucket = bucket_numel(bucket_bytes, max_numel, params[0][1].element_size())
             group_tp = tp if kind == "dense" else None
             self.groups[kind] = ShardGroup(
-                params, comms[kind], bucket, zero, grad_dtype, offsets, micro_batches, group_tp
+                params, comms[kind], bucket, zero, grad_dtype, offsets, micro_batches, group_tp, grad_sinks
             )
         self._tied_slot = self._find_tied_slot()
         self._register_hooks()
@@ -281,7 +282,8 @@ def _accumulation(group: ShardGroup, slot_idx: int):
     """ZeRO-1 with grads_by_hook: every micro-batch's gradient is added into the full buffer as autograd stores it."""
 
     def hook(param: torch.Tensor) -> None:
-        group.accumulate(slot_idx, local_grad(param))
+        if not grad_sink.take_added(param):  # else its kernel added it into the buffer already
+            group.accumulate(slot_idx, local_grad(param))
         param.grad = None
 
     return hook

@@ -60,6 +60,7 @@ OPCHECK_CASES = [
     "combine_grads",
     "swiglu_backward",
     "grouped_wgrad",
+    "grouped_wgrad_into",
 ]
 
 
@@ -86,6 +87,7 @@ def opcheck_cases() -> dict:
         "combine_grads": (ops.triton_combine_grads, (x_TD.detach(), rows_AD, token_idx_A, weight_A.detach(), fp32)),
         "swiglu_backward": (ops.triton_swiglu_backward, (rows_AD, w2.detach(), h13_AF2, offsets_E)),
         "grouped_wgrad": (ops.triton_grouped_wgrad, (rows_AD, rows_AD, offsets_E, fp32)),
+        "grouped_wgrad_into": (ops.triton_grouped_wgrad_into, (rows_AD, rows_AD, offsets_E, torch.zeros(4, 20, 20))),
     }
 
 

@@ -20,8 +20,14 @@ if not ON_GPU:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the triton backend is optional")
 
-from optimus.kernels import get_backend, reference  # noqa: E402
-from tests.kernels.test_kernels_torch import NAMES, assert_close_rel, make_problem, value_and_grads  # noqa: E402
+from optimus.kernels import get_backend, grad_sink, reference  # noqa: E402
+from tests.kernels.test_kernels_torch import (  # noqa: E402
+    NAMES,
+    assert_close_rel,
+    expert_path,
+    make_problem,
+    value_and_grads,
+)  # fmt: skip
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 BF16 = pytest.param(
@@ -65,6 +71,39 @@ def test_grouped_mm_forward_input_and_weight_grads():
     for name, g, r in zip(("y", "dx", "dw"), got, want):
         assert_close_rel(g, r, 1e-5, name)
     assert got[2][1].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_weight_gradients_are_added_into_offered_sinks(dtype):
+    # The optimizer offers fp32 buffers (grad_sink); the weight-gradient kernel adds into them, twice here (two
+    # micro-batches), marks the weights (what autograd stores holds nothing), and leaves the input gradients alone.
+    leaves, token_idx_A, offsets_E = to_device(*make_problem(12, 20, 24, 4, 2, dtype=dtype, empty_experts=(1,)))
+    x_TD, w13, w2, weight_A = leaves
+    buffer = torch.randn(3 + w13.numel() + w2.numel(), device=DEVICE)  # what earlier gradients left there
+    before = buffer.clone()
+    grad_sink.attach(w13, buffer, 3)
+    grad_sink.attach(w2, buffer, 3 + w13.numel())
+    be, dout = get_backend("triton"), torch.randn(12, 20, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for _ in range(2):
+        expert_path(be, leaves, token_idx_A, offsets_E).backward(dout.to(dtype))
+        assert grad_sink.take_added(w13) and grad_sink.take_added(w2)  # what .grad got holds nothing
+        w13.grad = w2.grad = None
+    dx, dweight = x_TD.grad / 2, weight_A.grad / 2
+    # The oracle: fp32 gradients of the same (rounded) values, two of them.
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(expert_path(reference, leaves32, token_idx_A, offsets_E), leaves32, dout)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close_rel(dx.float(), want[0], rtol, "d x")
+    assert_close_rel(dweight.float(), want[3], rtol, "d weight")
+    added = buffer - before
+    assert added[:3].abs().max() == 0
+    assert_close_rel(added[3 : 3 + w13.numel()], 2 * want[1].flatten(), rtol, "d w13")
+    assert_close_rel(added[3 + w13.numel() :], 2 * want[2].flatten(), rtol, "d w2")
+    del buffer  # the sink holds its buffer weakly: an optimizer that is gone leaves none
+    assert grad_sink.sink_of(w13) is None
+    out = expert_path(be, leaves, token_idx_A, offsets_E)
+    assert not grad_sink.take_added(w2)
+    assert_close_rel(torch.autograd.grad(out, w2, dout.to(dtype))[0].float(), want[2], rtol, "d w2 returned")
 
 
 def test_fp16_autocast_computes_in_fp16():

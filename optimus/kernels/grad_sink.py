@@ -1,0 +1,69 @@
+"""Gradient-accumulation fusion: where a kernel may add a weight's gradient itself.
+
+Parameters in bf16 or fp16 with gradients kept in fp32 (optim.grad_dtype=fp32) pay, per micro-batch, for the
+weight gradient written in the parameter dtype and then added into the fp32 buffer by a separate kernel (the
+optimizer's hook): the add reads 6 and writes 4 bytes per element. For routed experts, whose weights are large
+beside the rows each micro-batch brings them, that add is a large part of the backward. A kernel whose products
+accumulate in fp32 anyway can instead add its result to the fp32 buffer where it stands, as Megatron's
+gradient-accumulation fusion does.
+
+The optimizer offers the buffer (`attach`) where that is safe: one full fp32 gradient buffer per step (ZeRO-1) that
+hooks would otherwise fill, a plain (not tensor-parallel) parameter, and a schedule whose backward computes every
+weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass, whose
+`torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`) adds its
+gradient there, marks the weight (`mark_added`) and returns an uninitialised tensor in the gradient's place (no
+kernel computes it; autograd's engine needs a defined gradient for every weight that requires one, as in
+Megatron), which the optimizer's hook drops unread (`take_added`); a kernel that cannot fuse ignores the sink and
+returns the gradient, which the hook adds as before. The sink holds its buffer weakly: a parameter outlives an
+optimizer that is gone without writing into its freed buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+_ATTRIBUTE = "_optimus_grad_sink"
+_ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of this backward into the sink
+
+
+@dataclass(frozen=True)
+class _Sink:
+    buffer: weakref.ref  # the optimizer's flat fp32 gradient buffer
+    start: int  # the parameter's elements in it: [start, end)
+    end: int
+
+
+def attach(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:
+    """Offer `buffer[start : start + param.numel()]` as where kernels add `param`'s gradient (None: offer nothing,
+    taking back any earlier optimizer's offer)."""
+    if buffer is None:
+        if hasattr(param, _ATTRIBUTE):
+            delattr(param, _ATTRIBUTE)
+        return
+    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(buffer), start, start + param.numel()))
+
+
+def sink_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 tensor of `param`'s shape to add its gradient into, or None where none is offered."""
+    sink = getattr(param, _ATTRIBUTE, None)
+    buffer = sink.buffer() if sink is not None else None
+    if buffer is None:
+        return None
+    return buffer[sink.start : sink.end].view(param.shape)
+
+
+def mark_added(param: torch.Tensor) -> None:
+    """A kernel added this backward's gradient of `param` into its sink; what it returned holds nothing."""
+    setattr(param, _ADDED, True)
+
+
+def take_added(param: torch.Tensor) -> bool:
+    """Whether a kernel added `param`'s gradient into its sink since the last call (the gradient autograd stored
+    then holds nothing to add); clears the mark."""
+    added = getattr(param, _ADDED, False)
+    if added:
+        setattr(param, _ADDED, False)
+    return added

@@ -1,0 +1,103 @@
+"""Gradient-accumulation fusion (optimus.kernels.grad_sink): which optimizer groups offer their fp32 buffer, and
+the Triton expert kernels adding every micro-batch's weight gradient there, against fp32 gradients summed by hand.
+
+Runs the Triton kernels under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), in fp16:
+the interpreter's tl.dot is wrong for bf16 inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus.kernels import grad_sink, reference
+from optimus.model.moe.experts import GroupedExperts
+from optimus.optim.shard_group import GroupComm, ShardGroup
+from optimus.optim.sharder import _accumulation
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the triton backend is optional")
+
+E, D, F, ROWS = 3, 16, 8, 20
+
+
+def expert_group(
+    experts: GroupedExperts, zero: int = 1, grad_dtype=torch.float32, grad_sinks: bool = True, hooked: bool = True
+):
+    """One rank's optimizer group over the experts' weights, as the sharder builds it on a world of one (`hooked`:
+    with the hook a ZeRO-1 sharder gives gradients kept in another dtype than the weights')."""
+    named = list(experts.named_parameters())
+    group = ShardGroup(named, GroupComm(None, 1, 0), 1 << 20, zero, grad_dtype, None, 2, None, grad_sinks)
+    if hooked and zero == 1 and group.grads_by_hook:
+        for i, s in enumerate(group.flat.slots):
+            s.param.register_post_accumulate_grad_hook(_accumulation(group, i))
+    return group
+
+
+def new_experts(dtype: torch.dtype) -> GroupedExperts:
+    experts = GroupedExperts(E, D, F, kernels="triton")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(E, D, 2 * F, generator=gen) / D**0.5)
+        experts.w2.copy_(torch.randn(E, F, D, generator=gen) / F**0.5)
+    return experts.to(dtype)
+
+
+def micro_batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows sorted by expert, rows per expert, upstream gradient) per micro-batch; expert 1 gets none in the
+    second."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for counts in ([7, 5, 8], [12, 0, 8]):
+        x = torch.randn(ROWS, D, generator=gen).to(dtype)
+        out.append((x, torch.tensor(counts), torch.randn(ROWS, D, generator=gen).to(dtype)))
+    return out
+
+
+def test_zero1_fp32_gradients_of_low_precision_weights_are_added_by_the_kernels():
+    experts = new_experts(torch.float16)
+    group = expert_group(experts)
+    w13, w2 = experts.w13, experts.w2
+    for x, counts, dy in micro_batches(torch.float16):
+        experts(x, counts).backward(dy)
+    assert experts.w13.grad is None and experts.w2.grad is None  # the hook dropped what autograd stored
+    # The oracle: each micro-batch's fp32 gradient of the same (rounded) values, summed.
+    want = {"w13": torch.zeros(E, D, 2 * F), "w2": torch.zeros(E, F, D)}
+    for x, counts, dy in micro_batches(torch.float16):
+        w13_32, w2_32 = (w.detach().float().requires_grad_() for w in (w13, w2))
+        offsets = torch.cumsum(counts, 0)
+        y = reference.expert_swiglu_mlp(x.float(), w13_32, w2_32, offsets)
+        d13, d2 = torch.autograd.grad(y, (w13_32, w2_32), dy.float())
+        want["w13"] += d13
+        want["w2"] += d2
+    for slot in group.flat.slots:
+        name = slot.name
+        got = group.full_grad[slot.start : slot.end].view(want[name].shape)
+        err = (got - want[name]).abs().max() / want[name].abs().max()
+        assert err < 2e-2, (name, float(err))  # fp16 activations between the products, fp32 sums
+        assert got[1].abs().max() > 0  # expert 1's rows of the first micro-batch are in its sum
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(zero=2),  # ZeRO-2 holds no full buffer
+        dict(grad_dtype=torch.float16),  # autograd accumulates in the parameter dtype into .grad views
+        dict(grad_sinks=False),  # a schedule with a weight pass of its own (zero bubble)
+    ],
+    ids=["zero2", "grads-in-param-dtype", "not-wanted"],
+)
+def test_no_sink_is_offered_where_kernels_must_return_the_gradient(case):
+    experts = new_experts(torch.float16)
+    first = expert_group(experts, hooked=False)
+    assert grad_sink.sink_of(experts.w13) is not None
+    expert_group(experts, **case)  # a new optimizer over the same model takes the earlier offer back
+    assert grad_sink.sink_of(experts.w13) is None and grad_sink.sink_of(experts.w2) is None
+    x, counts, dy = micro_batches(torch.float16)[0]
+    experts(x, counts).backward(dy)
+    assert not grad_sink.take_added(experts.w13) and not grad_sink.take_added(experts.w2)  # returned, not added
+    del first
+
+
+def test_fp32_weights_offer_no_sink():
+    experts = new_experts(torch.float32)
+    expert_group(experts)  # fp32 gradients of fp32 weights: .grad views of the buffer, as before
+    assert grad_sink.sink_of(experts.w13) is None
