@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from optimus.operators import attention_flops
+from optimus.kernels import get_backend
+from optimus.operators import attention_flops, op_cost
 from optimus.parallel.collectives import reduce_scatter_sum
 from optimus.perf.step_trace import StepTrace
 from tests.distributed import run_distributed
@@ -123,6 +124,24 @@ def test_a_profiler_range_is_no_kernel():
     assert not launches_kernel(torch.ops.profiler._record_function_enter_new.default)
     assert not launches_kernel(torch.ops.profiler._record_function_exit._RecordFunction)
     assert launches_kernel(torch.ops.aten.mul.Tensor)
+
+
+def test_an_argument_written_in_place_is_read_and_written_and_no_operand():
+    """A custom operator that adds a bf16 product into an fp32 argument and returns nothing (the fused weight
+    gradient, optimus::triton_grouped_wgrad_into) moves that argument twice and multiplies in bf16; an in-place
+    aten operator, which returns its `self`, is counted the same way."""
+    pytest.importorskip("triton", reason="the triton backend registers the operator")
+    get_backend("triton")
+    x_AM, g_AN = torch.ones(6, 4, dtype=torch.bfloat16), torch.ones(6, 3, dtype=torch.bfloat16)
+    offsets_E, sum_EMN = torch.tensor([2, 6], dtype=torch.int32), torch.zeros(2, 4, 3)  # fp32 sum
+    op = torch.ops.optimus.triton_grouped_wgrad_into.default
+    kind, flops, moved, fp32 = op_cost(op, (x_AM, g_AN, offsets_E, sum_EMN), {}, None)
+    assert (kind, flops, fp32) == ("mm", 2 * 6 * 4 * 3, False)
+    assert moved == 2 * (6 * 4 + 6 * 3) + 4 * 2 + 2 * 4 * 24  # x, g, offsets; the sum read and written
+    a, b = torch.zeros(5), torch.ones(5, dtype=torch.bfloat16)
+    assert op_cost(torch.ops.aten.add_.Tensor, (a, b), {}, a)[2] == 2 * 20 + 10
+    foreach = op_cost(torch.ops.aten._foreach_add_.Scalar, ([a, a.clone()], 1.0), {}, None)
+    assert foreach[2] == 2 * 40  # each list element read and written
 
 
 def test_a_bf16_attention_backward_is_priced_in_bf16():
