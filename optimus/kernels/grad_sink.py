@@ -12,8 +12,9 @@ hooks would otherwise fill, a plain (not tensor-parallel) parameter, and a sched
 weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass, whose
 `torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`) adds its
 gradient there, marks the weight (`mark_added`) and returns an uninitialised tensor in the gradient's place (no
-kernel computes it; autograd's engine needs a defined gradient for every weight that requires one, as in
-Megatron), which the optimizer's hook drops unread (`take_added`); a kernel that cannot fuse ignores the sink and
+kernel computes it; autograd's engine wants a defined gradient for a weight that requires one, as in Megatron),
+which the optimizer's hook drops unread (`take_added`); a second use of the weight in the same backward returns
+None, so autograd adds no placeholders together. A kernel that cannot fuse ignores the sink and
 returns the gradient, which the hook adds as before. The sink holds its buffer weakly: a parameter outlives an
 optimizer that is gone without writing into its freed buffer.
 """
@@ -55,9 +56,13 @@ def sink_of(param: torch.Tensor) -> torch.Tensor | None:
     return buffer[sink.start : sink.end].view(param.shape)
 
 
-def mark_added(param: torch.Tensor) -> None:
-    """A kernel added this backward's gradient of `param` into its sink; what it returned holds nothing."""
+def mark_added(param: torch.Tensor) -> bool:
+    """A kernel added a gradient of `param` into its sink in this backward: True where it is the first to (it
+    returns the placeholder), False where an earlier call did (the weight used twice in a forward, as by
+    parallel.ep_overlap_chunks: it returns None, so that autograd sums no placeholders)."""
+    first = not getattr(param, _ADDED, False)
     setattr(param, _ADDED, True)
+    return first
 
 
 def take_added(param: torch.Tensor) -> bool:

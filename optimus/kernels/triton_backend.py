@@ -104,15 +104,14 @@ def _(x_AM, g_AN, offsets_E, sum_EMN):
     return None
 
 
-def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor, sink: Tensor | None) -> Tensor:
+def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor, sink: Tensor | None) -> Tensor | None:
     """A grouped weight's gradient, returned in the weight's dtype; or, where the optimizer offers a sink
     (grad_sink.sink_of, read when the forward ran), added there, with an uninitialised tensor returned in its
-    place for the optimizer's hook to drop (grad_sink.mark_added)."""
+    place for the optimizer's hook to drop (None from a second use in the same backward: grad_sink.mark_added)."""
     if sink is None:
         return _grouped_wgrad(x_AM, g_AN, offsets_E, w_EMN.dtype)
     _grouped_wgrad_into(x_AM, g_AN, offsets_E, sink)
-    grad_sink.mark_added(w_EMN)
-    return torch.empty_like(w_EMN)
+    return torch.empty_like(w_EMN) if grad_sink.mark_added(w_EMN) else None
 
 
 # ---- the differentiable operators ----

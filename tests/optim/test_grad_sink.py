@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from optimus.kernels import grad_sink, reference
+from optimus.kernels.torch_private import TorchDispatchMode
 from optimus.model.moe.experts import GroupedExperts
 from optimus.optim.shard_group import GroupComm, ShardGroup
 from optimus.optim.sharder import _accumulation
@@ -74,6 +75,36 @@ def test_zero1_fp32_gradients_of_low_precision_weights_are_added_by_the_kernels(
         err = (got - want[name]).abs().max() / want[name].abs().max()
         assert err < 2e-2, (name, float(err))  # fp16 activations between the products, fp32 sums
         assert got[1].abs().max() > 0  # expert 1's rows of the first micro-batch are in its sum
+
+
+class _AddedShapes(TorchDispatchMode):
+    """The output shapes of every `aten.add` that runs while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.shapes.add(tuple(out.shape))
+        return out
+
+
+def test_weights_used_twice_in_a_forward_add_both_gradients_and_sum_no_placeholders():
+    # parallel.ep_overlap_chunks=2 runs the experts on each half of a micro-batch's rows: two backwards of the same
+    # weights, whose gradients both go into the sink; autograd gets one placeholder (the other call returns None),
+    # so it adds none together, and the hook drops it.
+    whole, halves = new_experts(torch.float16), new_experts(torch.float16)
+    groups = [expert_group(whole), expert_group(halves)]
+    x, counts, dy = micro_batches(torch.float16)[0]
+    whole(x, counts).backward(dy)
+    first, second = torch.tensor([7, 0, 0]), torch.tensor([0, 5, 8])  # rows [0, 7) and [7, 20), by expert
+    with _AddedShapes() as added:
+        torch.cat([halves(x[:7], first), halves(x[7:], second)]).backward(dy)
+    assert tuple(halves.w13.shape) not in added.shapes and tuple(halves.w2.shape) not in added.shapes
+    assert halves.w13.grad is None and not grad_sink.take_added(halves.w13)
+    torch.testing.assert_close(groups[1].full_grad, groups[0].full_grad, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(
