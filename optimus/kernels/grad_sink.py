@@ -14,8 +14,10 @@ weight gradient in the same pass as the input gradients (not zero bubble's separ
 gradient there, marks the weight (`mark_added`) and returns an uninitialised tensor in the gradient's place (no
 kernel computes it; autograd's engine wants a defined gradient for a weight that requires one, as in Megatron),
 which the optimizer's hook drops unread (`take_added`); a second use of the weight in the same backward returns
-None, so autograd adds no placeholders together. A kernel that cannot fuse ignores the sink and
-returns the gradient, which the hook adds as before. The sink holds its buffer weakly: a parameter outlives an
+None, so autograd adds no placeholders together. So a weight that a sink-aware kernel takes must reach the loss
+through such kernels alone (the routed experts' weights do: nothing else reads them), or autograd would add a real
+gradient to a placeholder that the hook drops. A kernel that cannot fuse ignores the sink and returns the gradient,
+which the hook adds as before (every other parameter's). The sink holds its buffer weakly: a parameter outlives an
 optimizer that is gone without writing into its freed buffer.
 """
 

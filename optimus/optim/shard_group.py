@@ -11,7 +11,7 @@ caller has to say which backward is the last. A parameter that missed a micro-ba
 group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
 its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. ZeRO-1
 with hook-fed fp32 gradients offers its full buffer as each parameter's gradient sink (optimus.kernels.grad_sink):
-a kernel that adds a weight's gradient there itself returns none for autograd to store or the hook to add. With
+a kernel that adds a weight's gradient there itself marks the weight, and the hook drops what autograd stored. With
 hierarchical sharding (optim.shard_ranks: a GroupComm with a replica group) the reduce-scatter runs inside the shard
 group and, once it has finished, the shard it produced is all-reduced over the replica group (in flight beside the
 next buckets' reduce-scatters, holding no staged copy); `reduce_rest` waits for those too.
