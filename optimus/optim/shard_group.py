@@ -393,6 +393,7 @@ class ShardGroup:
         if self.zero == 2 or self.grads_by_hook:
             for s in self.flat.slots:
                 s.param.grad = None
+                grad_sink.take_added(s.param)  # a backward stopped before its hook leaves no mark behind
         self.reset()
 
     # ---- after the reduction --------------------------------------------------
