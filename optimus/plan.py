@@ -41,8 +41,8 @@ head all-gather and keep), else 0:
                                  optimus.model.attention.attention_dtype) with its fp32 log-sum-exp,
                                  the out-projection's input, split by heads;
                                  Q: q/k before QK-norm (the norm's input), (D + D_kv) a, / TP for qk_norm=head;
-                                 for qk_norm=full at TP > 1 (D + D_kv)(4 + a) / TP + 8 (q/k kept in fp32
-                                 before the width-split norm, two fp32 inverse norms); 0 without QK-norm
+                                 for qk_norm=full at TP > 1 (D + D_kv) a / TP + 8 (the width-split norm's
+                                 input and two fp32 inverse norms); 0 without QK-norm
                                  (D_kv = n_kv_heads x head_dim)
     dense FFN     4 F_dense a / TP + G + O   gate and up outputs, SiLU output, their product, split by
                                  columns, and its input (gathered with sequence parallelism)
@@ -214,11 +214,10 @@ def _layer_activations(
     # (an MoE layer keeps only its share of the tokens: "moe_input")
     norm_output = 0 if gathered else d * a
     # q and k before QK-norm (the norm's input; its output is attention's q/k), split like the heads. "full" under
-    # tp (optimus.parallel.tensor_parallel's width-split norm) keeps q and k in fp32 before the norm and each
-    # token's two inverse norms (fp32)
+    # tp (optimus.parallel.tensor_parallel's width-split norm) also keeps each token's two inverse norms (fp32)
     qk_norm = {"none": 0, "head": (d + d_kv) * a / tp, "full": (d + d_kv) * a}[qk]
     if qk == "full" and tp > 1:
-        qk_norm = (d + d_kv) * (4 + a) / tp + 2 * 4
+        qk_norm = (d + d_kv) * a / tp + 2 * 4
     return {
         # both pre-norms' input (optimus.model.norm recomputes the normalised rows), the attention norm's output
         "norms": 2 * d * a * residual + norm_output,

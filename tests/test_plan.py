@@ -418,13 +418,12 @@ def test_tensor_parallel_activation_bytes_by_hand(sp):
 @pytest.mark.parametrize("qk_norm", ["head", "full"])
 def test_tensor_parallel_qk_norm_activations(qk_norm):
     """q and k before QK-norm (its output is attention's q and k), split with the heads: D + D_kv values per token
-    and layer over tp for a per-head norm; for the full-width norm q and k before it in fp32 and two fp32 inverse
-    norms per token."""
+    and layer over tp for a per-head norm; for the full-width norm the same and two fp32 inverse norms per token."""
     d, d_kv, a, t = 64, 32, 2, 2 * 16
     plain = ModelConfig(**{**SMALL.__dict__, "qk_norm": "none"})
     normed = ModelConfig(**{**SMALL.__dict__, "qk_norm": qk_norm})
     extra = [activation_bytes(m, 2, 16, a, "none", recompute=False, tp=2) for m in (normed, plain)]
-    per_token = (d + d_kv) * a / 2 if qk_norm == "head" else (d + d_kv) * (4 + a) / 2 + 8
+    per_token = (d + d_kv) * a / 2 if qk_norm == "head" else (d + d_kv) * a / 2 + 8
     assert extra[0] - extra[1] == round(t * SMALL.n_layers * per_token)
 
 

@@ -37,7 +37,8 @@ SMALL = ["model.dim=32", "model.moe.n_experts=4", "model.moe.expert_dim=48", "tr
 KERNELS = {
     "permute forward", "permute backward", "expert_swiglu_mlp forward", "expert_swiglu_mlp dgrad",
     "expert_swiglu_mlp wgrad w13", "expert_swiglu_mlp wgrad w2", "combine forward", "combine backward dy",
-    "combine backward dw", "grouped_mm forward", "grouped_mm dgrad", "grouped_mm wgrad", "count_ids",
+    "combine backward dw", "grouped_mm forward", "grouped_mm dgrad", "grouped_mm wgrad", "rms_norm forward",
+    "rms_norm dgrad", "rms_norm wgrad", "count_ids",
 }  # fmt: skip
 CASES = {"recipe", "one row", "empty experts", "ragged tiles", "rows on one expert"}
 FP32_CPU_TOLERANCE = 1e-5  # optimus/kernels/check.py's rule: matrix products in IEEE fp32

@@ -1,4 +1,4 @@
-"""Expert-path kernels behind one interface, chosen by the `kernels` config key.
+"""Expert-path and RMSNorm kernels behind one interface, chosen by the `kernels` config key.
 
 A backend provides three differentiable operations (see `reference.py` for the
 shapes and the exact meaning of each):
@@ -7,7 +7,9 @@ shapes and the exact meaning of each):
     expert_swiglu_mlp(x_AD, w13_EDF2, w2_EFD, offsets_E) -> y_AD
     combine(y_AD, token_idx_A, weight_A, n_tokens) -> out_TD
 
-and `grouped_mm(x_AK, w_EKN, offsets_E) -> y_AN`, the plain grouped GEMM.
+and `grouped_mm(x_AK, w_EKN, offsets_E) -> y_AN`, the plain grouped GEMM; beside them, the arithmetic of
+every RMSNorm of the model (`rms_norm`: see `rms_norm.py`), which is memory-bound as the expert path's
+permutations are.
 
 Backends: `torch` (plain PyTorch, fastest on CPUs), `triton` (portable Triton kernels,
 optional: imported only when chosen), `auto` (triton on a GPU where it compiles, else torch).
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from optimus.kernels.rms_norm import TORCH_NORM, NormArithmetic
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -46,6 +50,7 @@ class KernelBackend:
     expert_swiglu_mlp: Callable
     combine: Callable
     grouped_mm: Callable
+    rms_norm: NormArithmetic
 
 
 def triton_importable() -> bool:
@@ -81,18 +86,18 @@ def _torch_backend(reads=None) -> KernelBackend:
     from optimus.kernels import torch_backend as tb
 
     if reads is None:
-        return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op)
+        return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op, TORCH_NORM)
     mlp, grouped_mm = (
         functools.partial(tb.expert_swiglu_mlp, reads=reads),
         functools.partial(tb.grouped_mm_op, reads=reads),
     )
-    return KernelBackend("torch", tb.permute, mlp, tb.combine, grouped_mm)
+    return KernelBackend("torch", tb.permute, mlp, tb.combine, grouped_mm, TORCH_NORM)
 
 
 def _triton_backend() -> KernelBackend:
     from optimus.kernels import triton_backend as tb
 
-    return KernelBackend("triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm)
+    return KernelBackend("triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm, tb.RMS_NORM)
 
 
 def resolve_name(name: str = "auto", device_type: str | None = None, traced: bool = False) -> str:

@@ -1,8 +1,8 @@
 """Each expert-path kernel of a backend, forward and backward, against the plain-PyTorch reference.
 
 A kernel that is wrong on one device does not crash: it trains on wrong numbers. This module runs every
-differentiable operation of a backend (`permute`, `expert_swiglu_mlp`, `combine`, `grouped_mm`) and the
-counting kernel on given shapes and dtypes, computes the same outputs and gradients with
+differentiable operation of a backend (`permute`, `expert_swiglu_mlp`, `combine`, `grouped_mm`, `rms_norm`) and
+the counting kernel on given shapes and dtypes, computes the same outputs and gradients with
 `optimus.kernels.reference` in fp32 on the same (rounded) inputs, and reports for each kernel the relative
 error ||got - ref|| / ||ref|| (a NaN, an Inf or a wrong shape counts as an infinite error) against the
 dtype's tolerance. `optimus selftest` runs it at a recipe's shapes and at awkward ones; the trainer's start-up
@@ -29,6 +29,9 @@ import torch
 
 from optimus.kernels import KernelBackend, reference
 from optimus.kernels.counting import count_ids
+from optimus.kernels.rms_norm import rms_norm
+
+NORM_EPS = 1e-6  # the checked RMSNorm's (the models' norm_eps is of this order)
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 TF32_UNIT_ROUNDOFF = 2.0**-11
@@ -145,12 +148,14 @@ def relative_error(got: torch.Tensor | None, want: torch.Tensor) -> float:
 
 
 def _leaves(case: Case, dtype: torch.dtype, device: torch.device, generator: torch.Generator):
-    """x [T, D], W13 [E, D, 2F], W2 [E, F, D] in `dtype` and the routing, on `device`."""
+    """x [T, D], W13 [E, D, 2F], W2 [E, F, D], the routing weights [A] and a norm's weight [D] in `dtype`, and the
+    routing, on `device`."""
     x_TD = torch.randn(case.tokens, case.dim, generator=generator)
     w13_EDF2 = torch.randn(case.experts, case.dim, 2 * case.ffn, generator=generator) / case.dim**0.5
     w2_EFD = torch.randn(case.experts, case.ffn, case.dim, generator=generator) / case.ffn**0.5
     token_idx_A, weight_A, offsets_E = routing(case, generator)
-    leaves = [t.to(device, dtype) for t in (x_TD, w13_EDF2, w2_EFD)] + [weight_A.to(device, dtype)]
+    norm_w_D = torch.rand(case.dim, generator=generator) + 0.5
+    leaves = [t.to(device, dtype) for t in (x_TD, w13_EDF2, w2_EFD, weight_A, norm_w_D)]
     return leaves, token_idx_A.to(device), offsets_E.to(device)
 
 
@@ -164,6 +169,10 @@ def _outputs_and_grads(fn, inputs: list[torch.Tensor], dout: torch.Tensor):
 def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int) -> dict:
     """Each differentiable operation as (function of its float inputs, names of its outputs and gradients)."""
     ops = backend_or_reference
+    if isinstance(ops, KernelBackend):
+        norm = lambda x, w: rms_norm(x, w, NORM_EPS, ops.rms_norm)  # noqa: E731
+    else:
+        norm = lambda x, w: ops.rms_norm(x, w, NORM_EPS)  # noqa: E731
     return {
         "permute": (lambda x: ops.permute(x, token_idx_A), ("forward", "backward")),
         "expert_swiglu_mlp": (
@@ -172,6 +181,7 @@ def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int) -> 
         ),
         "combine": (lambda y, w: ops.combine(y, token_idx_A, w, n_tokens), ("forward", "backward dy", "backward dw")),
         "grouped_mm": (lambda x, w: ops.grouped_mm(x, w, offsets_E), ("forward", "dgrad", "wgrad")),
+        "rms_norm": (norm, ("forward", "dgrad", "wgrad")),
     }
 
 
@@ -188,7 +198,7 @@ def check_backend(
 
 
 def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, gen) -> list[KernelResult]:
-    (x_TD, w13, w2, weight_A), token_idx_A, offsets_E = _leaves(case, dtype, device, gen)
+    (x_TD, w13, w2, weight_A, norm_w_D), token_idx_A, offsets_E = _leaves(case, dtype, device, gen)
     tol = tolerance(dtype, device.type)
     x_AD = reference.permute(x_TD, token_idx_A)
     y_AD = torch.randn(case.rows, case.dim, generator=gen).to(device, dtype)
@@ -197,6 +207,7 @@ def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, g
         "expert_swiglu_mlp": [x_AD, w13, w2],
         "combine": [y_AD, weight_A],
         "grouped_mm": [x_AD, w13],
+        "rms_norm": [x_TD, norm_w_D],
     }
     got_ops = _operations(backend, token_idx_A, offsets_E, case.tokens)
     want_ops = _operations(reference, token_idx_A, offsets_E, case.tokens)

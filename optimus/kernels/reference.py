@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference for the expert path: the oracle the fast kernels are tested against.
+"""Plain-PyTorch reference for the expert path and RMSNorm: the oracle the fast kernels are tested against.
 
 Shapes: T tokens, A routed assignments (T*K when nothing is dropped), D model dim,
 F expert hidden dim, E experts. `offsets_E` holds the cumulative end row of each
@@ -46,6 +46,11 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor)
             y_AN[start:end] = x_AK[start:end] @ w_KN
         start = end
     return y_AN
+
+
+def rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean of x^2 over the last dimension + eps) * w, in x's dtype."""
+    return x_TD * torch.rsqrt(x_TD.square().mean(-1, keepdim=True) + eps) * w_D
 
 
 def random_routing(

@@ -26,6 +26,7 @@ from optimus.kernels import grad_sink
 from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
+from optimus.kernels.rms_norm import NormArithmetic
 from optimus.kernels.torch_private import FakeTensor
 
 
@@ -246,6 +247,47 @@ def _grouped_mm_backward(ctx, dy_AN):
 
 
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---- RMSNorm's arithmetic (optimus.kernels.rms_norm, whose autograd.Function calls these; no autograd here) ----
+
+
+@torch.library.custom_op("optimus::triton_row_dot", mutates_args=())
+def _row_dot(a_ND: Tensor, b_ND: Tensor, w_D: Tensor | None) -> Tensor:
+    """out[n] = sum over the columns of a * b (* w) -> [N] fp32."""
+    return tk.row_dot(a_ND, b_ND, w_D)
+
+
+@_row_dot.register_fake
+def _(a_ND, b_ND, w_D):
+    return a_ND.new_empty(a_ND.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("optimus::triton_rms_norm", mutates_args=())
+def _rms_norm(x_ND: Tensor, w_D: Tensor, eps: float, width: int, sumsq_N: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(y -> [N, D] in x's dtype, rstd -> [N] fp32): optimus.kernels.rms_norm.NormArithmetic.forward."""
+    return tk.rms_norm_forward(x_ND, w_D, eps, width, sumsq_N)
+
+
+@_rms_norm.register_fake
+def _(x_ND, w_D, eps, width, sumsq_N):
+    return torch.empty_like(x_ND), x_ND.new_empty(x_ND.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("optimus::triton_rms_norm_backward", mutates_args=())
+def _rms_norm_backward(
+    g_ND: Tensor, x_ND: Tensor, w_D: Tensor, rstd_N: Tensor, width: int, dot_N: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(dx -> [N, D] in x's dtype, dw -> [D] in w's dtype): optimus.kernels.rms_norm.NormArithmetic.backward."""
+    return tk.rms_norm_backward(g_ND, x_ND, w_D, rstd_N, width, dot_N)
+
+
+@_rms_norm_backward.register_fake
+def _(g_ND, x_ND, w_D, rstd_N, width, dot_N):
+    return torch.empty_like(x_ND), torch.empty_like(w_D)
+
+
+RMS_NORM = NormArithmetic("triton", _row_dot, _rms_norm, _rms_norm_backward)
 
 
 # ---- the backend's interface ----

@@ -13,6 +13,9 @@ Kernels:
   _gather_rows_kernel     out[a] = src[idx[a]]                       (permute)
   _segment_sum_kernel     out[t] = sum_{a of t} w[a] * src[a]        (combine, permute backward)
   _combine_bwd_kernel     dy[a] = w[a] * dout[t(a)], dw[a] = <dout[t(a)], y[a]>
+  _row_dot_kernel         out[n] = sum_d a[n, d] * b[n, d] (* w[d])   (RMSNorm's sums, where other ranks add theirs)
+  _rms_norm_fwd_kernel    y = x * rsqrt(sum x^2 / width + eps) * w, in fp32, one pass over a tile of rows
+  _rms_norm_bwd_kernel    dx, and each tile of rows' share of dw, in fp32
 
 Autotune configs are a list per vendor (NVIDIA, AMD, Intel XPU), picked from the device.
 """
@@ -274,6 +277,93 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, idx_ptr, w_ptr, dy_ptr, dw_ptr, D, BLOC
     tl.store(dw_ptr + a, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
 
 
+# RMSNorm works on tiles of BLOCK_R whole rows, walking the width in BLOCK_D columns: a first walk sums over each
+# row (unless the sums come in, added up over the ranks that split the width), a second writes. The second walk
+# rereads what the first read, from the cache when a tile's rows fit in it.
+
+
+@triton.jit
+def _row_dot_kernel(
+    a_ptr, b_ptr, w_ptr, out_ptr, N, D, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        tile = rows.to(tl.int64)[:, None] * D + ds[None, :]
+        ok = row_ok[:, None] & (ds < D)[None, :]
+        prod = tl.load(a_ptr + tile, mask=ok, other=0.0).to(tl.float32) * tl.load(b_ptr + tile, mask=ok, other=0.0).to(
+            tl.float32
+        )
+        if HAS_W:
+            prod = prod * tl.load(w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(prod, axis=1)
+    tl.store(out_ptr + rows, acc, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, sumsq_ptr, y_ptr, rstd_ptr, N, D, inv_width, eps,
+    HAS_SUMSQ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    if HAS_SUMSQ:
+        sumsq = tl.load(sumsq_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        sumsq = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (ds < D)[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :], mask=ok, other=0.0).to(tl.float32)
+            sumsq += tl.sum(x * x, axis=1)
+    rstd = tl.rsqrt(sumsq * inv_width + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        tile = rows.to(tl.int64)[:, None] * D + ds[None, :]
+        ok = row_ok[:, None] & (ds < D)[None, :]
+        x = tl.load(x_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + tile, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    g_ptr, x_ptr, w_ptr, rstd_ptr, dot_ptr, dx_ptr, dw_part_ptr, N, D, inv_width,
+    HAS_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # n = x * rstd, dx = rstd * (g * w - n * mean(g * w * n)); dw_part[tile] = sum over the tile's rows of g * n.
+    tile_id = tl.program_id(0)
+    rows = tile_id * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_DOT:  # sum over the row of g * w * x, added up over the ranks that split the width
+        dot = tl.load(dot_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            tile = rows.to(tl.int64)[:, None] * D + ds[None, :]
+            ok = row_ok[:, None] & (ds < D)[None, :]
+            g = tl.load(g_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
+            dot += tl.sum(g * w[None, :] * x, axis=1)
+    mean = dot * rstd * inv_width  # mean of g * w * n over the whole width
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        tile = rows.to(tl.int64)[:, None] * D + ds[None, :]
+        ok = row_ok[:, None] & (ds < D)[None, :]
+        g = tl.load(g_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+        n = tl.load(x_ptr + tile, mask=ok, other=0.0).to(tl.float32) * rstd[:, None]
+        w = tl.load(w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
+        dx = rstd[:, None] * (g * w[None, :] - n * mean[:, None])
+        tl.store(dx_ptr + tile, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        tl.store(dw_part_ptr + tile_id.to(tl.int64) * D + ds, tl.sum(g * n, axis=0), mask=ds < D)
+
+
 # ---- launchers (shapes checked by the callers in triton_backend) ----
 
 
@@ -387,6 +477,57 @@ def combine_backward(dout_TD, y_AD, idx_A, weight_A, y_dtype, w_dtype):
     if A:
         _combine_bwd_kernel[(A,)](dout_TD, y_AD, idx_A, weight_A, dy_AD, dw_A, D, BLOCK_D=min(_block_d(D), 256))
     return dy_AD, dw_A
+
+
+def _norm_tiles(D: int) -> tuple[int, int]:
+    """(rows, columns) of an RMSNorm tile: a few rows, the width in chunks of at most 1024 (the interpreter: 2 x 16,
+    so that small test shapes span several tiles each way)."""
+    if vendor() == "interpreter":
+        return 2, 16
+    block_d = _block_d(D)
+    return max(1, 4096 // block_d), block_d
+
+
+def row_dot(a_ND: torch.Tensor, b_ND: torch.Tensor, w_D: torch.Tensor | None) -> torch.Tensor:
+    """out[n] = sum_d a[n, d] * b[n, d] (* w[d]) in fp32 -> [N]; a and b contiguous."""
+    N, D = a_ND.shape
+    out_N = a_ND.new_empty(N, dtype=torch.float32)
+    if N:
+        rows, cols = _norm_tiles(D)
+        w = w_D if w_D is not None else a_ND  # unused pointer when HAS_W is False
+        _row_dot_kernel[(triton.cdiv(N, rows),)](
+            a_ND, b_ND, w, out_N, N, D, HAS_W=w_D is not None, BLOCK_R=rows, BLOCK_D=cols
+        )
+    return out_N
+
+
+def rms_norm_forward(x_ND, w_D, eps: float, width: int, sumsq_N):
+    """(y = x * rsqrt(sum x^2 / width + eps) * w -> [N, D] in x's dtype, rstd -> [N] fp32); `sumsq_N`: the rows' sums
+    of squares over the whole width when other ranks hold part of it (None: x holds the whole width)."""
+    N, D = x_ND.shape
+    y_ND, rstd_N = torch.empty_like(x_ND), x_ND.new_empty(N, dtype=torch.float32)
+    if N:
+        rows, cols = _norm_tiles(D)
+        _rms_norm_fwd_kernel[(triton.cdiv(N, rows),)](
+            x_ND, w_D, sumsq_N if sumsq_N is not None else rstd_N, y_ND, rstd_N, N, D, 1.0 / width, eps,
+            HAS_SUMSQ=sumsq_N is not None, BLOCK_R=rows, BLOCK_D=cols,
+        )  # fmt: skip
+    return y_ND, rstd_N
+
+
+def rms_norm_backward(g_ND, x_ND, w_D, rstd_N, width: int, dot_N):
+    """(dx -> [N, D] in x's dtype, dw -> [D] in w's dtype) of rms_norm_forward; `dot_N`: the rows' sums of
+    g * w * x over the whole width when other ranks hold part of it (None: computed here)."""
+    N, D = x_ND.shape
+    rows, cols = _norm_tiles(D)
+    dx_ND = torch.empty_like(x_ND)
+    dw_part_PD = x_ND.new_empty(triton.cdiv(N, rows), D, dtype=torch.float32)  # each tile of rows' share
+    if N:
+        _rms_norm_bwd_kernel[(triton.cdiv(N, rows),)](
+            g_ND, x_ND, w_D, rstd_N, dot_N if dot_N is not None else rstd_N, dx_ND, dw_part_PD, N, D, 1.0 / width,
+            HAS_DOT=dot_N is not None, BLOCK_R=rows, BLOCK_D=cols,
+        )  # fmt: skip
+    return dx_ND, dw_part_PD.sum(0).to(w_D.dtype)
 
 
 def forget_autotuning() -> None:

@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from optimus.config import ModelConfig, qk_norm_mode
+from optimus.kernels.rms_norm import TORCH_NORM, NormArithmetic
 from optimus.model.norm import RMSNorm
 
 
@@ -69,7 +70,7 @@ def attention_dtype(device_type: str, head_dim: int, dtype: torch.dtype) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, norm_arithmetic: NormArithmetic = TORCH_NORM):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
@@ -85,8 +86,8 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_mode(cfg.qk_norm)
         q_norm_dim, k_norm_dim = (cfg.dim, kv_dim) if self.qk_norm == "full" else (self.head_dim, self.head_dim)
         has_norm = self.qk_norm != "none"
-        self.q_norm = RMSNorm(q_norm_dim, eps=cfg.norm_eps) if has_norm else nn.Identity()
-        self.k_norm = RMSNorm(k_norm_dim, eps=cfg.norm_eps) if has_norm else nn.Identity()
+        self.q_norm = RMSNorm(q_norm_dim, cfg.norm_eps, norm_arithmetic) if has_norm else nn.Identity()
+        self.k_norm = RMSNorm(k_norm_dim, cfg.norm_eps, norm_arithmetic) if has_norm else nn.Identity()
         self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from optimus.config import ConfigError, ModelConfig, padded_vocab_size
-from optimus.kernels import KernelBackend, KernelUnavailable
+from optimus.kernels import KernelBackend, KernelUnavailable, get_backend
 from optimus.model.attention import Attention
 from optimus.model.init import init_parameters
 from optimus.model.loss import head_cross_entropy, head_logits
@@ -31,11 +31,11 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: str | KernelBackend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackend):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+        self.attn = Attention(cfg, kernels.rms_norm)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
         moe_ids = moe_layer_ids(cfg)
         self.is_moe = layer_idx in moe_ids
         if self.is_moe:
@@ -74,11 +74,12 @@ class Transformer(nn.Module):
         self.vocab_size = padded_vocab_size(cfg.vocab_size)
         layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
         self.embed = nn.Embedding(self.vocab_size, cfg.dim) if embed else None
-        try:
-            self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
-        except KernelUnavailable as err:  # the `kernels` key of a config: the user's to change, like any other
+        try:  # the `kernels` key of a config: the user's to change, like any other
+            kernels = kernels if isinstance(kernels, KernelBackend) else get_backend(kernels)
+        except KernelUnavailable as err:
             raise ConfigError(str(err)) from None
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, kernels) for i in layer_ids})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm) if head else None
         self.lm_head = nn.Linear(cfg.dim, self.vocab_size, bias=False) if head else None
         self.tie_weights()
 

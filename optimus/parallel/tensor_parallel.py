@@ -6,7 +6,7 @@
     module                 split over tp                          input -> output (sp on | sp off)
     embed                  vocabulary rows (each rank its own     tokens -> Shard(1) | Replicate
                            rows' lookups, summed)
-    attn_norm, ffn_norm    - (SequenceParallel with sp)           Shard(1) -> Shard(1)
+    attn_norm, ffn_norm    - (each rank its rows, with sp)        Shard(1) -> Shard(1)
     attn                   heads: wq/wk/wv columns, wo rows       all-gathers the sequence with sp;
                                                                   wo reduce-scatters (sp) or all-reduces
     attn.q_norm/k_norm     weight split like q/k's columns        (QK-norm "full": over the whole projection)
@@ -14,7 +14,7 @@
     dense ffn (SwiGLU)     w1/w3 columns, w2 rows                 as attention
     MoE ffn                - (parallel folding: the experts are   routes this rank's 1/tp of the
                            spread over ep, tp ranks among them)   sequence; sp off: all-gathers after
-    norm                   - (SequenceParallel with sp)
+    norm                   - (each rank its rows, with sp)
     lm_head                vocabulary rows (ColwiseParallel)      -> logits [B, S, V/tp] on each rank;
                                                                   optimus.model.loss takes the
                                                                   vocab-parallel cross-entropy
@@ -36,6 +36,7 @@ and counts replicated elements once in the gradient norm.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,7 +47,6 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
@@ -88,22 +88,44 @@ def like_parameter(param: torch.Tensor, local: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=param.requires_grad)
 
 
+class _SequenceShardedRMSNorm(ParallelStyle):
+    """An RMSNorm on this rank's part of the sequence (sequence parallelism: the residual stream is split over the
+    sequence between blocks). The weight is replicated; each rank normalises its own rows in the model's norm
+    arithmetic (a Triton kernel on a GPU) on plain local tensors, and the weight's gradient is this rank's share
+    of a sum over the tp ranks, which the optimizer completes (a PARTIAL role: tp_grad_roles). torch's
+    SequenceParallel style would run the norm on DTensors, which the kernels do not take. Takes and returns
+    this rank's rows as a plain tensor (the next module's input layout says Shard(1))."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight = distribute_tensor(module.weight, device_mesh, [Replicate()], src_data_rank=None)
+        module.register_parameter("weight", nn.Parameter(weight, module.weight.requires_grad))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # [B, S / tp, D]
+            x = x.to_local() if isinstance(x, DTensor) else x
+            return module.norm(x, module.weight.to_local(grad_placements=[Partial()]))
+
+        module.forward = forward
+        return module
+
+
 class _WidthShardedRMSNorm(ParallelStyle):
     """An RMSNorm over a width that tensor parallelism split (QK-norm "full": the whole q or k projection, whose
     columns are this rank's heads): the weight is split like the columns, each rank sums the squares of its
-    columns, one all-reduce of a value per token completes the sum, and each rank normalises its columns.
-    Takes the column-split DTensor the projection gives, returns this rank's columns as a plain tensor."""
+    columns, one all-reduce of a value per token completes the sum (and one more in the backward, of the rows'
+    sums of g * w * x), and each rank normalises its columns, in the model's norm arithmetic. Takes the
+    column-split DTensor the projection gives, returns this rank's columns as a plain tensor."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         weight = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=None)
         module.register_parameter("weight", nn.Parameter(weight, module.weight.requires_grad))
-        width, eps = module.normalized_shape[0], module.eps
+        width, group = module.normalized_shape[0], device_mesh.get_group()
+
+        def sum_over_ranks(per_row: torch.Tensor) -> torch.Tensor:  # fp32 [N], in place
+            dist.all_reduce(per_row, group=group)
+            return per_row
 
         def forward(x: DTensor) -> torch.Tensor:  # [B, S, W] split over W
-            x32 = x.float()
-            sum_sq = x32.square().sum(dim=-1, keepdim=True).redistribute(placements=[Replicate()])  # [B, S, 1]
-            normed = (x32 * torch.rsqrt(sum_sq / width + eps)).to(x.dtype)
-            return (normed * module.weight).to_local()
+            return module.norm(x.to_local(), module.weight.to_local(), width, sum_over_ranks)
 
         module.forward = forward
         return module
@@ -203,14 +225,14 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Mo
     for name, block in model.layers.items():
         prefix = f"layers.{name}"
         if sp:
-            _apply(model, mesh, prefix, {"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+            _apply(model, mesh, prefix, {"attn_norm": _SequenceShardedRMSNorm(), "ffn_norm": _SequenceShardedRMSNorm()})
         _apply(model, mesh, f"{prefix}.attn", _attention_plan(block.attn, sp))
         _apply(model, mesh, f"{prefix}.ffn", _ffn_plan(block.ffn, sp))
         if block.is_moe:  # the tp ranks route parts of one micro-batch
             block.ffn.wire(micro_batch_group=mesh.get_group())
     if getattr(model, "lm_head", None) is not None:
         if sp:
-            _apply(model, mesh, "norm", {"": SequenceParallel()})
+            _apply(model, mesh, "norm", {"": _SequenceShardedRMSNorm()})
         head = ColwiseParallel(input_layouts=_residual(sp), output_layouts=Shard(-1), use_local_output=True)
         _apply(model, mesh, "lm_head", {"": head})
     return model
@@ -234,7 +256,7 @@ def tp_grad_roles(model: nn.Module) -> dict[str, str]:
             continue
         if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
             roles[name] = SPLIT
-        elif isinstance(param, DTensor):  # replicated by SequenceParallel: each rank saw its part of the sequence
+        elif isinstance(param, DTensor):  # a norm's under sp (_SequenceShardedRMSNorm): each rank saw its rows
             roles[name] = PARTIAL
         else:
             roles[name] = PARTIAL if name in in_moe or name in head_norms else REPLICATED

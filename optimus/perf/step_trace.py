@@ -56,8 +56,9 @@ from optimus.parallel.tensor_parallel import local_tensor
 # a step that leaves its parameter gathers to the next forward says so (a `carry` event), 4 since a bf16 attention's
 # backward is no fp32 product (optimus.operators.op_cost), 5 since an argument an operator writes in place is
 # counted as read and written and does not make its products fp32 ones, and expert weight gradients may be added
-# into the optimizer's fp32 buffer by their kernel (optimus.kernels.grad_sink).
-FORMAT = 5
+# into the optimizer's fp32 buffer by their kernel (optimus.kernels.grad_sink), 6 since RMSNorm runs as the kernel
+# backend's operators (optimus.kernels.rms_norm: Triton's on the device path).
+FORMAT = 6
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.

@@ -61,6 +61,12 @@ OPCHECK_CASES = [
     "swiglu_backward",
     "grouped_wgrad",
     "grouped_wgrad_into",
+    "row_dot",
+    "row_dot_weighted",
+    "rms_norm",
+    "rms_norm_summed",
+    "rms_norm_backward",
+    "rms_norm_backward_summed",
 ]
 
 
@@ -75,6 +81,11 @@ def opcheck_cases() -> dict:
     seg_end_T = torch.cumsum(torch.bincount(token_idx_A), 0).to(torch.int32)
     fp32 = torch.float32
     ops = torch.ops.optimus
+    # RMSNorm's rows: 5 of width 20 in bf16 with an fp32 weight; the *_summed cases take the rows' sums over a
+    # width of 40 (another rank's 20 columns added) where the kernel would compute them
+    gen = torch.Generator().manual_seed(5)
+    x_ND, g_ND = (torch.randn(5, 20, generator=gen).bfloat16() for _ in range(2))
+    w_D, rstd_N, sums_N = torch.rand(20, generator=gen) + 0.5, torch.rand(5, generator=gen) + 0.5, torch.rand(5) * 40
     return {
         "permute": (ops.triton_permute, (x_TD, token_idx_A, fp32)),
         "permute_to_fp16": (ops.triton_permute, (x_TD, token_idx_A, torch.float16)),
@@ -88,6 +99,12 @@ def opcheck_cases() -> dict:
         "swiglu_backward": (ops.triton_swiglu_backward, (rows_AD, w2.detach(), h13_AF2, offsets_E)),
         "grouped_wgrad": (ops.triton_grouped_wgrad, (rows_AD, rows_AD, offsets_E, fp32)),
         "grouped_wgrad_into": (ops.triton_grouped_wgrad_into, (rows_AD, rows_AD, offsets_E, torch.zeros(4, 20, 20))),
+        "row_dot": (ops.triton_row_dot, (x_ND, x_ND, None)),
+        "row_dot_weighted": (ops.triton_row_dot, (g_ND, x_ND, w_D)),
+        "rms_norm": (ops.triton_rms_norm, (x_ND, w_D, 1e-6, 20, None)),
+        "rms_norm_summed": (ops.triton_rms_norm, (x_ND, w_D, 1e-6, 40, sums_N)),
+        "rms_norm_backward": (ops.triton_rms_norm_backward, (g_ND, x_ND, w_D, rstd_N, 20, None)),
+        "rms_norm_backward_summed": (ops.triton_rms_norm_backward, (g_ND, x_ND, w_D, rstd_N, 40, sums_N)),
     }
 
 
