@@ -351,7 +351,7 @@ def test_plan_and_launch_agree_on_the_expert_group_of_a_node(capsys):
 
 
 @pytest.mark.parametrize(
-    "experiment,pp,ep", [("aurora-mula-100b-a7b", 8, 12), ("aurora-mula-220b-a10b", 16, 12)], ids=["100b", "220b"]
+    "experiment,pp,ep", [("aurora-mula-100b-a7b", 8, 12), ("aurora-mula-220b-a10b", 8, 12)], ids=["100b", "220b"]
 )
 def test_pipeline_experiments_render_and_launch_on_256_aurora_nodes(experiment, pp, ep, tmp_path, fakes, capsys):
     """The full-size recipes, composed as `optimus launch` composes them: 3072 ranks, PP x DP x EP."""

@@ -101,9 +101,9 @@ def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_f
         assert sum(rank_bytes[k] for k in STATE_KEYS) == stage["state_bytes"], rank
 
 
-@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 16)])
+@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 8)])
 def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp):
-    """256 Aurora nodes: every pipeline rank of the 100B (PP 8) and 220B (PP 16) recipes, interleaved 1F1B with
+    """256 Aurora nodes: every pipeline rank of the 100B and 220B recipes (PP 8 each), interleaved 1F1B with
     two stages per rank, fits its 64 GB tile; the ranks hold every layer once; and each holds, in micro-batches
     of its layers, the heaviest point of torch's own action order for it, each stage's forwards weighing its
     layers (two rounds of pp micro-batches per data-parallel rank)."""

@@ -28,7 +28,7 @@ def test_runnable_experiments_validate_at_3072_tiles(experiment, model, ep):
     )
 
 
-@pytest.mark.parametrize("experiment, pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 16)])
+@pytest.mark.parametrize("experiment, pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 8)])
 def test_pipeline_experiments_validate_at_3072_tiles(experiment, pp):
     cfg = load_config([f"experiment={experiment}"])
     assert cfg.parallel.pp == pp and cfg.parallel.ep == 12
