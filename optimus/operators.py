@@ -20,6 +20,7 @@ Apart from the performance model (optimus.perf), which imports it, so that a dry
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -96,9 +97,17 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
 
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments an operator writes in place (its schema marks them `Tensor(a!)`)."""
+    marked = _written_names(func)
+    if not marked:  # most operators: no need to name the arguments
+        return []
     named = _named_arguments(func, args, kwargs)
-    marked = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     return _tensors([named.get(name) for name in marked])
+
+
+@functools.cache
+def _written_names(func) -> tuple[str, ...]:
+    """The names of the arguments an operator's schema marks written (once per operator: op_cost runs per call)."""
+    return tuple(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
 def operator_name(func) -> str:
