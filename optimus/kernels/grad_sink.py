@@ -7,17 +7,19 @@ beside the rows each micro-batch brings them, that add is a large part of the ba
 accumulate in fp32 anyway can instead add its result to the fp32 buffer where it stands, as Megatron's
 gradient-accumulation fusion does.
 
-The optimizer offers the buffer (`attach`) where that is safe: one full fp32 gradient buffer per step (ZeRO-1) that
-hooks would otherwise fill, a plain (not tensor-parallel) parameter, and a schedule whose backward computes every
-weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass, whose
-`torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`) adds its
+The optimizer offers a sink (`attach`) where that is safe: fp32 gradients that hooks would otherwise add up (the
+full buffer of ZeRO-1, or ZeRO-2's per-parameter sums of a step's micro-batches, made on a kernel's first use, the
+moment the hook would have made them), a plain (not tensor-parallel) parameter, and a schedule whose backward
+computes every weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass,
+whose `torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`, asked
+when the backward runs) adds its
 gradient there, marks the weight (`mark_added`) and returns an uninitialised tensor in the gradient's place (no
 kernel computes it; autograd's engine wants a defined gradient for a weight that requires one, as in Megatron),
 which the optimizer's hook drops unread (`take_added`); a second use of the weight in the same backward returns
 None, so autograd adds no placeholders together. So a weight that a sink-aware kernel takes must reach the loss
 through such kernels alone (the routed experts' weights do: nothing else reads them), or autograd would add a real
 gradient to a placeholder that the hook drops. A kernel that cannot fuse ignores the sink and returns the gradient,
-which the hook adds as before (every other parameter's). The sink holds its buffer weakly: a parameter outlives an
+which the hook adds as before (every other parameter's). The sink holds its source weakly: a parameter outlives an
 optimizer that is gone without writing into its freed buffer.
 """
 
@@ -34,28 +36,30 @@ _ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of thi
 
 @dataclass(frozen=True)
 class _Sink:
-    buffer: weakref.ref  # the optimizer's flat fp32 gradient buffer
-    start: int  # the parameter's elements in it: [start, end)
+    source: weakref.ref  # a flat fp32 gradient buffer, or an owner that makes the parameter's sum (attach)
+    start: int  # the parameter's elements in a buffer: [start, end); an owner's key
     end: int
 
 
-def attach(param: torch.Tensor, buffer: torch.Tensor | None, start: int = 0) -> None:
-    """Offer `buffer[start : start + param.numel()]` as where kernels add `param`'s gradient (None: offer nothing,
+def attach(param: torch.Tensor, source: object | None, start: int = 0) -> None:
+    """Offer where kernels add `param`'s gradient: `source[start : start + param.numel()]` of a flat fp32 buffer, or
+    `source.sink_for(start)` of an owner that makes the flat fp32 tensor on its first use (None: offer nothing,
     taking back any earlier optimizer's offer)."""
-    if buffer is None:
+    if source is None:
         if hasattr(param, _ATTRIBUTE):
             delattr(param, _ATTRIBUTE)
         return
-    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(buffer), start, start + param.numel()))
+    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(source), start, start + param.numel()))
 
 
 def sink_of(param: torch.Tensor) -> torch.Tensor | None:
     """The fp32 tensor of `param`'s shape to add its gradient into, or None where none is offered."""
     sink = getattr(param, _ATTRIBUTE, None)
-    buffer = sink.buffer() if sink is not None else None
-    if buffer is None:
+    source = sink.source() if sink is not None else None
+    if source is None:
         return None
-    return buffer[sink.start : sink.end].view(param.shape)
+    flat = source[sink.start : sink.end] if isinstance(source, torch.Tensor) else source.sink_for(sink.start)
+    return flat.view(param.shape)
 
 
 def mark_added(param: torch.Tensor) -> bool:

@@ -105,10 +105,11 @@ def _(x_AM, g_AN, offsets_E, sum_EMN):
     return None
 
 
-def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor, sink: Tensor | None) -> Tensor | None:
+def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor) -> Tensor | None:
     """A grouped weight's gradient, returned in the weight's dtype; or, where the optimizer offers a sink
-    (grad_sink.sink_of, read when the forward ran), added there, with an uninitialised tensor returned in its
-    place for the optimizer's hook to drop (None from a second use in the same backward: grad_sink.mark_added)."""
+    (grad_sink.sink_of), added there, with an uninitialised tensor returned in its place for the optimizer's hook
+    to drop (None from a second use in the same backward: grad_sink.mark_added)."""
+    sink = grad_sink.sink_of(w_EMN)
     if sink is None:
         return _grouped_wgrad(x_AM, g_AN, offsets_E, w_EMN.dtype)
     _grouped_wgrad_into(x_AM, g_AN, offsets_E, sink)
@@ -195,8 +196,7 @@ def _swiglu_mlp_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero gradients for h13 and h, which nothing downstream uses
     ctx.save_for_backward(x_AD, w13_EDF2, w2_EFD, offsets_E, h13_AF2, h_AF)
     ctx.dtype = dtype
-    ctx.sinks = (grad_sink.sink_of(w13_EDF2), grad_sink.sink_of(w2_EFD))
-    ctx.weights = (w13_EDF2, w2_EFD)  # the parameter objects, which a sink's use marks
+    ctx.weights = (w13_EDF2, w2_EFD)  # the parameter objects, whose sinks the backward asks for and marks
 
 
 def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
@@ -207,9 +207,9 @@ def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
     if ctx.needs_input_grad[0]:
         dx_AD = _grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, ctx.dtype).to(x_AD.dtype)
     if ctx.needs_input_grad[1]:
-        dw13 = _weight_grad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, ctx.weights[0], ctx.sinks[0])  # [E, D, 2F]
+        dw13 = _weight_grad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, ctx.weights[0])  # [E, D, 2F]
     if ctx.needs_input_grad[2]:
-        dw2 = _weight_grad(h_AF, dy_c, offsets_E, ctx.weights[1], ctx.sinks[1])  # [E, F, D]
+        dw2 = _weight_grad(h_AF, dy_c, offsets_E, ctx.weights[1])  # [E, F, D]
     return dx_AD, dw13, dw2, None, None
 
 
@@ -231,8 +231,7 @@ def _grouped_mm_setup(ctx, inputs, output):
     x_AK, w_EKN, offsets_E, dtype = inputs
     ctx.save_for_backward(x_AK, w_EKN, offsets_E)
     ctx.dtype = dtype
-    ctx.sink = grad_sink.sink_of(w_EKN)
-    ctx.weight = w_EKN  # the parameter object, which a sink's use marks
+    ctx.weight = w_EKN  # the parameter object, whose sink the backward asks for and marks
 
 
 def _grouped_mm_backward(ctx, dy_AN):
@@ -242,7 +241,7 @@ def _grouped_mm_backward(ctx, dy_AN):
     if ctx.needs_input_grad[0]:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
         dx = _grouped_mm(dy_c, w_EKN.transpose(1, 2), offsets_E, ctx.dtype).to(x_AK.dtype)
     if ctx.needs_input_grad[1]:
-        dw = _weight_grad(x_AK.to(ctx.dtype), dy_c, offsets_E, ctx.weight, ctx.sink)
+        dw = _weight_grad(x_AK.to(ctx.dtype), dy_c, offsets_E, ctx.weight)
     return dx, dw, None, None
 
 

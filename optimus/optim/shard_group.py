@@ -9,9 +9,10 @@ micro-batch, seen by a tensor hook (which also fires in a zero-bubble pipeline s
 autograd's accumulation and its hooks are skipped), so the `micro_batches`-th arrival is the step's last; no
 caller has to say which backward is the last. A parameter that missed a micro-batch is reduced in `reduce()`. A
 group has at most BUCKETS_IN_FLIGHT reductions in flight: launching one more first finishes the oldest and frees
-its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. ZeRO-1
-with hook-fed fp32 gradients offers its full buffer as each parameter's gradient sink (optimus.kernels.grad_sink):
-a kernel that adds a weight's gradient there itself marks the weight, and the hook drops what autograd stored. With
+its staging copy, so the staged gradients never grow to the whole gradient that ZeRO-2 exists not to hold. Hook-fed
+fp32 gradients are offered as each parameter's gradient sink (optimus.kernels.grad_sink), ZeRO-1's full buffer or
+ZeRO-2's sums of a step's micro-batches: a kernel that adds a weight's gradient there itself marks the weight, and
+the hook drops what autograd stored. With
 hierarchical sharding (optim.shard_ranks: a GroupComm with a replica group) the reduce-scatter runs inside the shard
 group and, once it has finished, the shard it produced is all-reduced over the replica group (in flight beside the
 next buckets' reduce-scatters, holding no staged copy); `reduce_rest` waits for those too.
@@ -96,8 +97,8 @@ class ShardGroup:
     ):  # fmt: skip
         """`bucket`: elements per bucket; `tp`: a TensorParallelGrads for the dense group of a tensor-parallel
         model, else None; `micro_batches`: backwards per step, hence gradient arrivals per parameter (ZeRO-2);
-        `grad_sinks`: offer the full fp32 buffer to kernels that can add a weight's gradient into it themselves
-        (optimus.kernels.grad_sink), where gradients would otherwise reach it by hook (ZeRO-1)."""
+        `grad_sinks`: offer the fp32 sums to kernels that can add a weight's gradient into them themselves
+        (optimus.kernels.grad_sink), where gradients would otherwise reach them by hook (offer_grad_sinks)."""
         self.comm, self.zero, self.tp, self.micro_batches = comm, zero, tp, micro_batches
         self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, bucket, offsets)
         flat, dev = self.flat, self.flat.device
@@ -139,14 +140,28 @@ class ShardGroup:
             self.flat.shard_view(self.master, b).copy_(self.flat.owned_view(self.flat.buffer, b))
 
     def offer_grad_sinks(self, wanted: bool) -> None:
-        """Offer each parameter's slice of the full buffer as its gradient sink where a fused kernel may add to it:
-        ZeRO-1 (one buffer for the step), fp32 gradients that hooks would otherwise add in, no tensor parallelism
-        (whose gradients are DTensors). Elsewhere take back an offer an earlier optimizer made."""
-        fusable = wanted and self.zero == 1 and self.grads_by_hook and self.tp is None
-        fusable = fusable and self.grad_dtype == torch.float32
-        for s in self.flat.slots:
+        """Offer each parameter a gradient sink where a fused kernel may add to it: fp32 gradients that hooks would
+        otherwise add up, in the full buffer (ZeRO-1) or in the per-parameter sums of a step's micro-batches
+        (ZeRO-2 with several: `sink_for`), and no tensor parallelism (whose gradients are DTensors). Elsewhere take
+        back an offer an earlier optimizer made."""
+        fusable = wanted and self.grads_by_hook and self.tp is None and self.grad_dtype == torch.float32
+        fusable = fusable and (self.zero == 1 or self.micro_batches > 1)
+        for i, s in enumerate(self.flat.slots):
             plain = not isinstance(s.param, DTensor)
-            grad_sink.attach(s.param, self.full_grad if fusable and plain else None, s.start)
+            if not (fusable and plain):
+                grad_sink.attach(s.param, None)
+            elif self.zero == 1:
+                grad_sink.attach(s.param, self.full_grad, s.start)
+            else:
+                grad_sink.attach(s.param, self, i)
+
+    def sink_for(self, slot_idx: int) -> torch.Tensor:
+        """ZeRO-2: the flat fp32 sum of slot `slot_idx`'s gradients of this step, where a kernel adds the next one
+        (grad_sink): made, zero, on the first use, where the hook of the first gradient would have made it."""
+        if slot_idx not in self.partial:
+            s = self.flat.slots[slot_idx]
+            self.partial[slot_idx] = torch.zeros(s.end - s.start, dtype=self.grad_dtype, device=self.flat.device)
+        return self.partial[slot_idx]
 
     def point_grads_at_buffer(self) -> None:
         for s in self.flat.slots:
@@ -193,10 +208,11 @@ class ShardGroup:
         last = self.arrivals[slot_idx] == self.micro_batches and slot_idx not in self.deferred
         param = self.flat.slots[slot_idx].param
         if self.grads_by_hook:
-            grad = local_grad(param, grad)
+            # a kernel that added this gradient into the slot's sum (sink_for) hands autograd a placeholder
+            grad = None if grad_sink.take_added(param) else local_grad(param, grad)
             if last:
                 self.pack(slot_idx, grad, self.partial.pop(slot_idx, None))
-            else:
+            elif grad is not None:
                 self.accumulate_partial(slot_idx, grad)
             self.stale.add(slot_idx)  # what autograd stores is taken already
             return None
@@ -274,8 +290,10 @@ class ShardGroup:
             dst = self.staging[bi][lo - b.start : hi - b.start]
             if grad is not None:
                 dst.copy_(grad.reshape(-1)[lo - s.start : hi - s.start])
-            if earlier is not None:
+            if earlier is not None and grad is not None:
                 dst.add_(earlier.reshape(-1)[lo - s.start : hi - s.start])
+            elif earlier is not None:  # the whole sum (a kernel added this micro-batch's gradient to it)
+                dst.copy_(earlier.reshape(-1)[lo - s.start : hi - s.start])
             self.left[bi] -= 1
             if self.left[bi] == 0:  # reduce it before staging the next: a large parameter spans many buckets
                 self.launch_ready()

@@ -57,7 +57,8 @@ from optimus.parallel.tensor_parallel import local_tensor
 # backward is no fp32 product (optimus.operators.op_cost), 5 since an argument an operator writes in place is
 # counted as read and written and does not make its products fp32 ones, and expert weight gradients may be added
 # into the optimizer's fp32 buffer by their kernel (optimus.kernels.grad_sink), 6 since RMSNorm runs as the kernel
-# backend's operators (optimus.kernels.rms_norm: Triton's on the device path).
+# backend's operators (optimus.kernels.rms_norm: Triton's on the device path) and ZeRO-2's sums of a step's
+# micro-batches are gradient sinks too.
 FORMAT = 6
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")

@@ -13,7 +13,7 @@ from optimus.kernels import grad_sink, reference
 from optimus.kernels.torch_private import TorchDispatchMode
 from optimus.model.moe.experts import GroupedExperts
 from optimus.optim.shard_group import GroupComm, ShardGroup
-from optimus.optim.sharder import _accumulation
+from optimus.optim.sharder import _accumulation, _arrival, _storing
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the triton backend is optional")
 
@@ -21,14 +21,22 @@ E, D, F, ROWS = 3, 16, 8, 20
 
 
 def expert_group(
-    experts: GroupedExperts, zero: int = 1, grad_dtype=torch.float32, grad_sinks: bool = True, hooked: bool = True
+    experts: GroupedExperts,
+    zero: int = 1,
+    grad_dtype=torch.float32,
+    grad_sinks: bool = True,
+    hooked: bool = True,
+    micro_batches: int = 2,
 ):
-    """One rank's optimizer group over the experts' weights, as the sharder builds it on a world of one (`hooked`:
-    with the hook a ZeRO-1 sharder gives gradients kept in another dtype than the weights')."""
+    """One rank's optimizer group over the experts' weights for steps of `micro_batches`, as the sharder builds it
+    on a world of one (`hooked`: with the hooks the sharder registers)."""
     named = list(experts.named_parameters())
-    group = ShardGroup(named, GroupComm(None, 1, 0), 1 << 20, zero, grad_dtype, None, 2, None, grad_sinks)
-    if hooked and zero == 1 and group.grads_by_hook:
-        for i, s in enumerate(group.flat.slots):
+    group = ShardGroup(named, GroupComm(None, 1, 0), 1 << 20, zero, grad_dtype, None, micro_batches, None, grad_sinks)
+    for i, s in enumerate(group.flat.slots if hooked else []):
+        if zero == 2:
+            s.param.register_hook(_arrival(group, i))
+            s.param.register_post_accumulate_grad_hook(_storing(group, i))
+        elif group.grads_by_hook:
             s.param.register_post_accumulate_grad_hook(_accumulation(group, i))
     return group
 
@@ -53,31 +61,53 @@ def micro_batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, 
     return out
 
 
-def test_zero1_fp32_gradients_of_low_precision_weights_are_added_by_the_kernels():
-    experts = new_experts(torch.float16)
-    group = expert_group(experts)
-    w13, w2 = experts.w13, experts.w2
-    for x, counts, dy in micro_batches(torch.float16):
-        experts(x, counts).backward(dy)
-    assert experts.w13.grad is None and experts.w2.grad is None  # the hook dropped what autograd stored
-    # The oracle: each micro-batch's fp32 gradient of the same (rounded) values, summed.
+def fp32_sums(experts: GroupedExperts) -> dict[str, torch.Tensor]:
+    """The oracle: each micro-batch's fp32 gradient of the same (rounded) values, summed."""
     want = {"w13": torch.zeros(E, D, 2 * F), "w2": torch.zeros(E, F, D)}
     for x, counts, dy in micro_batches(torch.float16):
-        w13_32, w2_32 = (w.detach().float().requires_grad_() for w in (w13, w2))
+        w13_32, w2_32 = (w.detach().float().requires_grad_() for w in (experts.w13, experts.w2))
         offsets = torch.cumsum(counts, 0)
         y = reference.expert_swiglu_mlp(x.float(), w13_32, w2_32, offsets)
         d13, d2 = torch.autograd.grad(y, (w13_32, w2_32), dy.float())
         want["w13"] += d13
         want["w2"] += d2
+    return want
+
+
+def assert_sums(group: ShardGroup, flat_grad: torch.Tensor, want: dict[str, torch.Tensor]) -> None:
     for slot in group.flat.slots:
         name = slot.name
-        got = group.full_grad[slot.start : slot.end].view(want[name].shape)
+        got = flat_grad[slot.start : slot.end].view(want[name].shape)
         err = (got - want[name]).abs().max() / want[name].abs().max()
         assert err < 2e-2, (name, float(err))  # fp16 activations between the products, fp32 sums
         assert got[1].abs().max() > 0  # expert 1's rows of the first micro-batch are in its sum
+
+
+def test_zero1_fp32_gradients_of_low_precision_weights_are_added_by_the_kernels():
+    experts = new_experts(torch.float16)
+    group = expert_group(experts)
+    for x, counts, dy in micro_batches(torch.float16):
+        experts(x, counts).backward(dy)
+    assert experts.w13.grad is None and experts.w2.grad is None  # the hook dropped what autograd stored
+    assert_sums(group, group.full_grad, fp32_sums(experts))
     grad_sink.mark_added(experts.w13)  # a backward that stopped between its kernel and its hook
     group.zero_grad()
     assert not grad_sink.take_added(experts.w13) and group.full_grad.abs().max() == 0
+
+
+def test_zero2_sums_of_a_steps_micro_batches_are_added_by_the_kernels():
+    # ZeRO-2 keeps each weight's sum of the step's micro-batches until the last completes it and it is reduced: the
+    # kernels add into that sum, made on their first use, and no hook adds anything of the weights' size.
+    experts = new_experts(torch.float16)
+    group = expert_group(experts, zero=2)
+    sizes = {tuple(experts.w13.shape), tuple(experts.w2.shape), (experts.w13.numel(),), (experts.w2.numel(),)}
+    with _AddedShapes() as added:
+        for x, counts, dy in micro_batches(torch.float16):
+            experts(x, counts).backward(dy)
+    assert not sizes & added.shapes
+    assert experts.w13.grad is None and not group.partial  # the last micro-batch packed both sums and freed them
+    group.reduce_rest()
+    assert_sums(group, group.grad_shard, fp32_sums(experts))
 
 
 class _AddedShapes(TorchDispatchMode):
@@ -113,11 +143,11 @@ def test_weights_used_twice_in_a_forward_add_both_gradients_and_sum_no_placehold
 @pytest.mark.parametrize(
     "case",
     [
-        dict(zero=2),  # ZeRO-2 holds no full buffer
+        dict(zero=2, micro_batches=1),  # ZeRO-2 with one micro-batch sums nothing: the gradient is reduced at once
         dict(grad_dtype=torch.float16),  # autograd accumulates in the parameter dtype into .grad views
         dict(grad_sinks=False),  # a schedule with a weight pass of its own (zero bubble)
     ],
-    ids=["zero2", "grads-in-param-dtype", "not-wanted"],
+    ids=["zero2-one-micro-batch", "grads-in-param-dtype", "not-wanted"],
 )
 def test_no_sink_is_offered_where_kernels_must_return_the_gradient(case):
     experts = new_experts(torch.float16)
