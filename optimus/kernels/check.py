@@ -1,4 +1,4 @@
-"""Each expert-path kernel of a backend, forward and backward, against the plain-PyTorch reference.
+"""Each expert-path and RMSNorm kernel of a backend, forward and backward, against the plain-PyTorch reference.
 
 A kernel that is wrong on one device does not crash: it trains on wrong numbers. This module runs every
 differentiable operation of a backend (`permute`, `expert_swiglu_mlp`, `combine`, `grouped_mm`, `rms_norm`) and
@@ -122,7 +122,10 @@ class KernelResult:
 
     def failure(self, backend: str) -> str:
         """One sentence: which kernel, dtype and shape, how far off, and what to set instead."""
-        where = f"the {backend} kernel {self.kernel} in {self.dtype_name} at {self.case.describe()}"
+        shape = self.case.describe()
+        if self.kernel.startswith("rms_norm"):  # the norm sees the tokens' rows, not the experts'
+            shape = f"{self.case.name}: {self.case.tokens} rows x {self.case.dim}"
+        where = f"the {backend} kernel {self.kernel} in {self.dtype_name} at {shape}"
         fallback = "kernels=torch" if backend != "torch" else "kernels=triton where Triton runs, or another torch build"
         if self.raised is not None:
             return f"{where} raised {self.raised.rstrip('.')}; use {fallback}."
@@ -186,18 +189,26 @@ def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int) -> 
 
 
 def check_backend(
-    backend: KernelBackend, cases: list[Case], dtypes: list[torch.dtype], device: torch.device | str, seed: int = 0
+    backend: KernelBackend,
+    cases: list[Case],
+    dtypes: list[torch.dtype],
+    device: torch.device | str,
+    seed: int = 0,
+    norm_only: bool = False,
 ) -> list[KernelResult]:
-    """Every kernel of `backend` on every case and dtype, against the fp32 reference on the same rounded inputs."""
+    """Every kernel of `backend` on every case and dtype, against the fp32 reference on the same rounded inputs
+    (`norm_only`: the RMSNorm's alone, at the case's `dim`: what a dense model runs)."""
     device = torch.device(device)
     results = []
     for case in cases:
         for dtype in dtypes:
-            results += _check_case(backend, case, dtype, device, torch.Generator().manual_seed(seed))
+            results += _check_case(backend, case, dtype, device, torch.Generator().manual_seed(seed), norm_only)
     return results
 
 
-def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, gen) -> list[KernelResult]:
+def _check_case(
+    backend, case: Case, dtype: torch.dtype, device: torch.device, gen, norm_only: bool
+) -> list[KernelResult]:
     (x_TD, w13, w2, weight_A, norm_w_D), token_idx_A, offsets_E = _leaves(case, dtype, device, gen)
     tol = tolerance(dtype, device.type)
     x_AD = reference.permute(x_TD, token_idx_A)
@@ -213,6 +224,8 @@ def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, g
     want_ops = _operations(reference, token_idx_A, offsets_E, case.tokens)
     results = []
     for name, (fn, labels) in got_ops.items():
+        if norm_only and name != "rms_norm":
+            continue
         with _ieee_fp32():
             want_fn = want_ops[name][0]
             with torch.no_grad():
@@ -228,6 +241,8 @@ def _check_case(backend, case: Case, dtype: torch.dtype, device: torch.device, g
             got, raised = [None] * len(labels), f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
         for label, g, w in zip(labels, got, want):
             results.append(KernelResult(f"{name} {label}", dtype, case, relative_error(g, w), tol, raised))
+    if norm_only:
+        return results
     counts = count_ids(token_idx_A, case.tokens)
     want_counts = torch.bincount(token_idx_A.cpu(), minlength=case.tokens)
     results.append(KernelResult("count_ids", torch.int64, case, relative_error(counts, want_counts), 0.0))

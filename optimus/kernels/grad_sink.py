@@ -9,7 +9,8 @@ gradient-accumulation fusion does.
 
 The optimizer offers a sink (`attach`) where that is safe: fp32 gradients that hooks would otherwise add up (the
 full buffer of ZeRO-1, or ZeRO-2's per-parameter sums of a step's micro-batches, made on a kernel's first use, the
-moment the hook would have made them), a plain (not tensor-parallel) parameter, and a schedule whose backward
+moment the hook would have made them), a plain (not tensor-parallel) parameter of a group whose gradients need
+no sum over the tensor-parallel ranks first (the routed experts'), and a schedule whose backward
 computes every weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass,
 whose `torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`, asked
 when the backward runs) adds its

@@ -49,7 +49,7 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor)
 
 
 def rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean of x^2 over the last dimension + eps) * w, in x's dtype."""
+    """x / sqrt(mean of x^2 over the last dimension + eps) * w (in x's and w's promoted dtype)."""
     return x_TD * torch.rsqrt(x_TD.square().mean(-1, keepdim=True) + eps) * w_D
 
 

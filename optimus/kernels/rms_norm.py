@@ -14,8 +14,9 @@ and the product before the cast, about 12 bytes per element instead of the input
 the same on every device and backend, which is what optimus.plan counts.
 
 Two arithmetics: `TORCH_NORM` (torch's ops: fp32 temporaries, several passes over the rows each way) and the
-Triton backend's kernels (optimus.kernels.triton_backend: one pass each way over a tile of rows, reading the
-input in its own dtype and writing the output in it).
+Triton backend's kernels (optimus.kernels.triton_backend: one kernel each way over a tile of rows, reading the
+input in its own dtype and writing the output in it; a first walk along the rows sums, a second writes, rereading
+the tile from the cache).
 """
 
 from __future__ import annotations

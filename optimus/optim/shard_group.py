@@ -142,8 +142,8 @@ class ShardGroup:
     def offer_grad_sinks(self, wanted: bool) -> None:
         """Offer each parameter a gradient sink where a fused kernel may add to it: fp32 gradients that hooks would
         otherwise add up, in the full buffer (ZeRO-1) or in the per-parameter sums of a step's micro-batches
-        (ZeRO-2 with several: `sink_for`), and no tensor parallelism (whose gradients are DTensors). Elsewhere take
-        back an offer an earlier optimizer made."""
+        (ZeRO-2 with several: `sink_for`), in a group without tensor-parallel sums (`tp`: the dense group under tp)
+        and a plain parameter (not a DTensor). Elsewhere take back an offer an earlier optimizer made."""
         fusable = wanted and self.grads_by_hook and self.tp is None and self.grad_dtype == torch.float32
         fusable = fusable and (self.zero == 1 or self.micro_batches > 1)
         for i, s in enumerate(self.flat.slots):

@@ -169,7 +169,7 @@ class ShardedAdamW(ShardedOptimizer):
     """AdamW for `optim.sharding=none | standard | ep_aware` over `model`'s trainable parameters (see
     optimus.optim.sharder). `micro_batches`: the backwards of one optimizer step (ZeRO-2 reduces after the last);
     `tied`: tie_embeddings across pipeline stages (optimus.parallel.pipeline.TiedEmbedding); `grad_sinks`: offer
-    kernels the fp32 gradient buffer to add weight gradients into (optimus.kernels.grad_sink; False under a
+    kernels the fp32 gradient sums to add weight gradients into (optimus.kernels.grad_sink; False under a
     schedule with a weight pass of its own, config.WEIGHT_PASS_SCHEDULES)."""
 
     def __init__(

@@ -211,7 +211,7 @@ def cut_stage(model: Transformer, layer_ids: list[int], embed: bool, head: bool)
     """One pipeline stage of `model` (built whole on the meta device): a Transformer holding `model`'s own modules
     for the blocks `layer_ids`, with the embedding (`embed`) and the final norm and LM head (`head`)."""
     with torch.device("meta"):
-        stage = Transformer(model.cfg, layer_ids=[], embed=False, head=False)
+        stage = Transformer(model.cfg, kernels="torch", layer_ids=[], embed=False, head=False)  # a shell: no norms
     stage.layers.update({str(i): model.layers[str(i)] for i in layer_ids})
     if embed:
         stage.embed = model.embed
@@ -233,7 +233,7 @@ def merge_stages(stages: list[Transformer]) -> Transformer:
     counts and checkpoints); it shares the stages' modules and is never called itself."""
     first = stages[0]
     with torch.device("meta"):  # empty: no layers, no embedding, no head
-        merged = Transformer(first.cfg, layer_ids=[], embed=False, head=False)
+        merged = Transformer(first.cfg, kernels="torch", layer_ids=[], embed=False, head=False)
     for stage in stages:
         merged.layers.update(stage.layers)
         for name in ("embed", "norm", "lm_head"):

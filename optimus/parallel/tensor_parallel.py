@@ -101,7 +101,10 @@ class _SequenceShardedRMSNorm(ParallelStyle):
         module.register_parameter("weight", nn.Parameter(weight, module.weight.requires_grad))
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # [B, S / tp, D]
-            x = x.to_local() if isinstance(x, DTensor) else x
+            if isinstance(x, DTensor):  # only this rank's rows: a whole sequence would be taken for its part
+                if tuple(x.placements) != (Shard(1),):
+                    raise ValueError(f"a sequence-parallel norm takes its rows as Shard(1), not {x.placements}")
+                x = x.to_local()
             return module.norm(x, module.weight.to_local(grad_placements=[Partial()]))
 
         module.forward = forward

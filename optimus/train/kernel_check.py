@@ -1,12 +1,13 @@
-"""Check at start that the expert-path kernels the MoE layers will call compute correctly on this device.
+"""Check at start that the kernels the model will call (the expert path's, the RMSNorms') compute correctly here.
 
 A kernel that is wrong on one device (a compiler bug, a tile that drops a row, a weight read with the wrong
 strides) does not crash: it trains on wrong numbers. Before step 1 every rank runs each kernel of the backend
-its MoE layers take (`kernels`, resolved as `GroupedExperts` resolves it) forward and backward once, on one
-small case at the model's own widths and this rank's experts, in the run's compute dtype on the run's device,
-against the plain-PyTorch reference (`optimus.kernels.check`, which also holds the tolerance rule). The real
-widths are what a kernel's tiling sees in the step; Triton's autotuning, which keys on the widths alone, is
-forgotten after the check, so that the step's first micro-batch tunes at its own row count.
+the model takes (`kernels`, resolved as the model resolves it) forward and backward once, on one small case at
+the model's own widths and this rank's experts (a dense model: its RMSNorms' kernels alone, at its width), in
+the run's compute dtype on the run's device, against the plain-PyTorch reference (`optimus.kernels.check`,
+which also holds the tolerance rule). The real widths are what a kernel's tiling sees in the step; Triton's
+autotuning, which keys on the widths alone, is forgotten after the check, so that the step's first micro-batch
+tunes at its own row count.
 
 The ranks then agree (one all-reduce of the errors over the world, MAX) and every rank raises the same
 one-sentence `KernelCheckFailed` naming the first failing kernel, or none does. `check_kernels` switches it:
@@ -42,11 +43,12 @@ def kernel_check_enabled(setting: bool | None, device_type: str) -> bool:
     return device_type != "cpu" if setting is None else setting
 
 
-def startup_case(model: ModelConfig, ep: int) -> Case | None:
+def startup_case(model: ModelConfig, ep: int) -> Case:
     """The one shape checked: `TOKENS` tokens at the model's widths over this rank's experts (n_experts / ep),
-    one of them without rows when top_k leaves one free; None for a model without MoE layers."""
+    one of them without rows when top_k leaves one free; for a model without MoE layers, `TOKENS` rows of its
+    width (and a token expert path that check_kernels does not run)."""
     if not moe_layer_ids(model):
-        return None
+        return Case(f"{TOKENS} tokens", TOKENS, model.dim, 1, 1, 1)
     moe = model.moe
     experts = experts_per_rank(moe.n_experts, ep)
     top_k = min(moe.top_k, experts)  # a token's rows on one rank: at most one per local expert
@@ -58,13 +60,12 @@ def check_kernels(cfg: OptimusConfig, ps: ParallelState, device: torch.device, c
     """Run every kernel of the backend `cfg.kernels` resolves to on `startup_case`; all ranks raise the first
     failure, or none does."""
     case = startup_case(cfg.model, ps.ep)
-    if case is None:
-        return
     try:
         backend = get_backend(cfg.kernels, device.type)
     except KernelUnavailable as err:  # the `kernels` key: the user's to change, as the model reports it
         raise ConfigError(str(err)) from None
-    results = check_backend(backend, [case], [compute_dtype], device)
+    dense = not moe_layer_ids(cfg.model)
+    results = check_backend(backend, [case], [compute_dtype], device, norm_only=dense)
     if backend.name == "triton":  # tuned on the case's few rows: let the step's first micro-batch tune its own
         from optimus.kernels.triton_kernels import forget_autotuning
 

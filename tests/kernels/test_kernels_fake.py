@@ -85,7 +85,8 @@ def opcheck_cases() -> dict:
     # width of 40 (another rank's 20 columns added) where the kernel would compute them
     gen = torch.Generator().manual_seed(5)
     x_ND, g_ND = (torch.randn(5, 20, generator=gen).bfloat16() for _ in range(2))
-    w_D, rstd_N, sums_N = torch.rand(20, generator=gen) + 0.5, torch.rand(5, generator=gen) + 0.5, torch.rand(5) * 40
+    w_D, rstd_N = torch.rand(20, generator=gen) + 0.5, torch.rand(5, generator=gen) + 0.5
+    sums_N = torch.rand(5, generator=gen) * 40
     return {
         "permute": (ops.triton_permute, (x_TD, token_idx_A, fp32)),
         "permute_to_fp16": (ops.triton_permute, (x_TD, token_idx_A, torch.float16)),

@@ -63,15 +63,24 @@ def test_matches_the_formula(name, dtype, w_dtype):
 
 @pytest.mark.parametrize("name", list(ARITHMETICS))
 def test_a_split_width_matches_the_whole(name):
-    # Two ranks that hold the same half [a | a] of the width: summing a per-row value over them is doubling it,
-    # and each half of the whole norm of [a | a] (weights [v | v], upstream gradient [g | g]) is the half's.
-    x, w, g = problem(torch.float32, torch.float32, shape=(5, 18))
+    # The first 18 of 48 columns on this "rank"; the other rank's 30 columns add their per-row sums through
+    # `reduce`: sum(x^2) in forward, then sum(g * w * x) in backward, as an all-reduce would.
+    x, w, g = problem(torch.float32, torch.float32, shape=(5, 48))
+    other = slice(18, 48)
+    others = [
+        x[:, other].double().square().sum(-1).float(),
+        (g[:, other].double() * w[other].double() * x[:, other].double()).sum(-1).float(),
+    ]
 
-    def doubled(per_row):
-        return per_row.mul_(2)
+    def add_the_other_ranks(per_row):
+        return per_row.add_(others.pop(0))
 
-    got = value_and_grads(lambda x, w: rms_norm(x, w, EPS, ARITHMETICS[name], width=36, reduce=doubled), x, w, g)
-    whole = value_and_grads(formula, torch.cat([x, x], -1), torch.cat([w, w]), torch.cat([g, g], -1))
+    def mine(x_mine, w_mine):
+        return rms_norm(x_mine, w_mine, EPS, ARITHMETICS[name], width=48, reduce=add_the_other_ranks)
+
+    got = value_and_grads(mine, x[:, :18], w[:18], g[:, :18])
+    assert not others  # one sum each way
+    whole = value_and_grads(formula, x, w, g)
     for what, a, b in zip(("y", "dx", "dw"), got, whole):
         assert_close(a, b[..., :18], torch.float32, what)
 

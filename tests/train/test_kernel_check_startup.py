@@ -1,9 +1,11 @@
-"""The start-up check of the expert-path kernels (optimus/train/kernel_check.py): a kernel made wrong on purpose
-(the last row of each 16-row tile dropped, or the weight read transposed) stops the run before step 1 with one
-sentence naming it, on every rank; a correct backend passes; the default runs it on every device but a CPU."""
+"""The start-up check of the kernels (optimus/train/kernel_check.py): a kernel made wrong on purpose (the last
+row of each 16-row tile dropped, the weight read transposed, a norm's output scaled) stops the run before step 1
+with one sentence naming it, on every rank; a correct backend passes; a dense model's check is its norms'; the
+default runs it on every device but a CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -11,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import optimus.kernels as kernels
 from optimus.config import OptimusConfig
 from optimus.kernels import reference, torch_backend
+from optimus.kernels.rms_norm import TORCH_NORM
 from optimus.parallel import build_parallel_state
 from optimus.parallel.state import ParallelState
 from optimus.recipes import load_config
@@ -111,9 +115,26 @@ def test_the_case_is_the_models_widths_over_this_ranks_experts():
     assert (case.dim, case.ffn, case.experts, case.top_k, case.empty_experts) == (48, 40, 8, 4, (4,))
     # Fewer local experts than top_k: a token has at most one row on each, and none is left empty.
     assert (startup_case(cfg.model, ep=8).top_k, startup_case(cfg.model, ep=8).empty_experts) == (2, ())
-    cfg.model.moe.n_experts = 0  # a dense model calls no expert kernel
-    assert startup_case(cfg.model, ep=1) is None
+
+
+def test_a_dense_model_checks_its_norms_alone(monkeypatch):
+    cfg = small_config(dim=48)
+    cfg.model.moe.n_experts = 0
+    assert (startup_case(cfg.model, ep=1).tokens, startup_case(cfg.model, ep=1).dim) == (96, 48)
+    # a wrong expert kernel, which a dense model never calls, does not stop it
+    monkeypatch.setattr(torch_backend, "grouped_mm", drops_last_row_of_each_tile(torch_backend.grouped_mm))
     assert raised(cfg) is None
+
+    def scaled_forward(*args):
+        y_ND, rstd_N = TORCH_NORM.forward(*args)
+        return y_ND * 1.01, rstd_N
+
+    monkeypatch.setattr(kernels, "TORCH_NORM", dataclasses.replace(TORCH_NORM, forward=scaled_forward))
+    assert raised(cfg) == (
+        "At start-up, the torch kernel rms_norm forward in float32 at 96 tokens: 96 rows x 48 is off by 1.00e-02 "
+        "relative to the reference (tolerance 1.0e-05); use kernels=triton where Triton runs, or another torch "
+        "build, or set check_kernels=false to train anyway."
+    )
 
 
 def test_null_means_on_for_every_device_but_a_cpu():
