@@ -20,7 +20,7 @@ which the optimizer's hook drops unread (`take_added`); a second use of the weig
 None, so autograd adds no placeholders together. So a weight that a sink-aware kernel takes must reach the loss
 through such kernels alone (the routed experts' weights do: nothing else reads them), or autograd would add a real
 gradient to a placeholder that the hook drops. A kernel that cannot fuse ignores the sink and returns the gradient,
-which the hook adds as before (every other parameter's). The sink holds its source weakly: a parameter outlives an
+which the hook adds as before (every other parameter's). The sink holds its owner weakly: a parameter outlives an
 optimizer that is gone without writing into its freed buffer.
 """
 
@@ -37,30 +37,25 @@ _ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of thi
 
 @dataclass(frozen=True)
 class _Sink:
-    source: weakref.ref  # a flat fp32 gradient buffer, or an owner that makes the parameter's sum (attach)
-    start: int  # the parameter's elements in a buffer: [start, end); an owner's key
-    end: int
+    owner: weakref.ref  # the optimizer's group: its `sink_for(key)` is the parameter's flat fp32 sum
+    key: int
 
 
-def attach(param: torch.Tensor, source: object | None, start: int = 0) -> None:
-    """Offer where kernels add `param`'s gradient: `source[start : start + param.numel()]` of a flat fp32 buffer, or
-    `source.sink_for(start)` of an owner that makes the flat fp32 tensor on its first use (None: offer nothing,
-    taking back any earlier optimizer's offer)."""
-    if source is None:
+def attach(param: torch.Tensor, owner: object | None, key: int = 0) -> None:
+    """Offer `owner.sink_for(key)` (a flat fp32 tensor of `param.numel()` elements, which the owner may make on its
+    first use) as where kernels add `param`'s gradient (None: offer nothing, taking back any earlier offer)."""
+    if owner is None:
         if hasattr(param, _ATTRIBUTE):
             delattr(param, _ATTRIBUTE)
         return
-    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(source), start, start + param.numel()))
+    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(owner), key))
 
 
 def sink_of(param: torch.Tensor) -> torch.Tensor | None:
     """The fp32 tensor of `param`'s shape to add its gradient into, or None where none is offered."""
     sink = getattr(param, _ATTRIBUTE, None)
-    source = sink.source() if sink is not None else None
-    if source is None:
-        return None
-    flat = source[sink.start : sink.end] if isinstance(source, torch.Tensor) else source.sink_for(sink.start)
-    return flat.view(param.shape)
+    owner = sink.owner() if sink is not None else None
+    return owner.sink_for(sink.key).view(param.shape) if owner is not None else None
 
 
 def mark_added(param: torch.Tensor) -> bool:

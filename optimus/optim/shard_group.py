@@ -148,18 +148,16 @@ class ShardGroup:
         fusable = fusable and (self.zero == 1 or self.micro_batches > 1)
         for i, s in enumerate(self.flat.slots):
             plain = not isinstance(s.param, DTensor)
-            if not (fusable and plain):
-                grad_sink.attach(s.param, None)
-            elif self.zero == 1:
-                grad_sink.attach(s.param, self.full_grad, s.start)
-            else:
-                grad_sink.attach(s.param, self, i)
+            grad_sink.attach(s.param, self if fusable and plain else None, i)
 
     def sink_for(self, slot_idx: int) -> torch.Tensor:
-        """ZeRO-2: the flat fp32 sum of slot `slot_idx`'s gradients of this step, where a kernel adds the next one
-        (grad_sink): made, zero, on the first use, where the hook of the first gradient would have made it."""
+        """The flat fp32 sum of slot `slot_idx`'s gradients of this step, where a kernel adds the next one
+        (grad_sink): its slice of the full buffer (ZeRO-1), or its sum of the step's micro-batches (ZeRO-2), made,
+        zero, on the first use, where the hook of the first gradient would have made it."""
+        s = self.flat.slots[slot_idx]
+        if self.zero == 1:
+            return self.full_grad[s.start : s.end]
         if slot_idx not in self.partial:
-            s = self.flat.slots[slot_idx]
             self.partial[slot_idx] = torch.zeros(s.end - s.start, dtype=self.grad_dtype, device=self.flat.device)
         return self.partial[slot_idx]
 

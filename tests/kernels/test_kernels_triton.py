@@ -73,6 +73,17 @@ def test_grouped_mm_forward_input_and_weight_grads():
     assert got[2][1].abs().max() == 0
 
 
+class _FlatBuffer:
+    """An optimizer's stand-in for grad_sink: one flat buffer, the weight of key k at elements spans[k]."""
+
+    def __init__(self, flat: torch.Tensor, spans: list[tuple[int, int]]):
+        self.flat, self.spans = flat, spans
+
+    def sink_for(self, key: int) -> torch.Tensor:
+        start, numel = self.spans[key]
+        return self.flat[start : start + numel]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_weight_gradients_are_added_into_offered_sinks(dtype):
     # The optimizer offers fp32 buffers (grad_sink); the weight-gradient kernel adds into them, twice here (two
@@ -81,8 +92,9 @@ def test_weight_gradients_are_added_into_offered_sinks(dtype):
     x_TD, w13, w2, weight_A = leaves
     buffer = torch.randn(3 + w13.numel() + w2.numel(), device=DEVICE)  # what earlier gradients left there
     before = buffer.clone()
-    grad_sink.attach(w13, buffer, 3)
-    grad_sink.attach(w2, buffer, 3 + w13.numel())
+    owner = _FlatBuffer(buffer, [(3, w13.numel()), (3 + w13.numel(), w2.numel())])
+    grad_sink.attach(w13, owner, 0)
+    grad_sink.attach(w2, owner, 1)
     be, dout = get_backend("triton"), torch.randn(12, 20, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     for _ in range(2):
         expert_path(be, leaves, token_idx_A, offsets_E).backward(dout.to(dtype))
@@ -99,7 +111,7 @@ def test_weight_gradients_are_added_into_offered_sinks(dtype):
     assert added[:3].abs().max() == 0
     assert_close_rel(added[3 : 3 + w13.numel()], 2 * want[1].flatten(), rtol, "d w13")
     assert_close_rel(added[3 + w13.numel() :], 2 * want[2].flatten(), rtol, "d w2")
-    del buffer  # the sink holds its buffer weakly: an optimizer that is gone leaves none
+    del owner  # the sink holds its owner weakly: an optimizer that is gone leaves none
     assert grad_sink.sink_of(w13) is None
     out = expert_path(be, leaves, token_idx_A, offsets_E)
     assert not grad_sink.take_added(w2)
