@@ -306,5 +306,5 @@ def moe_aux_loss_coef(moe: MoEConfig) -> float:
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")  # several stages per rank (pp_virtual >= 2)
 # Schedules that compute weight gradients in a pass of their own (torch.autograd.grad w.r.t. the weights), which
-# needs every weight's gradient returned: no gradient-accumulation fusion there (optimus.kernels.grad_sink).
+# assigns what it gets to .grad: gradient-accumulation fusion there under ZeRO-2 only (optimus.optim.weight_pass_sinks).
 WEIGHT_PASS_SCHEDULES = ("interleaved_zb",)

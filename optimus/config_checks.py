@@ -306,15 +306,8 @@ def parse_step_window(text: str) -> tuple[int, int]:
 
 
 def validate_profile(cfg: OptimusConfig) -> None:
-    """What profile.* asks for must be measurable: profile.memory on a schedule its tracker follows, and
-    profile.torch's step window inside the run (or the run ends before the trace is written)."""
-    p = cfg.parallel
-    if cfg.profile.memory and p.pp > 1 and p.pp_schedule == "interleaved_zb":  # as the dry run refuses it
-        raise ConfigError(
-            "profile.memory=true cannot measure parallel.pp_schedule=interleaved_zb (torch's module tracker fails on "
-            "its autograd.grad backward): measure interleaved_1f1b, whose forwards and backwards are the same work, "
-            "or set profile.memory=false."
-        )
+    """What profile.* asks for must be measurable: profile.torch's step window inside the run (or the run ends
+    before the trace is written)."""
     if not cfg.profile.torch and not cfg.profile.operators:
         return
     last = parse_step_window(cfg.profile.torch_steps)[1]

@@ -111,11 +111,6 @@ def check_dry_run_config(cfg: OptimusConfig, what: str = "A dry run") -> None:
             f"{what} traces dropless routing only (which tokens a capacity limit drops depends on values): "
             "set model.moe.capacity_factor=null."
         )
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "interleaved_zb":
-        raise ConfigError(
-            f"{what} cannot trace parallel.pp_schedule=interleaved_zb (torch's module tracker fails on its "
-            "autograd.grad backward): trace interleaved_1f1b, whose forwards and backwards are the same work."
-        )
 
 
 @contextlib.contextmanager

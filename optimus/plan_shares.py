@@ -133,7 +133,7 @@ def _pipeline_shares(
         # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
         # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
         sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
-        head_in_flight = last_stage_in_flight(p.pp_schedule, accum) if last else 0
+        head_in_flight = last_stage_in_flight(p.pp_schedule, accum, p.pp, p.pp_virtual) if last else 0
         shares.append(
             RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, in_flight,
                       head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)

@@ -9,19 +9,19 @@ gradient-accumulation fusion does.
 
 The optimizer offers a sink (`attach`) where that is safe: fp32 gradients that hooks would otherwise add up (the
 full buffer of ZeRO-1, or ZeRO-2's per-parameter sums of a step's micro-batches, made on a kernel's first use, the
-moment the hook would have made them), a plain (not tensor-parallel) parameter of a group whose gradients need
-no sum over the tensor-parallel ranks first (the routed experts'), and a schedule whose backward
-computes every weight gradient in the same pass as the input gradients (not zero bubble's separate weight pass,
-whose `torch.autograd.grad` expects a gradient for every weight). A backward that uses the sink (`sink_of`, asked
-when the backward runs) adds its
-gradient there, marks the weight (`mark_added`) and returns an uninitialised tensor in the gradient's place (no
-kernel computes it; autograd's engine wants a defined gradient for a weight that requires one, as in Megatron),
-which the optimizer's hook drops unread (`take_added`); a second use of the weight in the same backward returns
-None, so autograd adds no placeholders together. So a weight that a sink-aware kernel takes must reach the loss
-through such kernels alone (the routed experts' weights do: nothing else reads them), or autograd would add a real
-gradient to a placeholder that the hook drops. A kernel that cannot fuse ignores the sink and returns the gradient,
-which the hook adds as before (every other parameter's). The sink holds its owner weakly: a parameter outlives an
-optimizer that is gone without writing into its freed buffer.
+moment the hook would have made them), a plain (not tensor-parallel) parameter of a group whose gradients need no
+sum over the tensor-parallel ranks first (the routed experts'). Under zero bubble, whose weight pass
+(`torch.autograd.grad` towards the weights) assigns what it gets to .grad, only ZeRO-2 offers them: its hook fires
+in that pass and the placeholders assigned are dropped at the next event; the input pass adds nothing, its kernels
+computing no weight gradient (optimus.kernels.torch_private.needed_input_grads). A backward that uses the sink
+(`sink_of`, asked when the backward runs) adds its gradient there, marks the weight (`mark_added`) and returns an
+uninitialised tensor in the gradient's place (no kernel computes it; autograd's engine wants a defined gradient for
+a weight that requires one, as in Megatron), which the optimizer's hook drops unread (`take_added`); a second use of
+the weight in the same backward returns None, so autograd adds no placeholders together. So a weight that a sink-
+aware kernel takes must reach the loss through such kernels alone (the routed experts' weights do: nothing else
+reads them), or autograd would add a real gradient to a placeholder that the hook drops. A kernel that cannot fuse
+ignores the sink and returns the gradient, which the hook adds as before (every other parameter's). The sink holds
+its owner weakly: a parameter outlives an optimizer that is gone without writing into its freed buffer.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from optimus.kernels.torch_private import needed_input_grads
+
 Reduce = Callable[[Tensor], Tensor]
 
 
@@ -88,10 +90,17 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        needs_x, needs_w = needed_input_grads(ctx)[:2]
+        if not needs_x:  # zero bubble's weight pass: the gradient its input pass computed (and no collective)
+            return None, ctx.__dict__.pop("pending_grad_w_D", None), None, None, None, None
         x_ND, weight_D, rstd_N = ctx.saved_tensors
         g_ND = grad.reshape(x_ND.shape).contiguous()
         dot_N = ctx.reduce(ctx.ops.row_dot(g_ND, x_ND, weight_D)) if ctx.reduce is not None else None
         grad_x_ND, grad_w_D = ctx.ops.backward(g_ND, x_ND, weight_D, rstd_N, ctx.width, dot_N)
+        if not needs_w and ctx.needs_input_grad[1]:
+            # Zero bubble's input pass: one kernel made both gradients (the weight's from the same reads, where a
+            # weight pass of its own would read the activations again); the weight pass takes it from here.
+            ctx.pending_grad_w_D, grad_w_D = grad_w_D, None
         return grad_x_ND.view(grad.shape), grad_w_D, None, None, None, None
 
 

@@ -25,7 +25,7 @@ from optimus.kernels import cpu_schedules as cpu
 from optimus.kernels.dtypes import compute_dtype, math_dtype, on_cpu, round_to
 from optimus.kernels.host_reads import RowReads, assumed_bounds, group_bounds
 from optimus.kernels.swiglu import swiglu, swiglu_backward
-from optimus.kernels.torch_private import FakeTensor
+from optimus.kernels.torch_private import FakeTensor, needed_input_grads
 from optimus.kernels.torch_private import grouped_mm as torch_grouped_mm
 
 _HAS_GROUPED_MM = torch_grouped_mm is not None
@@ -290,7 +290,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         saved = ctx.saved_tensors  # x, w13, w2, h13, silu(gate), h
         # torch's grouped GEMM's own backward rejects stride-0 grads; ours needs dense rows too.
         dy_m = round_to(dy_AD, ctx.dtype, ctx.math).contiguous()
-        needs = ctx.needs_input_grad[:3]
+        needs = needed_input_grads(ctx)[:3]  # under zero bubble, the input pass's or the weight pass's
         if ctx.schedule == "padded":
             grads = cpu.swiglu_mlp_backward_padded(saved, dy_m, ctx.bounds.ints, needs)
         elif ctx.schedule == "by_expert":
@@ -341,9 +341,10 @@ class _GroupedMM(torch.autograd.Function):
         x_m, w_m = ctx.saved_tensors
         dy_m = round_to(dy_AN, ctx.dtype, ctx.math).contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        needs_x, needs_w = needed_input_grads(ctx)[:2]
+        if needs_x:
             dx = grouped_mm(dy_m, w_m.transpose(1, 2), ctx.bounds).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:
+        if needs_w:
             dw = grouped_wgrad(x_m, dy_m, ctx.bounds).to(ctx.in_dtypes[1])
         return dx, dw, None, None, None
 

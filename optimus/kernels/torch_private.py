@@ -105,6 +105,14 @@ PRIVATE_API: dict[str, PrivateName] = {
         f"none in torch {CHECKED_TORCH} (global module hooks and autograd hooks could rebuild it)",
         "tracing collectives stops with this sentence when switched on.",
     ),
+    "ModTracker._fw_pre_hook": PrivateName(
+        "torch.distributed._tools.mod_tracker.ModTracker._fw_pre_hook (the global forward pre-hook that hooks a "
+        "module's inputs for the end of its backward)",
+        "optimus/kernels/torch_private.py leaf_safe_mod_tracker (collective traces and step memory under a "
+        "zero-bubble pipeline schedule, whose input pass is an autograd.grad over the stage's leaf inputs)",
+        f"none in torch {CHECKED_TORCH}",
+        "tracing collectives and a step's memory stop with this sentence when switched on.",
+    ),
     "MemTracker": PrivateName(
         "torch.distributed._tools.mem_tracker.MemTracker (and its methods _track, _update_peak_stats, "
         "_pre_fw_hook, attributes _curr_mem_snap, _peak_mem, _peak_mem_snap, _mod_tracker, which Optimus overrides)",
@@ -135,6 +143,23 @@ PRIVATE_API: dict[str, PrivateName] = {
         "optimus/host_syncs.py (the op behind .item(), bool(t), int(t): a dry run answers it from shapes)",
         f"none in torch {CHECKED_TORCH}: a dispatch mode sees only this op for a value read",
         "None: a dry run cannot answer value reads (it stops at the first one).",
+    ),
+    "will_engine_execute_node": PrivateName(
+        "torch._C._will_engine_execute_node",
+        "optimus/kernels/torch_private.py needed_input_grads (the custom Functions of the expert path and the LM "
+        "head's loss compute, in a zero-bubble schedule's input and weight passes, only that pass's gradients)",
+        f"none in torch {CHECKED_TORCH} (ctx.needs_input_grad is fixed at the forward; torch.autograd.graph's "
+        "register_multi_grad_hook calls this name itself)",
+        "each pass computes every gradient the forward's inputs need (correct, slower under zero bubble).",
+    ),
+    "zero_bubble_order": PrivateName(
+        "torch.distributed.pipelining.schedules.ScheduleInterleavedZeroBubble._calculate_single_rank_operations "
+        "(and the attributes pp_group_size, n_local_stages, _n_microbatches, number_of_rounds, "
+        "microbatches_per_round it reads)",
+        "optimus/parallel/pipeline.py (optimus plan: the activations a zero-bubble rank holds until each "
+        "micro-batch's weight pass, from torch's own order of its actions)",
+        f"none in torch {CHECKED_TORCH}: a schedule's public pipeline_order needs its stages and process group",
+        "optimus plan stops with this sentence for parallel.pp_schedule=interleaved_zb.",
     ),
     "is_view": PrivateName(
         "torch.Tensor._is_view",
@@ -343,6 +368,49 @@ def resolve_process_group(group_name: str):
     return resolve(group_name)
 
 
+def needed_input_grads(ctx) -> tuple[bool, ...]:
+    """For each input of the custom autograd Function whose backward is running (`ctx`), whether this backward
+    needs its gradient: `ctx.needs_input_grad` (fixed when the forward ran) narrowed by the engine's plan for the
+    running backward. Zero bubble's input pass (`autograd.grad` towards the stage's inputs) plans no weight's
+    accumulator, and its weight pass (towards the weights) no input's path, so each pass computes its own half;
+    torch's own operators already skip the other half, a custom Function learns it here. Where torch lacks the
+    engine query, everything `needs_input_grad` says (correct, with each half computed in both passes)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return tuple(ctx.needs_input_grad)
+    return tuple(
+        need and _engine_runs(will_execute, node) for need, (node, _) in zip(ctx.needs_input_grad, ctx.next_functions)
+    )
+
+
+def _engine_runs(will_execute, node) -> bool:
+    if node is None:
+        return False
+    try:
+        return bool(will_execute(node))
+    except RuntimeError:  # the engine refuses to answer for a leaf that the running autograd.grad returns:
+        return True  # such a leaf's gradient is what it computes
+
+
+def zero_bubble_order(pp: int, pp_virtual: int, n_micro_batches: int, rank: int) -> list[tuple[str, int]]:
+    """Pipeline rank `rank`'s computations in the order torch's ScheduleInterleavedZeroBubble runs them, as
+    (type "F", "I" or "W", stage index), computed as its __init__ does from four numbers, without stages or a
+    process group."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    schedule = ScheduleInterleavedZeroBubble.__new__(ScheduleInterleavedZeroBubble)
+    rounds = max(1, n_micro_batches // pp)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, pp_virtual, n_micro_batches
+    schedule.number_of_rounds, schedule.microbatches_per_round = rounds, n_micro_batches // rounds
+    calculate = getattr(schedule, "_calculate_single_rank_operations", None)
+    if calculate is None:
+        raise PrivateTorchMissing(PRIVATE_API["zero_bubble_order"].moved())
+    return [(_ACTION_LETTERS[a.computation_type.name], a.stage_index) for a in calculate(rank) if a is not None]
+
+
+_ACTION_LETTERS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor's storage."""
     view = getattr(t, "_is_view", None)
@@ -362,6 +430,36 @@ def set_custom_default_backend(pg) -> None:
     if set_default is not None and custom is not None:
         set_default(custom)
 
+
+def leaf_safe_mod_tracker():
+    """A new ModTracker whose backward bookkeeping survives a pipeline's input pass (see
+    PRIVATE_API["ModTracker._fw_pre_hook"]).
+
+    ModTracker learns that a module's backward has ended from a gradient hook on the module's inputs, which asks
+    the autograd engine whether it will run each input's node; for a leaf (a pipeline stage's received
+    activations) the engine refuses to say inside `autograd.grad`, which zero bubble's input pass is. Here a
+    module's leaf inputs are not hooked: a module whose only inputs needing gradients are leaves (a stage's
+    root) is closed when its backward has run, by the tracker's end-of-backward callback, as it closes a module
+    with no input needing one."""
+    global _LeafSafeModTracker
+    if _LeafSafeModTracker is None:
+        tracker = __getattr__("ModTracker")
+        if not hasattr(tracker, "_fw_pre_hook"):
+            raise PrivateTorchMissing(PRIVATE_API["ModTracker._fw_pre_hook"].moved())
+
+        class _LeafSafeModTracker(tracker):
+            def _fw_pre_hook(self, mod, input):
+                hooked = torch.utils._pytree.tree_map_only(torch.Tensor, _unless_leaf_needing_grad, input)
+                return super()._fw_pre_hook(mod, hooked)
+
+    return _LeafSafeModTracker()
+
+
+def _unless_leaf_needing_grad(t: torch.Tensor) -> torch.Tensor | None:
+    return None if t.is_leaf and t.requires_grad else t
+
+
+_LeafSafeModTracker = None  # built on first use from torch's ModTracker
 
 # Loaded on first use: only diagnostic tools need them, and their modules import more of torch.distributed.
 _LAZY = {
@@ -426,11 +524,16 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "FakeStore": lambda: _has(*_LAZY["FakeStore"]),
     "TorchDispatchMode": lambda: _has("torch.utils._python_dispatch", "TorchDispatchMode"),
     "ModTracker": lambda: _instance_has(_LAZY["ModTracker"], ("parents", "is_bw", "get_known_fqn")),
+    "ModTracker._fw_pre_hook": lambda: _has(*_LAZY["ModTracker"], "_fw_pre_hook"),
     "MemTracker": lambda: _instance_has(_LAZY["MemTracker"], MEM_TRACKER_INTERNALS),
     "_TOTAL_KEY": lambda: _has(*_LAZY["_TOTAL_KEY"]),
     "current_graph_task_id": lambda: hasattr(torch._C, "_current_graph_task_id"),
     "resolve_process_group": lambda: _has("torch.distributed.distributed_c10d", "_resolve_process_group"),
     "LOCAL_SCALAR_DENSE": lambda: LOCAL_SCALAR_DENSE is not None,
+    "will_engine_execute_node": lambda: hasattr(torch._C, "_will_engine_execute_node"),
+    "zero_bubble_order": lambda: _has(
+        "torch.distributed.pipelining.schedules", "ScheduleInterleavedZeroBubble", "_calculate_single_rank_operations"
+    ),
     "is_view": lambda: hasattr(torch.Tensor, "_is_view"),
     "process_context": lambda: _source_has(
         "torch.distributed.elastic.multiprocessing.api", "MultiprocessContext", "self._pc ="

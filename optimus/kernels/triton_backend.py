@@ -27,7 +27,7 @@ from optimus.kernels import triton_kernels as tk
 from optimus.kernels.counting import count_ids
 from optimus.kernels.dtypes import compute_dtype
 from optimus.kernels.rms_norm import NormArithmetic
-from optimus.kernels.torch_private import FakeTensor
+from optimus.kernels.torch_private import FakeTensor, needed_input_grads
 
 
 def _token_segments(token_idx_A: Tensor, n_tokens: int):
@@ -204,11 +204,12 @@ def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
     dy_c = dy_AD.to(ctx.dtype)
     dh13_AF2 = _swiglu_backward(dy_c, w2_EFD, h13_AF2, offsets_E)  # [A, 2F]
     dx_AD = dw13 = dw2 = None
-    if ctx.needs_input_grad[0]:
+    needs_x, needs_w13, needs_w2 = needed_input_grads(ctx)[:3]  # under zero bubble, one pass's
+    if needs_x:
         dx_AD = _grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, ctx.dtype).to(x_AD.dtype)
-    if ctx.needs_input_grad[1]:
+    if needs_w13:
         dw13 = _weight_grad(x_AD.to(ctx.dtype), dh13_AF2, offsets_E, ctx.weights[0])  # [E, D, 2F]
-    if ctx.needs_input_grad[2]:
+    if needs_w2:
         dw2 = _weight_grad(h_AF, dy_c, offsets_E, ctx.weights[1])  # [E, F, D]
     return dx_AD, dw13, dw2, None, None
 
@@ -238,9 +239,10 @@ def _grouped_mm_backward(ctx, dy_AN):
     x_AK, w_EKN, offsets_E = ctx.saved_tensors
     dy_c = dy_AN.to(ctx.dtype)
     dx = dw = None
-    if ctx.needs_input_grad[0]:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
+    needs_x, needs_w = needed_input_grads(ctx)[:2]  # under zero bubble, one pass's
+    if needs_x:  # input grad: dy @ w[e]^T, the forward kernel on a transposed view
         dx = _grouped_mm(dy_c, w_EKN.transpose(1, 2), offsets_E, ctx.dtype).to(x_AK.dtype)
-    if ctx.needs_input_grad[1]:
+    if needs_w:
         dw = _weight_grad(x_AK.to(ctx.dtype), dy_c, offsets_E, ctx.weight)
     return dx, dw, None, None
 

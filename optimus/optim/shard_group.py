@@ -232,10 +232,11 @@ class ShardGroup:
 
     def collect_assigned(self) -> None:
         """ZeRO-2: gradients a zero-bubble weight pass assigned to .grad since the last event (it runs no
-        post-accumulate-grad hook): pack those completed, drop those taken."""
-        for i in self.stale:
+        post-accumulate-grad hook): pack those completed, drop those taken. A slot stays stale until its .grad is
+        assigned: a weight pass assigns its weights' gradients after all their hooks have run."""
+        for i in [i for i in self.stale if self.flat.slots[i].param.grad is not None]:
             self.flat.slots[i].param.grad = None
-        self.stale.clear()
+            self.stale.discard(i)
         for i, ref in list(self.completed.items()):
             grad = self.flat.slots[i].param.grad
             if grad is not None and grad is ref():

@@ -169,8 +169,8 @@ class ShardedAdamW(ShardedOptimizer):
     """AdamW for `optim.sharding=none | standard | ep_aware` over `model`'s trainable parameters (see
     optimus.optim.sharder). `micro_batches`: the backwards of one optimizer step (ZeRO-2 reduces after the last);
     `tied`: tie_embeddings across pipeline stages (optimus.parallel.pipeline.TiedEmbedding); `grad_sinks`: offer
-    kernels the fp32 gradient sums to add weight gradients into (optimus.kernels.grad_sink; False under a
-    schedule with a weight pass of its own, config.WEIGHT_PASS_SCHEDULES)."""
+    kernels the fp32 gradient sums to add weight gradients into (optimus.kernels.grad_sink; under a schedule
+    with a weight pass of its own, config.WEIGHT_PASS_SCHEDULES, only where optimus.optim.weight_pass_sinks)."""
 
     def __init__(
         self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, grad_clip: float, scheme: str,

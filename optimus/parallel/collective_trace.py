@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from optimus.kernels.torch_private import (
-    ModTracker,
     TorchDispatchMode,
     current_graph_task_id,
+    leaf_safe_mod_tracker,
     resolve_process_group,
 )
 
@@ -136,7 +136,7 @@ class CollectiveTrace(TorchDispatchMode):
         super().__init__()
         self.calls: list[dict] = []
         self._labels: list[str] = []
-        self._modules = ModTracker()
+        self._modules = leaf_safe_mod_tracker()
 
     def __enter__(self):
         self._modules.__enter__()

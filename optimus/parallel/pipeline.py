@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
 )
 
 from optimus.config import INTERLEAVED_SCHEDULES, ConfigError, ModelConfig
+from optimus.kernels.torch_private import zero_bubble_order
 from optimus.model import Transformer
 from optimus.model.moe.experts import expert_offsets
 from optimus.parallel.pipeline_stage import Stage
@@ -168,21 +169,22 @@ def held_forwards(
     """Forwards of each of pipeline rank `pp_rank`'s local stages whose activations it holds at once, at the point
     of the schedule where they weigh most, stage k's forwards each weighing `weights[k]` (what one keeps).
 
-    GPipe runs every forward before any backward, 1F1B holds pp - rank. The interleaved schedules follow torch's
-    action order (ScheduleInterleaved1F1B): a warm-up of (v - 1) rounds of micro-batches and two forwards more
-    per hop from the last rank (one with zero bubble, which also keeps a micro-batch's activations from its input
-    backward to its weight backward: not counted here), the local stage of the i-th forward (i // per round) % v;
-    then a forward and a backward in turn, the backwards taking the stages last first. Where a rank's stages
+    GPipe runs every forward before any backward, 1F1B holds pp - rank. Interleaved 1F1B follows torch's action
+    order (ScheduleInterleaved1F1B): a warm-up of (v - 1) rounds of micro-batches and two forwards more per hop
+    from the last rank, the local stage of the i-th forward (i // per round) % v; then a forward and a backward in
+    turn, the backwards taking the stages last first. Zero bubble holds each forward until its weight pass, counted
+    along torch's order of its actions (`_heaviest_until_weight_pass`). Where a rank's stages
     differ in size the peak is not where the most forwards are held but where the heaviest are: on rank 1 of a
     pp 8 x v 2 pipeline with two rounds of micro-batches, 16 forwards of its first stage and 5 of its second."""
     if schedule == "gpipe":
         return [n_micro_batches] * pp_virtual
     if schedule == "1f1b":
         return [min(n_micro_batches, pp - pp_rank)]
+    if schedule == "interleaved_zb":
+        return _heaviest_until_weight_pass(pp, pp_virtual, pp_rank, n_micro_batches, weights)
     per_round = n_micro_batches // max(1, n_micro_batches // pp)
-    per_hop = 1 if schedule == "interleaved_zb" else 2
     total = n_micro_batches * pp_virtual
-    warmup = min((pp_virtual - 1) * per_round + per_hop * (pp - 1 - pp_rank), total)
+    warmup = min((pp_virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
     held = [0] * pp_virtual
     for op in range(warmup):
         held[(op // per_round) % pp_virtual] += 1
@@ -196,10 +198,36 @@ def held_forwards(
     return heaviest
 
 
-def last_stage_in_flight(schedule: str, n_micro_batches: int) -> int:
+def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
+    """Zero bubble keeps a micro-batch's activations until its weight pass (its input pass keeps the graph for it),
+    which torch's order puts a few actions later on most ranks, and a round later on the last: the heaviest point
+    of that order, counted from torch's own (optimus.kernels.torch_private.zero_bubble_order)."""
+    held, heaviest, most = [0] * pp_virtual, [0] * pp_virtual, -1.0
+    for kind, stage in zero_bubble_order(pp, pp_virtual, n_micro_batches, pp_rank):
+        if kind == "F":
+            held[stage // pp] += 1
+            weight = sum(n * w for n, w in zip(held, weights))
+            if weight > most:
+                heaviest, most = list(held), weight
+        elif kind in ("W", "B"):
+            held[stage // pp] -= 1
+    return heaviest
+
+
+def last_stage_in_flight(schedule: str, n_micro_batches: int, pp: int = 1, pp_virtual: int = 1) -> int:
     """Most forwards of the last stage whose activations are held at once: under GPipe every micro-batch's, under
-    the 1F1B family one, since a last stage's backward follows its forward at once."""
-    return n_micro_batches if schedule == "gpipe" else 1
+    the 1F1B family one, since a last stage's backward follows its forward at once; under zero bubble every one
+    whose weight pass has not run yet (torch's order runs the last stage's input passes first)."""
+    if schedule == "gpipe":
+        return n_micro_batches
+    if schedule != "interleaved_zb":
+        return 1
+    last, held, most = pp * pp_virtual - 1, 0, 0
+    for kind, stage in zero_bubble_order(pp, pp_virtual, n_micro_batches, pp - 1):
+        if stage == last:
+            held += {"F": 1, "W": -1, "B": -1}.get(kind, 0)
+            most = max(most, held)
+    return most
 
 
 def rank_stage_indices(pp_rank: int, pp: int, pp_virtual: int) -> list[int]:

@@ -55,10 +55,9 @@ STRUCTURE = ("pipeline", "tp", "ep", "micro_batch")  # what the fit pass enumera
 CHECKPOINTING = "train.activation_checkpointing"  # not an axis: the least that fits (or the command line's)
 SEARCH_KEYS = (*AXIS_KEYS, CHECKPOINTING)
 
-# Schedules the search tries with more than one stage: 1F1B, and interleaved 1F1B with two stages per rank.
-# GPipe runs the same bubble as 1F1B with every micro-batch's activations held; interleaved zero-bubble cannot be
-# traced (optimus.dry_run.check_dry_run_config), so it cannot be predicted.
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
+# Schedules the search tries with more than one stage: 1F1B, and interleaved 1F1B and zero bubble with two stages
+# per rank. GPipe runs the same bubble as 1F1B with every micro-batch's activations held.
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))
 BUCKET_MB = (32.0, 128.0, 512.0)
 # Tensor parallelism of powers of two up to 8: wider splits a head's matrices below what these GPUs run well (fix
 # parallel.tp on the command line to try another)

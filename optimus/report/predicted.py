@@ -3,7 +3,7 @@
 Each run's own config.yaml (its layout, batch, model and machine recipe) goes through `optimus plan
 --predict`'s model (optimus.perf.predict) at the run's world size: a `local` run is predicted from this
 machine's measured model (so report on the machine the runs ran on), a cluster run from its machine recipe.
-A run the model cannot predict (a capacity factor, the zero-bubble schedule, ...) is reported without one,
+A run the model cannot predict (a capacity factor, ...) is reported without one,
 with a line saying why.
 """
 
@@ -39,7 +39,7 @@ def add_predictions(rows: list[dict], runs: dict[str, Run], mode: str, log=print
         log(f"predicting {run.name} ({run.world} ranks) ...")
         try:
             prediction = predict(run_config(run), run.world, progress="none")
-        except ConfigError as refused:  # e.g. a capacity factor or zero bubble, which the model cannot trace
+        except ConfigError as refused:  # e.g. a capacity factor, which the model cannot trace
             log(f"no prediction for {run.name}: {refused}")
             row.update(predicted_step_s=None, predicted_step_s_range=None, predicted_error=None,
                        predicted_refused=str(refused))  # fmt: skip

@@ -25,9 +25,13 @@ def step_memory_tracker(model: torch.nn.Module, optimizer):
     kept, since updating them after every op walks every module seen so far (60% of a 7B rank's dry run),
     and its per-module bookkeeping refuses a root module's second forward (the step's next micro-batch) and
     fails on the interleaved schedules. It also cannot read a sparse tensor's storage."""
-    from optimus.kernels.torch_private import _TOTAL_KEY, MemTracker
+    from optimus.kernels.torch_private import _TOTAL_KEY, MemTracker, leaf_safe_mod_tracker
 
     class StepMemTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._mod_tracker = leaf_safe_mod_tracker()  # zero bubble's input pass is an autograd.grad
+
         def _track(self, reftype, t: torch.Tensor) -> None:
             if t.layout == torch.strided:  # a sparse tensor (the CPU combine's) has no storage of its own:
                 super()._track(reftype, t)  # its index and value tensors are counted where they are made

@@ -173,3 +173,31 @@ def test_fp32_weights_offer_no_sink():
     experts = new_experts(torch.float32)
     expert_group(experts)  # fp32 gradients of fp32 weights: .grad views of the buffer, as before
     assert grad_sink.sink_of(experts.w13) is None
+
+
+def test_zero2_sums_under_zero_bubbles_input_and_weight_passes_are_added_once_by_the_kernels():
+    # A zero-bubble schedule runs each micro-batch's backward as torch's input pass (autograd.grad towards the
+    # stage's input) and, later, its weight pass (towards the weights), which assigns what it gets to .grad. The
+    # input pass adds nothing to the sums (its kernels compute no weight gradient), the weight pass adds each
+    # micro-batch's once; the placeholders it assigns are dropped at the next event, and nothing of the
+    # weights' size is added by torch or by a hook.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    experts = new_experts(torch.float16)
+    group = expert_group(experts, zero=2)
+    weights = [experts.w13, experts.w2]
+    sizes = {tuple(w.shape) for w in weights} | {(w.numel(),) for w in weights}
+    with _AddedShapes() as added:
+        for done, (x, counts, dy) in enumerate(micro_batches(torch.float16)):
+            x_in = x.clone().requires_grad_()  # a stage's received activations
+            y = experts(x_in, counts)
+            before = {slot: held.clone() for slot, held in group.partial.items()}
+            (dx,), param_groups = stage_backward_input([y], [dy], [x_in], iter(weights))
+            assert dx is not None and group.arrivals == [done, done]  # no weight gradient in the input pass
+            assert all(torch.equal(group.partial[slot], held) for slot, held in before.items())
+            stage_backward_weight(iter(weights), param_groups)
+    assert not sizes & added.shapes
+    group.collect()  # after the backwards: the last weight pass's placeholders dropped
+    assert experts.w13.grad is None and experts.w2.grad is None
+    group.reduce_rest()
+    assert_sums(group, group.grad_shard, fp32_sums(experts))

@@ -1,7 +1,7 @@
 """The forwards a pipeline rank holds at its peak (optimus.parallel.pipeline.held_forwards, which the planner's
 activations are multiplied by), against torch's own action order for the interleaved schedules: the most that
-order holds at once, each local stage's forwards weighted by what one keeps (under zero bubble, until its input
-backward)."""
+order holds at once, each local stage's forwards weighted by what one keeps (under zero bubble, until its weight
+backward: its input backward keeps the graph for it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
-from optimus.parallel.pipeline import held_forwards
+from optimus.parallel.pipeline import held_forwards, last_stage_in_flight
 
 SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "interleaved_zb": ScheduleInterleavedZeroBubble}
 
@@ -32,14 +32,15 @@ def torch_order(pp: int, v: int, n_micro_batches: int, rank: int, schedule_name:
 
 
 def heaviest_in_order(actions: list, pp: int, v: int, weights: list[float]) -> float:
-    """The most weight of forwards held at once along `actions` (a forward held until its backward)."""
+    """The most weight of forwards held at once along `actions` (a forward held until its backward, or its weight
+    backward where there is one)."""
     held, heaviest = [0] * v, 0.0
     for action in actions:
         local = action.stage_index // pp
         if action.computation_type == _ComputationType.FORWARD:
             held[local] += 1
             heaviest = max(heaviest, sum(n * w for n, w in zip(held, weights)))
-        elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+        elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT):
             held[local] -= 1
     return heaviest
 
@@ -72,3 +73,14 @@ def test_one_round_holds_every_forward_and_1f1b_holds_pp_minus_rank():
     assert held_forwards("interleaved_1f1b", 8, 2, 1, 8, [4, 3]) == [8, 8]
     assert held_forwards("1f1b", 4, 1, 1, 8, [1]) == [3]
     assert held_forwards("gpipe", 4, 1, 1, 8, [1]) == [8]
+
+
+def test_zero_bubble_holds_a_forward_until_its_weight_pass():
+    """pp 4 x v 2, 8 micro-batches (one round). Rank 3's order (torch's): F of stage 3 for micro-batches 0-3, then
+    F, I of stage 7 in turn for 0-3, and only then the first W of stage 7: all 8 forwards held at once, where until
+    the input passes it would be 5 (4 of stage 3, one of stage 7). Its last stage's forwards: 4 held (its input
+    passes run first). Rank 0 runs its 8 forwards before its first input and weight pass: 8 as well."""
+    assert held_forwards("interleaved_zb", 4, 2, 3, 8, [1.0, 1.0]) == [4, 4]
+    assert held_forwards("interleaved_zb", 4, 2, 0, 8, [1.0, 1.0]) == [4, 4]
+    assert last_stage_in_flight("interleaved_zb", 8, 4, 2) == 4
+    assert last_stage_in_flight("interleaved_1f1b", 8, 4, 2) == 1

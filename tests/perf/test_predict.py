@@ -108,8 +108,7 @@ def test_gradient_buckets_on_the_machine(capsys):
     [
         (["plan", "--predict", "--nodes", "1", "machine=nvidia"], "peak_flops"),
         (["plan", "--nodes", "1,2"], "needs --predict"),
-        (["plan", "--predict", "--world", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved_zb",
-          "parallel.pp_virtual=2"], "interleaved_1f1b"),
+        (["plan", "--predict", "--world", "2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor=null"),
     ],
 )  # fmt: skip
 def test_refusals(capsys, args, words):

@@ -128,14 +128,16 @@ def test_keys_given_on_the_command_line_stay_fixed():
 
 def test_a_fixed_key_leaves_its_axis_the_values_that_keep_it():
     """parallel.pp=1 on a recipe with an interleaved schedule: the pipeline axis still sets the schedule (1F1B, one
-    stage per rank), so the layouts divide; parallel.pp=2 fixed keeps both of its schedules."""
+    stage per rank), so the layouts divide; parallel.pp=2 fixed keeps its three schedules."""
     interleaved = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]
     one = search_of([*ARGS, *interleaved, "parallel.pp=1"], {"parallel.pp"}).run(verify=0)
     assert one.ranked() and {v.values["parallel.pp_schedule"] for v in one.visits if v.status != "invalid"} == {"1f1b"}
     assert all(v.values["parallel.pp"] == 1 for v in one.visits)
     two = search_of([*ARGS, *interleaved, "parallel.pp=2"], {"parallel.pp"}).run(verify=0)
     schedules = {(v.values["parallel.pp_schedule"], v.values["parallel.pp_virtual"]) for v in two.visits}
-    assert schedules == {("1f1b", 1), ("interleaved_1f1b", 2)} and all(v.values["parallel.pp"] == 2 for v in two.visits)
+    assert schedules == {("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2)} and all(
+        v.values["parallel.pp"] == 2 for v in two.visits
+    )
 
 
 def test_bucket_sizes_are_tried_where_the_step_has_buckets():

@@ -319,16 +319,24 @@ def test_ranks_that_fit_their_cores_are_not_flagged(tmp_path, device_type, per_r
     assert [r["shared_cores"] for r in rows] == [None, None] and rows[1]["efficiency"] is not None
 
 
-def test_predict_leaves_out_only_the_run_it_cannot_predict(tmp_path, capsys):
-    """A zero-bubble run (which the performance model cannot trace) beside one it can: the report keeps the
-    other's prediction and says in one line why this one has none, where it used to refuse the whole report."""
+def test_predict_leaves_out_only_the_run_it_cannot_predict(tmp_path, capsys, monkeypatch):
+    """A run the performance model refuses (here a two-stage pipeline, by a stand-in for the dry run's check of
+    what it can trace: every parallel layout of this version can be traced) beside one it can: the report keeps
+    the other's prediction and says in one line why this one has none, where it used to refuse the whole
+    report."""
+    import optimus.dry_run
+    from optimus.config import ConfigError
     from optimus.recipes import load_config
     from tests.conftest import TINY_MODEL
 
+    def refuse_pipelines(cfg, what="A dry run"):
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"{what} cannot trace parallel.pp={cfg.parallel.pp} here: set parallel.pp=1.")
+
+    monkeypatch.setattr(optimus.dry_run, "check_dry_run_config", refuse_pipelines)
     common = ["machine=frontier", *TINY_MODEL, "model.n_layers=4", "train.seq_len=32", "train.global_batch=16",
               "train.micro_batch=2", "parallel.ep=4"]  # fmt: skip
-    zero_bubble = ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual=2"]
-    for name, world, layout in (("n4", 4, []), ("n8", 8, zero_bubble)):
+    for name, world, layout in (("n4", 4, []), ("n8", 8, ["parallel.pp=2"])):
         run = make_run(tmp_path, name, world, 4, 16, [0.5] * 4)
         cfg = load_config([*common, *layout, f"parallel.nproc={world}"])
         (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.structured(cfg))))
@@ -336,7 +344,7 @@ def test_predict_leaves_out_only_the_run_it_cannot_predict(tmp_path, capsys):
     assert main(["report", str(tmp_path / "n4"), str(tmp_path / "n8"), "--out", str(out), "--predict"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "no prediction" in line]
     assert len(lines) == 1 and lines[0].startswith("no prediction for n8: --predict ")  # predict's own sentence
-    base, zb = json.loads((out / "report.json").read_text())["runs"]
+    base, refused = json.loads((out / "report.json").read_text())["runs"]
     assert base["predicted_step_s"] > 0 and base["predicted_efficiency"] == pytest.approx(1.0)
-    assert zb["predicted_step_s"] is zb["predicted_error"] is zb["predicted_efficiency"] is None
+    assert refused["predicted_step_s"] is refused["predicted_error"] is refused["predicted_efficiency"] is None
     assert f"- No prediction for n8: {lines[0].split(': ', 1)[1]}" in (out / "report.md").read_text()
