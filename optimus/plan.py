@@ -81,8 +81,9 @@ the backward, when the activations are gone, the last ones in flight beside the 
 one computed. One more term is added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
 gradient, which accumulates from a step's first backward when it has several micro-batches
 (zero2_accumulated_bytes). A pipeline rank also holds its stages' outputs, one per micro-batch in flight
-(torch's schedule keeps each until its backward), but not on the last stage, and the head's activations of one
-micro-batch only, except under GPipe (optimus.parallel.pipeline.last_stage_in_flight). The pipeline stages' receive
+(torch's schedule keeps each until its backward; zero bubble's, until its weight pass), but not on the last
+stage, and the head's activations of one micro-batch only, except under GPipe and zero bubble
+(optimus.parallel.pipeline.last_stage_in_flight). The pipeline stages' receive
 buffers are not a term: Optimus's stages hold one only while its micro-batch needs it
 (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
 torch where they cannot be released). (The tensor-parallel embedding's backward

@@ -101,24 +101,27 @@ def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_f
         assert sum(rank_bytes[k] for k in STATE_KEYS) == stage["state_bytes"], rank
 
 
-@pytest.mark.parametrize("experiment,pp", [("aurora-mula-100b-a7b", 8), ("aurora-mula-220b-a10b", 8)])
-def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp):
-    """256 Aurora nodes: every pipeline rank of the 100B and 220B recipes (PP 8 each), interleaved 1F1B with
-    two stages per rank, fits its 64 GB tile; the ranks hold every layer once; and each holds, in micro-batches
-    of its layers, the heaviest point of torch's own action order for it, each stage's forwards weighing its
-    layers (two rounds of pp micro-batches per data-parallel rank)."""
+@pytest.mark.parametrize(
+    "experiment,pp,schedule,micro_batches",
+    [("aurora-mula-100b-a7b", 8, "interleaved_1f1b", 16), ("aurora-mula-220b-a10b", 8, "interleaved_zb", 8)],
+)
+def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp, schedule, micro_batches):
+    """256 Aurora nodes: every pipeline rank of the 100B (PP 8, interleaved 1F1B, TP 2: two rounds of pp
+    micro-batches per data-parallel rank) and 220B (PP 8, zero bubble, no TP: one round) recipes, two stages per
+    rank, fits its 64 GB tile; the ranks hold every layer once; and each holds, in micro-batches of its layers,
+    the heaviest point of torch's own action order for it (zero bubble: a forward held until its weight pass),
+    each stage's forwards weighing its layers."""
     cfg = load_config([f"experiment={experiment}"])
     plan = make_plan(cfg, 256 * cfg.machine.ranks_per_node)
     v, t = cfg.parallel.pp_virtual, cfg.train
-    micro_batches = layout_of(cfg, 3072).micro_batches(t.global_batch, t.micro_batch)
-    schedule = cfg.parallel.pp_schedule
-    assert (plan.pp, len(plan.stages), schedule, v, micro_batches) == (pp, pp, "interleaved_1f1b", 2, 2 * pp)
+    runs = layout_of(cfg, 3072).micro_batches(t.global_batch, t.micro_batch)
+    assert (plan.pp, len(plan.stages), cfg.parallel.pp_schedule, v, runs) == (pp, pp, schedule, 2, micro_batches)
     assert sorted(i for row in plan.stages for i in row["layers"]) == list(range(cfg.model.n_layers))
     assert plan.stages[0]["embed"] and plan.stages[-1]["head"]
     sizes = stage_sizes(cfg.model, pp * v)
     for r, row in enumerate(plan.stages):
         weights = [sizes[r + k * pp] for k in range(v)]
-        heaviest = heaviest_in_order(torch_order(pp, v, micro_batches, r), pp, v, weights)
+        heaviest = heaviest_in_order(torch_order(pp, v, micro_batches, r, schedule), pp, v, weights)
         assert row["in_flight"] == pytest.approx(heaviest / sum(weights), rel=1e-12), r
     assert all(row["fits"] for row in plan.stages) and plan.memory["fits_configured"]
     assert plan.memory["total_configured"] == max(row["total_bytes"] for row in plan.stages)

@@ -91,8 +91,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         needs_x, needs_w = needed_input_grads(ctx)[:2]
-        if not needs_x:  # zero bubble's weight pass: the gradient its input pass computed (and no collective)
-            return None, ctx.__dict__.pop("pending_grad_w_D", None), None, None, None, None
+        pending_w_D = ctx.__dict__.pop("pending_grad_w_D", None)
+        if pending_w_D is not None and not needs_x:  # zero bubble's weight pass: what its input pass computed
+            return None, pending_w_D, None, None, None, None  # (and no collective)
         x_ND, weight_D, rstd_N = ctx.saved_tensors
         g_ND = grad.reshape(x_ND.shape).contiguous()
         dot_N = ctx.reduce(ctx.ops.row_dot(g_ND, x_ND, weight_D)) if ctx.reduce is not None else None

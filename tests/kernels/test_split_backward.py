@@ -90,3 +90,17 @@ def test_needed_input_grads_follows_the_running_backward():
     out.backward()
     Product.apply(a_leaf * 2, torch.randn(3)).sum().backward()
     assert seen == [(True, False), (False, True), (True, True), (True, False)]
+
+
+def test_a_norm_whose_input_needs_no_gradient_still_gives_its_weights():
+    """One plain backward where only the weight needs a gradient (a frozen input): computed, not taken for a
+    weight pass's hand-over."""
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64, requires_grad=True)
+    rms_norm(x, w, 1e-6).square().sum().backward()
+    (expected,) = torch.autograd.grad(reference_norm(x, w).square().sum(), [w])
+    torch.testing.assert_close(w.grad, expected)
+
+
+def reference_norm(x, w):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
