@@ -14,6 +14,7 @@ It lives in `kernels`, which imports only torch (and triton), so every package o
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -392,10 +393,12 @@ def _engine_runs(will_execute, node) -> bool:
         return True  # such a leaf's gradient is what it computes
 
 
-def zero_bubble_order(pp: int, pp_virtual: int, n_micro_batches: int, rank: int) -> list[tuple[str, int]]:
+@functools.cache
+def zero_bubble_order(pp: int, pp_virtual: int, n_micro_batches: int, rank: int) -> tuple[tuple[str, int], ...]:
     """Pipeline rank `rank`'s computations in the order torch's ScheduleInterleavedZeroBubble runs them, as
-    (type "F", "I" or "W", stage index), computed as its __init__ does from four numbers, without stages or a
-    process group."""
+    (type "F", "I" or "W", stage index; "B", a full backward, should a later torch mix one in), computed as its
+    __init__ does from four numbers, without stages or a process group; once per four numbers, as the planner
+    walks it for every stage's memory."""
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
     schedule = ScheduleInterleavedZeroBubble.__new__(ScheduleInterleavedZeroBubble)
@@ -405,7 +408,7 @@ def zero_bubble_order(pp: int, pp_virtual: int, n_micro_batches: int, rank: int)
     calculate = getattr(schedule, "_calculate_single_rank_operations", None)
     if calculate is None:
         raise PrivateTorchMissing(PRIVATE_API["zero_bubble_order"].moved())
-    return [(_ACTION_LETTERS[a.computation_type.name], a.stage_index) for a in calculate(rank) if a is not None]
+    return tuple((_ACTION_LETTERS[a.computation_type.name], a.stage_index) for a in calculate(rank) if a is not None)
 
 
 _ACTION_LETTERS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
@@ -441,25 +444,27 @@ def leaf_safe_mod_tracker():
     module's leaf inputs are not hooked: a module whose only inputs needing gradients are leaves (a stage's
     root) is closed when its backward has run, by the tracker's end-of-backward callback, as it closes a module
     with no input needing one."""
-    global _LeafSafeModTracker
-    if _LeafSafeModTracker is None:
-        tracker = __getattr__("ModTracker")
-        if not hasattr(tracker, "_fw_pre_hook"):
-            raise PrivateTorchMissing(PRIVATE_API["ModTracker._fw_pre_hook"].moved())
+    return _leaf_safe_mod_tracker_class()()
 
-        class _LeafSafeModTracker(tracker):
-            def _fw_pre_hook(self, mod, input):
-                hooked = torch.utils._pytree.tree_map_only(torch.Tensor, _unless_leaf_needing_grad, input)
-                return super()._fw_pre_hook(mod, hooked)
 
-    return _LeafSafeModTracker()
+@functools.cache
+def _leaf_safe_mod_tracker_class() -> type:
+    """The ModTracker subclass, built once: torch's class is looked up only when a trace first needs it."""
+    tracker = __getattr__("ModTracker")
+    if not hasattr(tracker, "_fw_pre_hook"):
+        raise PrivateTorchMissing(PRIVATE_API["ModTracker._fw_pre_hook"].moved())
+
+    class LeafSafeModTracker(tracker):
+        def _fw_pre_hook(self, mod, input):
+            hooked = torch.utils._pytree.tree_map_only(torch.Tensor, _unless_leaf_needing_grad, input)
+            return super()._fw_pre_hook(mod, hooked)
+
+    return LeafSafeModTracker
 
 
 def _unless_leaf_needing_grad(t: torch.Tensor) -> torch.Tensor | None:
     return None if t.is_leaf and t.requires_grad else t
 
-
-_LeafSafeModTracker = None  # built on first use from torch's ModTracker
 
 # Loaded on first use: only diagnostic tools need them, and their modules import more of torch.distributed.
 _LAZY = {
