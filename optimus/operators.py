@@ -31,9 +31,15 @@ from optimus.kernels.torch_private import TorchDispatchMode
 from optimus.parallel.collective_trace import _named_arguments, _tensors
 
 # Operators that launch no kernel: views and metadata, and allocations whose contents nobody computes.
+# `_unsafe_view` is a view whose schema does not say so (reshape's result after a copy; autograd's views).
 _NO_KERNEL = {
     "detach", "alias", "lift_fresh", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
-    "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
+    "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "_unsafe_view",
+}  # fmt: skip
+# Operators that fill a new tensor and read only their tensor argument's shape, dtype and device: they write.
+_FILLS_FROM_METADATA = {
+    "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like",
 }  # fmt: skip
 _ATTENTION = re.compile(r"^_scaled_dot_product_\w*attention")  # q, k, v as [B, H, S, D]
 
@@ -72,7 +78,7 @@ def op_cost(func, args: tuple, kwargs: dict, out) -> tuple[str, int, int, bool]:
     name = func._overloadpacket.__name__
     if not launches_kernel(func):
         return "view", 0, 0, False
-    inputs = _tensors(list(args) + list(kwargs.values()))
+    inputs = _tensors(list(args) + list(kwargs.values())) if name not in _FILLS_FROM_METADATA else []
     written, returned = _written(func, args, kwargs), _tensors([out])
     # An operator that writes an argument in place and returns nothing (a custom operator's mutated argument)
     # reads and writes it, as an in-place aten operator, which returns its `self`, is counted.

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from optimus.cli import main
-from optimus.config import MachineConfig, OptimusConfig
+from optimus.config import MachineConfig, MachinePerfConfig, OptimusConfig
 from optimus.config_checks import validate_machine_and_data
+from optimus.errors import ConfigError
 from optimus.kernels import torch_backend
 from optimus.parallel import collective_check
 from optimus.recipes import load_config
@@ -38,7 +39,7 @@ KERNELS = {
     "permute forward", "permute backward", "expert_swiglu_mlp forward", "expert_swiglu_mlp dgrad",
     "expert_swiglu_mlp wgrad w13", "expert_swiglu_mlp wgrad w2", "combine forward", "combine backward dy",
     "combine backward dw", "grouped_mm forward", "grouped_mm dgrad", "grouped_mm wgrad", "rms_norm forward",
-    "rms_norm dgrad", "rms_norm wgrad", "count_ids",
+    "rms_norm dgrad", "rms_norm wgrad", "rope forward", "rope backward", "count_ids",
 }  # fmt: skip
 CASES = {"recipe", "one row", "empty experts", "ragged tiles", "rows on one expert"}
 FP32_CPU_TOLERANCE = 1e-5  # optimus/kernels/check.py's rule: matrix products in IEEE fp32
@@ -248,8 +249,7 @@ def test_two_processes_check_and_time_every_collective_on_gloo(tmp_path):
     # the ranks' wake-up cost and variability (optimus.perf.rank_sync), written where the fit is above 0
     sync = c["sync"]
     assert sync["sync_cost_s"] >= 0 and sync["rank_variability"] >= 0
-    fitted = {key: value > 0 for key, value in (("sync_cost_us", sync["sync_cost_s"]),
-                                                ("rank_variability", sync["rank_variability"]))}  # fmt: skip
+    fitted = {"sync_cost_us": sync["sync_cost_s"] > 0, "rank_variability": 0 < sync["rank_variability"] < 1}
     assert measured_keys((out / "machine.yaml").read_text(), "optimus selftest") == MEASURED | {
         "node_gbs",
         "node_latency_us",
@@ -438,3 +438,17 @@ def test_an_earlier_selftest_is_replaced_only_with_overwrite(selftest_dir):
         assert code == 2 and "already exists: choose another --out, or pass --overwrite" in err
         code, _, err = run("plan", "--calibrate", "--overwrite", "--out", str(out), *SMALL)
         assert code == 2 and "holds files that a calibration's output is not made of (selftest.json)" in err
+
+
+def test_a_loaded_machines_measured_variability_stays_a_number_the_checks_take():
+    """A rank's variability fitted on cores that other work shares may come out near or above a whole step: its
+    range stops below 1 (the machine checks refuse 1 and above), and a fit of 1 or more is not written."""
+    from optimus.config_checks import _check_perf_range
+    from optimus.selftest.report import _range_lines
+
+    line = _range_lines({}, {"perf.rank_variability": (0.95, "a fit", True)}, "here")[1]
+    low, high = (float(b) for b in re.search(r"\[(.*), (.*)\]", line).groups())
+    assert (low, high) == (pytest.approx(0.855), 0.99)
+    _check_perf_range(MachinePerfConfig(rank_variability=0.95), "rank_variability", [low, high])
+    with pytest.raises(ConfigError, match="keep it below 1"):
+        _check_perf_range(MachinePerfConfig(rank_variability=0.95), "rank_variability", [low, 1.045])

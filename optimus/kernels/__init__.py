@@ -1,4 +1,4 @@
-"""Expert-path and RMSNorm kernels behind one interface, chosen by the `kernels` config key.
+"""Expert-path, RMSNorm and RoPE kernels behind one interface, chosen by the `kernels` config key.
 
 A backend provides three differentiable operations (see `reference.py` for the
 shapes and the exact meaning of each):
@@ -8,8 +8,8 @@ shapes and the exact meaning of each):
     combine(y_AD, token_idx_A, weight_A, n_tokens) -> out_TD
 
 and `grouped_mm(x_AK, w_EKN, offsets_E) -> y_AN`, the plain grouped GEMM; beside them, the arithmetic of
-every RMSNorm of the model (`rms_norm`: see `rms_norm.py`), which is memory-bound as the expert path's
-permutations are.
+every RMSNorm of the model (`rms_norm`: see `rms_norm.py`) and the rotation of its RoPE (`rope`: see `rope.py`),
+which are memory-bound as the expert path's permutations are.
 
 Backends: `torch` (plain PyTorch, fastest on CPUs), `triton` (portable Triton kernels,
 optional: imported only when chosen), `auto` (triton on a GPU where it compiles, else torch).
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from optimus.kernels.rms_norm import TORCH_NORM, NormArithmetic
+from optimus.kernels.rope import Rotate, torch_rotate
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -51,6 +52,7 @@ class KernelBackend:
     combine: Callable
     grouped_mm: Callable
     rms_norm: NormArithmetic
+    rope: Rotate
 
 
 def triton_importable() -> bool:
@@ -86,18 +88,22 @@ def _torch_backend(reads=None) -> KernelBackend:
     from optimus.kernels import torch_backend as tb
 
     if reads is None:
-        return KernelBackend("torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op, TORCH_NORM)
+        return KernelBackend(
+            "torch", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm_op, TORCH_NORM, torch_rotate
+        )
     mlp, grouped_mm = (
         functools.partial(tb.expert_swiglu_mlp, reads=reads),
         functools.partial(tb.grouped_mm_op, reads=reads),
     )
-    return KernelBackend("torch", tb.permute, mlp, tb.combine, grouped_mm, TORCH_NORM)
+    return KernelBackend("torch", tb.permute, mlp, tb.combine, grouped_mm, TORCH_NORM, torch_rotate)
 
 
 def _triton_backend() -> KernelBackend:
     from optimus.kernels import triton_backend as tb
 
-    return KernelBackend("triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm, tb.RMS_NORM)
+    return KernelBackend(
+        "triton", tb.permute, tb.expert_swiglu_mlp, tb.combine, tb.grouped_mm, tb.RMS_NORM, tb.rope_rotate
+    )
 
 
 def resolve_name(name: str = "auto", device_type: str | None = None, traced: bool = False) -> str:

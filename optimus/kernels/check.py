@@ -1,7 +1,7 @@
-"""Each expert-path and RMSNorm kernel of a backend, forward and backward, against the plain-PyTorch reference.
+"""Each expert-path, RMSNorm and RoPE kernel of a backend, forward and backward, against the plain-PyTorch reference.
 
 A kernel that is wrong on one device does not crash: it trains on wrong numbers. This module runs every
-differentiable operation of a backend (`permute`, `expert_swiglu_mlp`, `combine`, `grouped_mm`, `rms_norm`) and
+differentiable operation of a backend (`permute`, `expert_swiglu_mlp`, `combine`, `grouped_mm`, `rms_norm`, `rope`) and
 the counting kernel on given shapes and dtypes, computes the same outputs and gradients with
 `optimus.kernels.reference` in fp32 on the same (rounded) inputs, and reports for each kernel the relative
 error ||got - ref|| / ||ref|| (a NaN, an Inf or a wrong shape counts as an infinite error) against the
@@ -30,8 +30,12 @@ import torch
 from optimus.kernels import KernelBackend, reference
 from optimus.kernels.counting import count_ids
 from optimus.kernels.rms_norm import rms_norm
+from optimus.kernels.rope import apply_rope
 
 NORM_EPS = 1e-6  # the checked RMSNorm's (the models' norm_eps is of this order)
+ROPE_HEAD_DIM = 64  # the checked RoPE's heads, where the width holds whole ones (else one head of the even width)
+# The operations a model without MoE layers runs of a backend (check_backend's `dense_only`).
+DENSE_OPERATIONS = ("rms_norm", "rope")
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 TF32_UNIT_ROUNDOFF = 2.0**-11
@@ -123,7 +127,7 @@ class KernelResult:
     def failure(self, backend: str) -> str:
         """One sentence: which kernel, dtype and shape, how far off, and what to set instead."""
         shape = self.case.describe()
-        if self.kernel.startswith("rms_norm"):  # the norm sees the tokens' rows, not the experts'
+        if self.kernel.startswith(DENSE_OPERATIONS):  # the norm and RoPE see the tokens' rows, not the experts'
             shape = f"{self.case.name}: {self.case.tokens} rows x {self.case.dim}"
         where = f"the {backend} kernel {self.kernel} in {self.dtype_name} at {shape}"
         fallback = "kernels=torch" if backend != "torch" else "kernels=triton where Triton runs, or another torch build"
@@ -169,13 +173,29 @@ def _outputs_and_grads(fn, inputs: list[torch.Tensor], dout: torch.Tensor):
     return [out, *torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)]
 
 
-def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int) -> dict:
+def _heads(x_TD: torch.Tensor) -> torch.Tensor:
+    """x's rows as attention's q sees them: [1, heads, T, head_dim], strided (heads of ROPE_HEAD_DIM where the
+    width holds whole ones, else one head of the width's even part)."""
+    width = x_TD.shape[1] - x_TD.shape[1] % 2
+    head_dim = ROPE_HEAD_DIM if width % ROPE_HEAD_DIM == 0 else width
+    return x_TD[:, :width].unflatten(1, (width // head_dim, head_dim)).transpose(0, 1).unsqueeze(0)
+
+
+def rope_tables(x_TD: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim / 2] (fp32, on x's device) of random angles, for RoPE over _heads(x)."""
+    angles = torch.rand(x_TD.shape[0], _heads(x_TD).shape[-1] // 2, generator=generator) * 6.3
+    return angles.cos().to(x_TD.device), angles.sin().to(x_TD.device)
+
+
+def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int, cos_SH, sin_SH) -> dict:
     """Each differentiable operation as (function of its float inputs, names of its outputs and gradients)."""
     ops = backend_or_reference
     if isinstance(ops, KernelBackend):
         norm = lambda x, w: rms_norm(x, w, NORM_EPS, ops.rms_norm)  # noqa: E731
+        rope = lambda x: apply_rope(_heads(x), cos_SH, sin_SH, rotate=ops.rope)  # noqa: E731
     else:
         norm = lambda x, w: ops.rms_norm(x, w, NORM_EPS)  # noqa: E731
+        rope = lambda x: ops.rope(_heads(x), cos_SH, sin_SH)  # noqa: E731
     return {
         "permute": (lambda x: ops.permute(x, token_idx_A), ("forward", "backward")),
         "expert_swiglu_mlp": (
@@ -185,6 +205,7 @@ def _operations(backend_or_reference, token_idx_A, offsets_E, n_tokens: int) -> 
         "combine": (lambda y, w: ops.combine(y, token_idx_A, w, n_tokens), ("forward", "backward dy", "backward dw")),
         "grouped_mm": (lambda x, w: ops.grouped_mm(x, w, offsets_E), ("forward", "dgrad", "wgrad")),
         "rms_norm": (norm, ("forward", "dgrad", "wgrad")),
+        "rope": (rope, ("forward", "backward")),
     }
 
 
@@ -194,20 +215,21 @@ def check_backend(
     dtypes: list[torch.dtype],
     device: torch.device | str,
     seed: int = 0,
-    norm_only: bool = False,
+    dense_only: bool = False,
 ) -> list[KernelResult]:
     """Every kernel of `backend` on every case and dtype, against the fp32 reference on the same rounded inputs
-    (`norm_only`: the RMSNorm's alone, at the case's `dim`: what a dense model runs)."""
+    (`dense_only`: the RMSNorm's and RoPE's alone (DENSE_OPERATIONS), at the case's `dim`: what a dense model
+    runs)."""
     device = torch.device(device)
     results = []
     for case in cases:
         for dtype in dtypes:
-            results += _check_case(backend, case, dtype, device, torch.Generator().manual_seed(seed), norm_only)
+            results += _check_case(backend, case, dtype, device, torch.Generator().manual_seed(seed), dense_only)
     return results
 
 
 def _check_case(
-    backend, case: Case, dtype: torch.dtype, device: torch.device, gen, norm_only: bool
+    backend, case: Case, dtype: torch.dtype, device: torch.device, gen, dense_only: bool
 ) -> list[KernelResult]:
     (x_TD, w13, w2, weight_A, norm_w_D), token_idx_A, offsets_E = _leaves(case, dtype, device, gen)
     tol = tolerance(dtype, device.type)
@@ -219,12 +241,14 @@ def _check_case(
         "combine": [y_AD, weight_A],
         "grouped_mm": [x_AD, w13],
         "rms_norm": [x_TD, norm_w_D],
+        "rope": [x_TD],
     }
-    got_ops = _operations(backend, token_idx_A, offsets_E, case.tokens)
-    want_ops = _operations(reference, token_idx_A, offsets_E, case.tokens)
+    cos_SH, sin_SH = rope_tables(x_TD, gen)
+    got_ops = _operations(backend, token_idx_A, offsets_E, case.tokens, cos_SH, sin_SH)
+    want_ops = _operations(reference, token_idx_A, offsets_E, case.tokens, cos_SH, sin_SH)
     results = []
     for name, (fn, labels) in got_ops.items():
-        if norm_only and name != "rms_norm":
+        if dense_only and name not in DENSE_OPERATIONS:
             continue
         with _ieee_fp32():
             want_fn = want_ops[name][0]
@@ -241,7 +265,7 @@ def _check_case(
             got, raised = [None] * len(labels), f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
         for label, g, w in zip(labels, got, want):
             results.append(KernelResult(f"{name} {label}", dtype, case, relative_error(g, w), tol, raised))
-    if norm_only:
+    if dense_only:
         return results
     counts = count_ids(token_idx_A, case.tokens)
     want_counts = torch.bincount(token_idx_A.cpu(), minlength=case.tokens)

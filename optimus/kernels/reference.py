@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference for the expert path and RMSNorm: the oracle the fast kernels are tested against.
+"""Plain-PyTorch reference for the expert path, RMSNorm and RoPE: the oracle the fast kernels are tested against.
 
 Shapes: T tokens, A routed assignments (T*K when nothing is dropped), D model dim,
 F expert hidden dim, E experts. `offsets_E` holds the cumulative end row of each
@@ -51,6 +51,12 @@ def grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor)
 def rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean of x^2 over the last dimension + eps) * w (in x's and w's promoted dtype)."""
     return x_TD * torch.rsqrt(x_TD.square().mean(-1, keepdim=True) + eps) * w_D
+
+
+def rope(x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    """(x1 cos - x2 sin, x2 cos + x1 sin) over the halves x1, x2 of the last dimension."""
+    x1, x2 = x_BNSH.chunk(2, dim=-1)
+    return torch.cat((x1 * cos_SH - x2 * sin_SH, x2 * cos_SH + x1 * sin_SH), dim=-1)
 
 
 def random_routing(

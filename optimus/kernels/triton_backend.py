@@ -291,6 +291,27 @@ def _(g_ND, x_ND, w_D, rstd_N, width, dot_N):
 RMS_NORM = NormArithmetic("triton", _row_dot, _rms_norm, _rms_norm_backward)
 
 
+# ---- RoPE's rotation (optimus.kernels.rope, whose autograd.Function calls it both ways) ----
+
+
+@torch.library.custom_op("optimus::triton_rope", mutates_args=())
+def _rope(x_BNSH: Tensor, cos_SH: Tensor, sin_SH: Tensor, inverse: bool, dtype: torch.dtype) -> Tensor:
+    """-> [B, N, S, H] contiguous in `dtype`: optimus.kernels.rope.Rotate."""
+    if x_BNSH.stride(-1) != 1:  # the kernel walks the head dimension in place
+        x_BNSH = x_BNSH.contiguous()
+    return tk.rope(x_BNSH, cos_SH.contiguous(), sin_SH.contiguous(), inverse, dtype)
+
+
+@_rope.register_fake
+def _(x_BNSH, cos_SH, sin_SH, inverse, dtype):
+    return x_BNSH.new_empty(x_BNSH.shape, dtype=dtype)
+
+
+def rope_rotate(x_BNSH: Tensor, cos_SH: Tensor, sin_SH: Tensor, inverse: bool, dtype: torch.dtype) -> Tensor:
+    """optimus.kernels.rope.Rotate in one Triton kernel."""
+    return _rope(x_BNSH, cos_SH, sin_SH, inverse, dtype)
+
+
 # ---- the backend's interface ----
 
 

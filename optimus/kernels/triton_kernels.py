@@ -16,6 +16,7 @@ Kernels:
   _row_dot_kernel         out[n] = sum_d a[n, d] * b[n, d] (* w[d])   (RMSNorm's sums, where other ranks add theirs)
   _rms_norm_fwd_kernel    y = x * rsqrt(sum x^2 / width + eps) * w, in fp32, one pass over a tile of rows
   _rms_norm_bwd_kernel    dx, and each tile of rows' share of dw, in fp32
+  _rope_kernel            out = (x1 cos - x2 sin, x2 cos + x1 sin) per row of a head, in fp32 (RoPE; -sin: its gradient)
 
 Autotune configs are a list per vendor (NVIDIA, AMD, Intel XPU), picked from the device.
 """
@@ -364,6 +365,33 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_part_ptr + tile_id.to(tl.int64) * D + ds, tl.sum(g * n, axis=0), mask=ds < D)
 
 
+# RoPE works on tiles of rows, a row being one (batch, head, position)'s head dimension: the input is read through
+# its strides (a transposed projection's), the output written contiguous.
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, R, N, S, stride_b, stride_n, stride_s, HALF,
+    INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    pos = rows % S
+    x_row = (rows // (S * N)) * stride_b + ((rows // S) % N) * stride_n + pos * stride_s
+    cols = tl.arange(0, BLOCK_H)
+    ok = row_ok[:, None] & (cols < HALF)[None, :]
+    x1 = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_row[:, None] + HALF + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    table = pos[:, None] * HALF + cols[None, :]
+    cos = tl.load(cos_ptr + table, mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=ok, other=0.0)
+    if INVERSE:
+        sin = -sin
+    out_row = rows[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(out_ptr + out_row, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + out_row + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 # ---- launchers (shapes checked by the callers in triton_backend) ----
 
 
@@ -528,6 +556,23 @@ def rms_norm_backward(g_ND, x_ND, w_D, rstd_N, width: int, dot_N):
             HAS_DOT=dot_N is not None, BLOCK_R=rows, BLOCK_D=cols,
         )  # fmt: skip
     return dx_ND, dw_part_PD.sum(0).to(w_D.dtype)
+
+
+def rope(x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, inverse: bool, dtype: torch.dtype):
+    """x rotated by the tables' angles (their opposites where `inverse`) -> [B, N, S, H] contiguous in `dtype`; x
+    any strides but a contiguous last dimension, cos and sin [S, H / 2] contiguous fp32."""
+    B, N, S, H = x_BNSH.shape
+    out = x_BNSH.new_empty((B, N, S, H), dtype=dtype)
+    rows = B * N * S
+    if rows:
+        block_h = triton.next_power_of_2(H // 2)
+        tile = 2 if vendor() == "interpreter" else max(1, 4096 // block_h)  # the interpreter: several tiles
+        sb, sn, ss, _ = x_BNSH.stride()
+        _rope_kernel[(triton.cdiv(rows, tile),)](
+            x_BNSH, cos_SH, sin_SH, out, rows, N, S, sb, sn, ss, H // 2,
+            INVERSE=inverse, BLOCK_R=tile, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out
 
 
 def forget_autotuning() -> None:

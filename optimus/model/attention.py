@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from optimus.config import ModelConfig, qk_norm_mode
 from optimus.kernels.rms_norm import TORCH_NORM, NormArithmetic
+from optimus.kernels.rope import Rotate, apply_rope, torch_rotate
 from optimus.model.norm import RMSNorm
 
 
@@ -14,43 +15,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles_SH = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles_SH.cos(), angles_SH.sin()
-
-
-def _rotate(x: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    """(x1 cos - x2 sin, x2 cos + x1 sin) of the halves of the last dimension, in fp32, written into one
-    output: the halves never exist as separate tensors. A rotation by -angle (-sin) is the inverse."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos_SH, out=out1).addcmul_(x2, sin_SH, value=-1)
-    torch.mul(x2, cos_SH, out=out2).addcmul_(x1, sin_SH)
-    return out
-
-
-class _Rope(torch.autograd.Function):
-    """RoPE with its backward written out: the gradient of a rotation is the rotation by the opposite
-    angle, two fused multiply-adds per half. Autograd of the elementwise form replays its four
-    multiplies, the add and subtract, the concatenation and the casts one by one (1.5 -> 1.1 ms for
-    a [8, 8, 256, 32] q, forward + backward, one EPYC core)."""
-
-    @staticmethod
-    def forward(ctx, x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, dtype: torch.dtype):
-        ctx.save_for_backward(cos_SH, sin_SH)
-        ctx.input_dtype = x_BNSH.dtype
-        return _rotate(x_BNSH, cos_SH, sin_SH).to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad_BNSH: torch.Tensor):
-        cos_SH, sin_SH = ctx.saved_tensors
-        return _rotate(grad_BNSH, cos_SH, -sin_SH).to(ctx.input_dtype), None, None, None
-
-
-def apply_rope(
-    x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Rotate the two halves of each head dimension (the "rotate_half" convention) in fp32; the result
-    in `dtype` (default: the input's)."""
-    return _Rope.apply(x_BNSH, cos_SH, sin_SH, dtype or x_BNSH.dtype)
 
 
 # On a CPU, SDPA's flash kernel is faster in fp32 than in bf16 for small heads: its bf16 path converts
@@ -70,8 +34,9 @@ def attention_dtype(device_type: str, head_dim: int, dtype: torch.dtype) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm_arithmetic: NormArithmetic = TORCH_NORM):
+    def __init__(self, cfg: ModelConfig, norm_arithmetic: NormArithmetic = TORCH_NORM, rotate: Rotate = torch_rotate):
         super().__init__()
+        self.rotate = rotate  # the kernel backend's RoPE (optimus.kernels.rope)
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
@@ -113,7 +78,7 @@ class Attention(nn.Module):
         v = v_BSK.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = self._rope(S, x_BSD.device)
         dtype = attention_dtype(v.device.type, self.head_dim, v.dtype)
-        q, k = apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype)
+        q, k = apply_rope(q, cos, sin, dtype, self.rotate), apply_rope(k, cos, sin, dtype, self.rotate)
         with torch.autocast(x_BSD.device.type, enabled=False):  # SDPA in `dtype`, whatever autocast says
             out = F.scaled_dot_product_attention(
                 q, k, v.to(dtype), is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads

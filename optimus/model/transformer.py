@@ -34,7 +34,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackend):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
-        self.attn = Attention(cfg, kernels.rms_norm)
+        self.attn = Attention(cfg, kernels.rms_norm, kernels.rope)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
         moe_ids = moe_layer_ids(cfg)
         self.is_moe = layer_idx in moe_ids

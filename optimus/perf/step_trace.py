@@ -58,8 +58,9 @@ from optimus.parallel.tensor_parallel import local_tensor
 # counted as read and written and does not make its products fp32 ones, and expert weight gradients may be added
 # into the optimizer's fp32 buffer by their kernel (optimus.kernels.grad_sink), 6 since RMSNorm runs as the kernel
 # backend's operators (optimus.kernels.rms_norm: Triton's on the device path) and ZeRO-2's sums of a step's
-# micro-batches are gradient sinks too.
-FORMAT = 6
+# micro-batches are gradient sinks too, 7 since `_unsafe_view` is a view and a `new_zeros` or `ones_like` reads
+# nothing of its tensor argument.
+FORMAT = 7
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)")
 # Python functions of torch.distributed that issue a collective without waiting for it.

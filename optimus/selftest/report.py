@@ -257,7 +257,8 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
         how = f"{c['processes']} {c['backend']} processes computing and meeting, fitted as optimus.perf.rank_sync"
         if sync["sync_cost_s"] > 0:  # a fit of 0 (no cost seen) stays null: none
             values["perf.sync_cost_us"] = (sync["sync_cost_s"] * 1e6, how, True)
-        if sync["rank_variability"] > 0:
+        # A fit of a whole step or more (ranks that share busy cores) is no fraction of a step the model takes.
+        if 0 < sync["rank_variability"] < 1:
             values["perf.rank_variability"] = (sync["rank_variability"], how, True)
     if "operators" in report:
         how = f"{len(report['operators'])} of the {report['signatures']} distinct operators of the step of "
@@ -308,6 +309,9 @@ def machine_yaml(machine: MachineConfig, report: dict, command: str) -> str:
 
 
 MEASURED_SPREAD = 0.1  # the range of a number measured here: +-10% (ASSUMED: runs and nodes differ)
+# Where a measured range stops short of what the machine's checks refuse (optimus.config_checks): efficiencies at
+# 1, a rank's variability, a fraction of a step below 1, by a margin.
+RANGE_CAPS = {"rank_variability": 0.99}
 
 
 def _range_lines(ranges: dict, values: dict, where: str) -> list[str]:
@@ -316,7 +320,7 @@ def _range_lines(ranges: dict, values: dict, where: str) -> list[str]:
     for key in RANGED_PERF_KEYS:
         found = values.get(f"perf.{key}")
         if found is not None and found[2]:
-            cap = 1.0 if key.endswith("efficiency") else float("inf")
+            cap = RANGE_CAPS.get(key, 1.0 if key.endswith("efficiency") else float("inf"))
             low, high = found[0] * (1 - MEASURED_SPREAD), min(found[0] * (1 + MEASURED_SPREAD), cap)
             lines.append(f"    {key}: [{low:.4g}, {high:.4g}]  # measured by {where}, +-{MEASURED_SPREAD:.0%}")
         elif key in ranges:

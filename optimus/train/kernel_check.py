@@ -65,7 +65,7 @@ def check_kernels(cfg: OptimusConfig, ps: ParallelState, device: torch.device, c
     except KernelUnavailable as err:  # the `kernels` key: the user's to change, as the model reports it
         raise ConfigError(str(err)) from None
     dense = not moe_layer_ids(cfg.model)
-    results = check_backend(backend, [case], [compute_dtype], device, norm_only=dense)
+    results = check_backend(backend, [case], [compute_dtype], device, dense_only=dense)
     if backend.name == "triton":  # tuned on the case's few rows: let the step's first micro-batch tune its own
         from optimus.kernels.triton_kernels import forget_autotuning
 

@@ -13,8 +13,9 @@ from optimus.config import ConfigError, ModelConfig, MoEConfig
 from optimus.config_checks import validate_model
 from optimus.hf import MIXTRAL, OLMOE, QWEN3_MOE, format_for_model, from_pretrained, save_pretrained
 from optimus.hf.config_map import TRANSFORMERS_LOSSES, hf_config_from_model, model_config_from_hf
+from optimus.kernels.rope import apply_rope
 from optimus.model import Transformer
-from optimus.model.attention import Attention, apply_rope, rope_tables
+from optimus.model.attention import Attention, rope_tables
 
 SHAPE = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=300, rope_theta=5e5, norm_eps=1e-6)
 

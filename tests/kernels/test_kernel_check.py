@@ -4,6 +4,7 @@ The torch backend runs at a small recipe's shapes in fp32 and bf16; the triton b
 interpreter at tiny widths in fp32 (the interpreter computes bf16 dots wrongly).
 """
 
+import dataclasses
 import math
 import os
 
@@ -20,6 +21,7 @@ from optimus.kernels.check import (
     routing,
     tolerance,
 )
+from optimus.kernels.rope import torch_rotate
 
 TINY_CASES = [Case("tiny", 20, 24, 40, 4, 2), Case("empty experts", 9, 17, 33, 5, 1, empty_experts=(1, 3))]
 
@@ -134,3 +136,21 @@ def test_a_kernel_that_raises_is_a_failure_not_a_crash(monkeypatch):
         )
     )
     assert reference.permute is not broken
+
+
+def test_a_rope_that_turns_the_wrong_way_is_named_and_a_dense_model_checks_the_norm_and_rope():
+    """RoPE by the opposite angle (a sign lost in a kernel) fails both ways; a dense model's check runs the RMSNorm
+    and RoPE alone, RoPE over 64-wide heads where the width holds them (so over a transposed view) and over the
+    even part of an odd width."""
+    backend = get_backend("torch")
+    cases = [Case("heads", 12, 128, 1, 1, 1), TINY_CASES[1]]  # width 128: two heads; 17: one head of 16
+    results = check_backend(backend, cases, [torch.float32], "cpu", dense_only=True)
+    assert {r.kernel for r in results} == {"rms_norm forward", "rms_norm dgrad", "rms_norm wgrad", "rope forward",
+                                           "rope backward"}  # fmt: skip
+    assert first_failure(results) is None, first_failure(results).failure("torch")
+    backwards = dataclasses.replace(
+        backend, rope=lambda x, cos, sin, inverse, dtype: torch_rotate(x, cos, sin, not inverse, dtype)
+    )
+    failed = [r for r in check_backend(backwards, cases, [torch.float32], "cpu", dense_only=True) if not r.ok]
+    assert {r.kernel for r in failed} == {"rope forward", "rope backward"} and len(failed) == 4
+    assert failed[0].failure("torch").startswith("the torch kernel rope forward in float32 at heads: 12 rows x 128 is")

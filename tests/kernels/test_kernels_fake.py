@@ -67,6 +67,8 @@ OPCHECK_CASES = [
     "rms_norm_summed",
     "rms_norm_backward",
     "rms_norm_backward_summed",
+    "rope",
+    "rope_inverse_to_fp32",
 ]
 
 
@@ -87,6 +89,9 @@ def opcheck_cases() -> dict:
     x_ND, g_ND = (torch.randn(5, 20, generator=gen).bfloat16() for _ in range(2))
     w_D, rstd_N = torch.rand(20, generator=gen) + 0.5, torch.rand(5, generator=gen) + 0.5
     sums_N = torch.rand(5, generator=gen) * 40
+    # RoPE: q [B 1, N 2, S 3, H 8] in bf16 as attention hands it, a transposed [B, S, N, H] projection
+    q_BNSH = torch.randn(1, 3, 2, 8, generator=gen).bfloat16().transpose(1, 2)
+    cos_SH, sin_SH = torch.rand(3, 4, generator=gen), torch.rand(3, 4, generator=gen)
     return {
         "permute": (ops.triton_permute, (x_TD, token_idx_A, fp32)),
         "permute_to_fp16": (ops.triton_permute, (x_TD, token_idx_A, torch.float16)),
@@ -106,6 +111,8 @@ def opcheck_cases() -> dict:
         "rms_norm_summed": (ops.triton_rms_norm, (x_ND, w_D, 1e-6, 40, sums_N)),
         "rms_norm_backward": (ops.triton_rms_norm_backward, (g_ND, x_ND, w_D, rstd_N, 20, None)),
         "rms_norm_backward_summed": (ops.triton_rms_norm_backward, (g_ND, x_ND, w_D, rstd_N, 40, sums_N)),
+        "rope": (ops.triton_rope, (q_BNSH, cos_SH, sin_SH, False, torch.bfloat16)),
+        "rope_inverse_to_fp32": (ops.triton_rope, (q_BNSH, cos_SH, sin_SH, True, fp32)),
     }
 
 

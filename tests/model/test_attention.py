@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimus.model.attention import Attention, apply_rope, rope_tables
+from optimus.kernels.rope import apply_rope
+from optimus.model.attention import Attention, rope_tables
 from tests.model.test_loss import assert_relative_error
 from tests.model.test_model import tiny_config
 

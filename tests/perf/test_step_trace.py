@@ -156,3 +156,17 @@ def test_a_bf16_attention_backward_is_priced_in_bf16():
         attention = [op for e in trace.finish() if e["e"] == "ops" for op in e["ops"] if op[0] == "attn"]
         flops = [attention_flops(q, q, True, backward) for backward in (False, True)]
         assert [(op[1], op[3]) for op in attention] == [(f, dtype == torch.float32) for f in flops]
+
+
+def test_a_view_without_the_schemas_mark_and_a_fill_like_its_argument_move_what_they_write():
+    """`_unsafe_view` (reshape's result after a copy) shares its input's storage: no kernel; `new_zeros` and
+    `ones_like` read only their argument's shape and dtype: they move what they write, not what they are like."""
+    x = torch.ones(64, 32, dtype=torch.bfloat16)
+    view = torch.ops.aten._unsafe_view.default
+    assert view(x, [2048]).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert op_cost(view, (x, [2048]), {}, view(x, [2048])) == ("view", 0, 0, False)
+    empty = torch.ops.aten.new_zeros.default(x, [0])
+    assert op_cost(torch.ops.aten.new_zeros.default, (x, [0]), {}, empty) == ("mem", 0, 0, False)
+    ones = torch.ops.aten.ones_like.default(x)
+    assert op_cost(torch.ops.aten.ones_like.default, (x,), {}, ones)[2] == 64 * 32 * 2  # written only
+    assert op_cost(torch.ops.aten.mul.Tensor, (x, x), {}, x * x)[2] == 3 * 64 * 32 * 2  # a kernel that reads

@@ -1,6 +1,7 @@
 """The start-up check of the kernels (optimus/train/kernel_check.py): a kernel made wrong on purpose (the last
 row of each 16-row tile dropped, the weight read transposed, a norm's output scaled) stops the run before step 1
-with one sentence naming it, on every rank; a correct backend passes; a dense model's check is its norms'; the
+with one sentence naming it, on every rank; a correct backend passes; a dense model's check is its norms' and its
+RoPE's; the
 default runs it on every device but a CPU."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import optimus.kernels as kernels
 from optimus.config import OptimusConfig
 from optimus.kernels import reference, torch_backend
 from optimus.kernels.rms_norm import TORCH_NORM
+from optimus.kernels.rope import torch_rotate
 from optimus.parallel import build_parallel_state
 from optimus.parallel.state import ParallelState
 from optimus.recipes import load_config
@@ -117,7 +119,7 @@ def test_the_case_is_the_models_widths_over_this_ranks_experts():
     assert (startup_case(cfg.model, ep=8).top_k, startup_case(cfg.model, ep=8).empty_experts) == (2, ())
 
 
-def test_a_dense_model_checks_its_norms_alone(monkeypatch):
+def test_a_dense_model_checks_its_norms_and_rope_alone(monkeypatch):
     cfg = small_config(dim=48)
     cfg.model.moe.n_experts = 0
     assert (startup_case(cfg.model, ep=1).tokens, startup_case(cfg.model, ep=1).dim) == (96, 48)
@@ -135,6 +137,11 @@ def test_a_dense_model_checks_its_norms_alone(monkeypatch):
         "relative to the reference (tolerance 1.0e-05); use kernels=triton where Triton runs, or another torch "
         "build, or set check_kernels=false to train anyway."
     )
+    monkeypatch.setattr(kernels, "TORCH_NORM", TORCH_NORM)
+    monkeypatch.setattr(
+        kernels, "torch_rotate", lambda x, cos, sin, inverse, dtype: torch_rotate(x, cos, -sin, inverse, dtype)
+    )
+    assert raised(cfg).startswith("At start-up, the torch kernel rope forward in float32 at 96 tokens: 96 rows x 48 is")
 
 
 def test_null_means_on_for_every_device_but_a_cpu():
