@@ -78,11 +78,12 @@ busiest rank holds `expert_load_imbalance` times more). ZeRO-2 (optim.zero=2) ad
 buckets (optimus.optim.memory.zero2_staging_bytes): up to two being packed and BUCKETS_IN_FLIGHT in reduction
 per group, each with gloo's receive buffer, alive in the backward once the head's has run; and at the end of
 the backward, when the activations are gone, the last ones in flight beside the embedding's gradient, the last
-one computed. One more term is added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
+one computed. Two more terms are added at the peak (found by `optimus plan --dry-run`): ZeRO-2's full-size
 gradient, which accumulates from a step's first backward when it has several micro-batches
-(zero2_accumulated_bytes). A pipeline rank also holds its stages' outputs, one per micro-batch in flight
-(torch's schedule keeps each until its backward; zero bubble's, until its weight pass), but not on the last
-stage, and the head's activations of one micro-batch only, except under GPipe and zero bubble
+(zero2_accumulated_bytes), and under zero bubble with ZeRO-1 the gradients its weight passes store in .grad
+until the optimizer collects them (weight_pass_grad_bytes). A pipeline rank also holds its stages' outputs, one
+per micro-batch in flight (torch's schedule keeps each until its backward; zero bubble's, until its weight pass),
+but not on the last stage, and the head's activations of one micro-batch only, except under GPipe and zero bubble
 (optimus.parallel.pipeline.last_stage_in_flight). The pipeline stages' receive
 buffers are not a term: Optimus's stages hold one only while its micro-batch needs it
 (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
@@ -103,7 +104,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from optimus.config import TORCH_DTYPES, ConfigError, ModelConfig, OptimConfig, OptimusConfig, qk_norm_mode
+from optimus.config import (
+    TORCH_DTYPES,
+    WEIGHT_PASS_SCHEDULES,
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    OptimusConfig,
+    qk_norm_mode,
+)
 from optimus.config_checks import layout_of, validate
 from optimus.kernels import SAVED_FFN_WIDTHS, KernelUnavailable, resolve_name
 from optimus.kernels.cpu_schedules import WIDEN_BLOCK_ROWS
@@ -176,6 +185,20 @@ def zero2_accumulated_bytes(inputs: PlanInputs, share: RankShare) -> int:
     if inputs.zero != 2 or inputs.accum == 1:
         return 0
     return inputs.grad_bytes * share.per_device(inputs.stage.tp, inputs.stage.ep)
+
+
+def weight_pass_grad_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:
+    """Zero bubble with ZeRO-1: a weight pass stores its gradients in .grad (autograd's accumulation, and the hooks
+    that would add each into the fp32 buffer, do not run there), where they add up until the optimizer collects
+    them after the backwards (optimus.optim.shard_group.collect): the parameters' gradients in their own dtype,
+    alive from the first weight pass to the end of the step, beside the buffer the state counts. Where the buffer
+    is in the parameters' dtype, .grad is a view into it (a tensor-parallel group's excepted: fed by hooks)."""
+    stage = inputs.stage
+    if cfg.parallel.pp_schedule not in WEIGHT_PASS_SCHEDULES or inputs.zero != 1:
+        return 0
+    if cfg.optim.grad_dtype != inputs.compute_dtype:
+        return inputs.act_bytes * share.per_device(stage.tp, stage.ep)
+    return inputs.act_bytes * share.local_dense(stage.tp) if stage.tp > 1 else 0
 
 
 def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:
@@ -426,7 +449,13 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict
              "sent_outputs": share.sent_outputs, "attention_bytes": inputs.attention_bytes,
              "dispatcher": inputs.dispatcher, "ep": stage.ep, "head_in_flight": share.head_in_flight}  # fmt: skip
     buffers = pipeline_buffer_bytes(cfg, inputs, share)
-    accumulated = zero2_accumulated_bytes(inputs, share) + buffers
+    # held beside the activations to the end of the backward, whatever the checkpointing
+    held = {
+        "zero2_accumulated": zero2_accumulated_bytes(inputs, share),
+        "pipeline_buffers": buffers,
+        "weight_pass_grads": weight_pass_grad_bytes(cfg, inputs, share),
+    }
+    accumulated = sum(held.values())
 
     def peak(mode: str) -> int:
         return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated
@@ -437,7 +466,7 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict
         "selective": peak("selective"),
         "checkpointing": peak("full"),
         "configured": peak(t.activation_checkpointing),
-        "zero2_accumulated": accumulated,
+        **held,
         "configured_mode": t.activation_checkpointing,
         "zero2_staging": staging,  # (during the backward, at its end)
     }

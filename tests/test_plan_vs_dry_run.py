@@ -103,3 +103,18 @@ def test_a_muon_plan_is_the_dry_runs_peak_within_5_percent(world, overrides):
     measured = dry_run_rank(cfg, world, rank)["memory"]["peak_bytes"]
     planned = plan.memory["total_configured"]
     assert abs(planned / measured - 1) <= 0.05, f"planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f}"
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "interleaved_1f1b"])
+def test_zero_bubbles_gradients_in_grad_are_planned_as_the_dry_run_holds_them(schedule):
+    """Under zero bubble with ZeRO-1 a weight pass stores its gradients in .grad, where they add up to the end of the
+    backward beside the fp32 buffer (no hook runs there to move them): the plan's term is the gradients the dry run
+    holds at the last rank's peak, every parameter's in the compute dtype; under interleaved 1F1B the hooks move
+    each into the buffer as it comes, and none is held. (The plan's whole zero-bubble peak is not yet held to 5%:
+    it counts what an input pass leaves for its weight pass as the forward's activations.)"""
+    cfg = load_config([*STEP, "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.pp_virtual=2"])
+    plan = make_plan(cfg, 2)
+    assert busiest_rank(plan, layout_of(cfg, 2)) == 1 and cfg.optim.zero == 1
+    measured = dry_run_rank(cfg, 2, 1)["memory"]["by_category"]["grads"]
+    bf16_params = 2 * plan.stages[1]["params_per_device"] if schedule == "interleaved_zb" else 0
+    assert plan.activations["weight_pass_grads"] == measured == bf16_params

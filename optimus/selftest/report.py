@@ -228,6 +228,11 @@ def _collective_lines(collectives: dict) -> list[str]:
 # machine.yaml
 
 
+# Where a measured range stops short of what the machine's checks refuse (optimus.config_checks): efficiencies at
+# 1, a rank's variability, a fraction of a step below 1, by a margin (a fit at or above it is not written).
+RANGE_CAPS = {"rank_variability": 0.99}
+
+
 def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]:
     """{dotted key: (value, how it was found, measured)} of the machine keys the selftest measured, or found
     (the ranks per node, the peak and the device's memory: what a recipe may leave to be looked up)."""
@@ -246,20 +251,7 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
     bandwidth = rates["memory_bandwidth_bytes_per_s"] / 1e9
     values["perf.memory_bandwidth_gbs"] = (bandwidth, rates["memory_bandwidth_how"], True)
     values["perf.kernel_floor_us"] = (rates["kernel_floor_s"] * 1e6, rates["kernel_floor_how"], True)
-    c = report["collectives"]
-    link = c.get("node_link")
-    if link:
-        how = f"all_reduce over {c['processes']} processes on {c['backend']}, fitted as optimus.perf.costs prices it"
-        values["perf.node_gbs"] = (link["gbs"], how, True)
-        values["perf.node_latency_us"] = (link["latency_us"], how, True)
-    sync = c.get("sync")
-    if sync:
-        how = f"{c['processes']} {c['backend']} processes computing and meeting, fitted as optimus.perf.rank_sync"
-        if sync["sync_cost_s"] > 0:  # a fit of 0 (no cost seen) stays null: none
-            values["perf.sync_cost_us"] = (sync["sync_cost_s"] * 1e6, how, True)
-        # A fit of a whole step or more (ranks that share busy cores) is no fraction of a step the model takes.
-        if 0 < sync["rank_variability"] < 1:
-            values["perf.rank_variability"] = (sync["rank_variability"], how, True)
+    values |= _collective_values(report["collectives"])
     if "operators" in report:
         how = f"{len(report['operators'])} of the {report['signatures']} distinct operators of the step of "
         how += f"{report['step']}, timed by every process (optimus.perf.op_timing)"
@@ -276,6 +268,27 @@ def measured_machine_values(report: dict) -> dict[str, tuple[object, str, bool]]
             values["peak_flops"] = (bf16["flops_per_s"], f"the bf16 peak ({bf16['source']})", False)
     if device.get("memory_bytes"):
         values["memory_gb"] = (device["memory_bytes"] / 2**30, "the device's memory in GiB", False)
+    return values
+
+
+def _collective_values(c: dict) -> dict[str, tuple[object, str, bool]]:
+    """The machine keys that the selftest's collectives measured: the link inside the node, the ranks' sync cost
+    and variability."""
+    values: dict[str, tuple[object, str, bool]] = {}
+    link = c.get("node_link")
+    if link:
+        how = f"all_reduce over {c['processes']} processes on {c['backend']}, fitted as optimus.perf.costs prices it"
+        values["perf.node_gbs"] = (link["gbs"], how, True)
+        values["perf.node_latency_us"] = (link["latency_us"], how, True)
+    sync = c.get("sync")
+    if sync:
+        how = f"{c['processes']} {c['backend']} processes computing and meeting, fitted as optimus.perf.rank_sync"
+        if sync["sync_cost_s"] > 0:  # a fit of 0 (no cost seen) stays null: none
+            values["perf.sync_cost_us"] = (sync["sync_cost_s"] * 1e6, how, True)
+        # A fit of nearly a whole step or more (ranks that share busy cores) is no fraction of a step the model
+        # takes, and no range below its cap would hold it.
+        if 0 < sync["rank_variability"] < RANGE_CAPS["rank_variability"]:
+            values["perf.rank_variability"] = (sync["rank_variability"], how, True)
     return values
 
 
@@ -309,9 +322,6 @@ def machine_yaml(machine: MachineConfig, report: dict, command: str) -> str:
 
 
 MEASURED_SPREAD = 0.1  # the range of a number measured here: +-10% (ASSUMED: runs and nodes differ)
-# Where a measured range stops short of what the machine's checks refuse (optimus.config_checks): efficiencies at
-# 1, a rank's variability, a fraction of a step below 1, by a margin.
-RANGE_CAPS = {"rank_variability": 0.99}
 
 
 def _range_lines(ranges: dict, values: dict, where: str) -> list[str]:
