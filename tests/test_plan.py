@@ -103,11 +103,11 @@ def test_plan_matches_measured_state_bytes_per_pipeline_stage(tmp_path, corpus_f
 
 @pytest.mark.parametrize(
     "experiment,pp,schedule,micro_batches",
-    [("aurora-mula-100b-a7b", 8, "interleaved_1f1b", 16), ("aurora-mula-220b-a10b", 8, "interleaved_zb", 8)],
+    [("aurora-mula-100b-a7b", 8, "interleaved_zb", 8), ("aurora-mula-220b-a10b", 8, "interleaved_zb", 8)],
 )
 def test_full_size_pipeline_experiments_fit_an_aurora_tile(experiment, pp, schedule, micro_batches):
-    """256 Aurora nodes: every pipeline rank of the 100B (PP 8, interleaved 1F1B, TP 2: two rounds of pp
-    micro-batches per data-parallel rank) and 220B (PP 8, zero bubble, no TP: one round) recipes, two stages per
+    """256 Aurora nodes: every pipeline rank of the 100B (PP 8, zero bubble, TP 2, micro-batches of 2: one round of
+    pp micro-batches per data-parallel rank) and 220B (PP 8, zero bubble, no TP: one round) recipes, two stages per
     rank, fits its 64 GB tile; the ranks hold every layer once; and each holds, in micro-batches of its layers,
     the heaviest point of torch's own action order for it (zero bubble: a forward held until its weight pass),
     each stage's forwards weighing its layers."""
