@@ -122,7 +122,13 @@ from optimus.model.attention import attention_dtype
 from optimus.model.loss import chunk_rows
 from optimus.optim import SCHEMES, rank_state_bytes, resolve_sharding
 from optimus.optim.adamw import AdamW
-from optimus.optim.memory import bucket_numel, rank_update_bytes, rank_zero2_staging_bytes, zero_bucket_bytes
+from optimus.optim.memory import (
+    bucket_numel,
+    grads_by_hook,
+    rank_update_bytes,
+    rank_zero2_staging_bytes,
+    zero_bucket_bytes,
+)
 from optimus.optim.muon_plan import planned_muon_step_bytes
 from optimus.parallel.pipeline_stage import releases_receive_buffers
 from optimus.plan_shares import RankShare, rank_shares
@@ -191,14 +197,15 @@ def weight_pass_grad_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankSh
     """Zero bubble with ZeRO-1: a weight pass stores its gradients in .grad (autograd's accumulation, and the hooks
     that would add each into the fp32 buffer, do not run there), where they add up until the optimizer collects
     them after the backwards (optimus.optim.shard_group.collect): the parameters' gradients in their own dtype,
-    alive from the first weight pass to the end of the step, beside the buffer the state counts. Where the buffer
-    is in the parameters' dtype, .grad is a view into it (a tensor-parallel group's excepted: fed by hooks)."""
-    stage = inputs.stage
+    alive from the first weight pass to the end of the step, beside the buffer the state counts. Where a group's
+    gradients would reach its buffer in .grad anyway (grads_by_hook false), .grad is a view into the buffer: 0.
+    The dense group is tensor-parallel when tp > 1; the expert group never is (its experts are split by EP)."""
+    stage, grad_dtype, compute = inputs.stage, cfg.optim.grad_dtype, inputs.compute_dtype
     if cfg.parallel.pp_schedule not in WEIGHT_PASS_SCHEDULES or inputs.zero != 1:
         return 0
-    if cfg.optim.grad_dtype != inputs.compute_dtype:
-        return inputs.act_bytes * share.per_device(stage.tp, stage.ep)
-    return inputs.act_bytes * share.local_dense(stage.tp) if stage.tp > 1 else 0
+    dense = share.local_dense(stage.tp) if grads_by_hook(grad_dtype, compute, tensor_parallel=stage.tp > 1) else 0
+    expert = share.expert // stage.ep if grads_by_hook(grad_dtype, compute, tensor_parallel=False) else 0
+    return inputs.act_bytes * (dense + expert)
 
 
 def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:

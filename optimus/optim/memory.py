@@ -29,6 +29,14 @@ MASTER_BYTES = 4  # per owned element: the fp32 master copy, when the parameters
 BUCKETS_IN_FLIGHT = 2
 
 
+def grads_by_hook(grad_dtype, param_dtype, tensor_parallel: bool) -> bool:
+    """Whether a parameter group's gradients reach the optimizer's buffers by hook rather than in .grad.
+    Autograd accumulates .grad in the parameter dtype, into a view of the gradient buffer; when the buffer holds
+    another dtype (optim.grad_dtype), or the gradients are DTensors (a tensor-parallel dense group), hooks move
+    every micro-batch's gradient into the buffers instead. The sharder (ShardGroup) and the planner both ask this."""
+    return grad_dtype != param_dtype or tensor_parallel
+
+
 def shard_worlds(scheme: str, stage: Layout) -> dict[str, int]:
     """How many ranks split each group's optimizer state in a pipeline stage of layout `stage` (its one_stage()).
     With tp > 1 a dense element has dp replicas (the data-parallel ranks), which both sharding schemes split

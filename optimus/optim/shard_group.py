@@ -36,7 +36,7 @@ from torch.profiler import record_function
 
 from optimus.kernels import grad_sink
 from optimus.optim.grad_norm import sum_of_squares
-from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, group_state_bytes
+from optimus.optim.memory import BUCKETS_IN_FLIGHT, StateBytes, grads_by_hook, group_state_bytes
 from optimus.parallel.collectives import reduce_scatter_sum
 from optimus.parallel.flat_buffer import FlatParams, Segment, same_start
 from optimus.parallel.tensor_parallel import PARTIAL, SPLIT, local_grad
@@ -103,9 +103,7 @@ class ShardGroup:
         self.flat = FlatParams(named, comm.shard_world, comm.shard_rank, bucket, offsets)
         flat, dev = self.flat, self.flat.device
         self.grad_dtype = grad_dtype
-        # Autograd accumulates .grad in the parameter dtype; when gradients are kept in another dtype, or
-        # are DTensors (tensor parallelism), hooks move every micro-batch's gradient into our buffers instead.
-        self.grads_by_hook = grad_dtype != flat.dtype or tp is not None
+        self.grads_by_hook = grads_by_hook(grad_dtype, flat.dtype, tensor_parallel=tp is not None)
         self.tp_partial = [tp is not None and tp.roles.get(s.name) == PARTIAL for s in flat.slots]
         self.full_grad = None
         if zero == 1:
