@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -214,6 +215,9 @@ class Search:
         self.seen: dict[tuple, Visit] = {}  # by the layout's axis values
         self.counts = count_params_of_config(cfg.model)  # the same model in every layout: counted once
         self.started, self.n_structures = time.perf_counter(), 0
+        # Set when the search is stopped: a prediction in flight then ends with its process (the forkserver's
+        # "exit code 255"), which is the stop, not the layout's failure.
+        self.stopping = threading.Event()
 
     # ---- one layout
 
@@ -272,11 +276,20 @@ class Search:
                 visit.prediction = self._predict(with_values(self.cfg, visit.values))
                 visit.status = "predicted"
             except (ConfigError, RuntimeError) as err:
+                if self.stopping.is_set():  # its tracing process ended with the stopped command: nothing failed
+                    self.say(f"  {_changes(visit.values, self.cfg)}: prediction stopped with the search")
+                    return
                 visit.status, visit.reason = "failed", str(err).splitlines()[-1]
             self.say(_visit_line(visit, self.cfg))
 
-        with ThreadPoolExecutor(self.jobs) as pool:
+        pool = ThreadPoolExecutor(self.jobs)
+        try:
             list(pool.map(one, todo))
+        except BaseException:  # a stop (StopRequested, KeyboardInterrupt): the command ends the tracing processes
+            self.stopping.set()
+            pool.shutdown(wait=False, cancel_futures=True)  # their threads end as those processes do
+            raise
+        pool.shutdown()
 
     # ---- the passes
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 
 import pytest
 
@@ -231,6 +233,33 @@ def test_a_layout_whose_dry_run_does_not_fit_is_dropped_and_the_next_verified(mo
     dropped = [v for v in result.visits if v.status == "dropped" and v.verified]
     assert [v.step for v in dropped] == pytest.approx(before[:2]) and all(v.peak_bytes == 2**40 for v in dropped)
     assert all(v.verified["fits"] for v in result.ranked()[:2])
+
+
+def test_a_prediction_ended_by_the_searchs_stop_is_not_reported_as_failed():
+    """A stop reaches the search while two predictions run (here: the first one's thread raises it); the other's
+    tracing process then ends with the command (the forkserver reports its exit as "exit code 255"), which is the
+    stop, not the layout's failure."""
+    lines: list[str] = []
+    search = search_of(ARGS)
+    search.jobs, search.say = 2, lines.append
+    both_started = threading.Barrier(2, timeout=10.0)
+
+    def predict(cfg):
+        if both_started.wait() == 0:  # one of the two
+            raise KeyboardInterrupt  # the stop, as the search's main thread receives it
+        assert search.stopping.wait(10.0)
+        raise RuntimeError("the dry runs for the prediction failed: exit code 255")
+
+    search._predict = predict
+    visits = [v for v in search.structures() if v.status == "fits"][:2]
+    assert len(visits) == 2
+    with pytest.raises(KeyboardInterrupt):
+        search.predicted(visits)
+    deadline = time.monotonic() + 10.0
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(lines) == 1 and lines[0].endswith("prediction stopped with the search"), lines
+    assert all(v.status == "fits" for v in visits)
 
 
 def test_search_prints_the_winner_whose_overrides_predict_the_same_step(capsys):
