@@ -84,7 +84,9 @@ gradient, which accumulates from a step's first backward when it has several mic
 until the optimizer collects them (weight_pass_grad_bytes). A pipeline rank also holds its stages' outputs, one
 per micro-batch in flight (torch's schedule keeps each until its backward; zero bubble's, until its weight pass),
 but not on the last stage, and the head's activations of one micro-batch only, except under GPipe and zero bubble
-(optimus.parallel.pipeline.last_stage_in_flight). The pipeline stages' receive
+(optimus.parallel.pipeline.last_stage_in_flight). Under zero bubble all of these are counted at each moment of
+the rank's order instead, and the peak is the moment where they weigh most (_zero_bubble_peak): a stage's
+gradient sums begin with its first weight pass, usually after the most forwards are held. The pipeline stages' receive
 buffers are not a term: Optimus's stages hold one only while its micro-batch needs it
 (optimus.parallel.pipeline_stage; pipeline_buffer_bytes counts torch's, one per micro-batch of the step, on a
 torch where they cannot be released). (The tensor-parallel embedding's backward
@@ -184,28 +186,64 @@ class PlanInputs:
         )  # fmt: skip
 
 
-def zero2_accumulated_bytes(inputs: PlanInputs, share: RankShare) -> int:
+def zero2_accumulated_bytes(inputs: PlanInputs, params: int) -> int:
     """ZeRO-2 reduces in the last micro-batch's backward: with several micro-batches per step the earlier ones'
     gradients add up in a full-size buffer until then (the parameters' .grad, or the hooks' partial sums in
-    optim.grad_dtype), alive from the first backward to the end of the step, which is where the peak is."""
+    optim.grad_dtype), each parameter's from its first gradient to the step's last; `params`: those one device
+    holds whose sums are alive (a rank's, from its first backward to the end of the step, which is where the
+    1F1B family's peak is; under zero bubble, the stages whose weight passes have begun: _zero_bubble_peak)."""
     if inputs.zero != 2 or inputs.accum == 1:
         return 0
-    return inputs.grad_bytes * share.per_device(inputs.stage.tp, inputs.stage.ep)
+    return inputs.grad_bytes * params
 
 
-def weight_pass_grad_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:
+def weight_pass_grad_bytes(cfg: OptimusConfig, inputs: PlanInputs, dense: int, expert: int) -> int:
     """Zero bubble with ZeRO-1: a weight pass stores its gradients in .grad (autograd's accumulation, and the hooks
     that would add each into the fp32 buffer, do not run there), where they add up until the optimizer collects
     them after the backwards (optimus.optim.shard_group.collect): the parameters' gradients in their own dtype,
-    alive from the first weight pass to the end of the step, beside the buffer the state counts. Where a group's
-    gradients would reach its buffer in .grad anyway (grads_by_hook false), .grad is a view into the buffer: 0.
-    The dense group is tensor-parallel when tp > 1; the expert group never is (its experts are split by EP)."""
+    alive from a stage's first weight pass to the end of the step, beside the buffer the state counts. Where a
+    group's gradients would reach its buffer in .grad anyway (grads_by_hook false), .grad is a view into the
+    buffer: 0. `dense`: the dense parameters one tp rank holds, tensor-parallel when tp > 1; `expert`: the expert
+    parameters of the stages (split by EP, never by tp)."""
     stage, grad_dtype, compute = inputs.stage, cfg.optim.grad_dtype, inputs.compute_dtype
     if cfg.parallel.pp_schedule not in WEIGHT_PASS_SCHEDULES or inputs.zero != 1:
         return 0
-    dense = share.local_dense(stage.tp) if grads_by_hook(grad_dtype, compute, tensor_parallel=stage.tp > 1) else 0
-    expert = share.expert // stage.ep if grads_by_hook(grad_dtype, compute, tensor_parallel=False) else 0
+    dense = dense if grads_by_hook(grad_dtype, compute, tensor_parallel=stage.tp > 1) else 0
+    expert = expert // stage.ep if grads_by_hook(grad_dtype, compute, tensor_parallel=False) else 0
     return inputs.act_bytes * (dense + expert)
+
+
+def _zero_bubble_peak(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare, mode: str, where: dict) -> dict:
+    """Zero bubble's peak: the moment of its order (RankShare.moments) where the activations held and the gradients
+    being summed weigh most together, as {activations, zero2_accumulated, weight_pass_grads}. The activations
+    peak before the first weight passes on most ranks, where no sums exist yet. A stage's sums begin with its
+    first weight pass: ZeRO-2's end with its last, which hands them to the buckets (staged from the first such
+    pass to the end of the backward); ZeRO-1's .grad lives to the end of the step. Each moment's activations:
+    its held forwards weighted by their stages' layers, the last stage's head as many times as it holds
+    forwards, every other held forward's output kept to be sent."""
+    m, t, stage = cfg.model, cfg.train, inputs.stage
+    lengths = [len(layers) for layers in share.stage_layers]
+    best: dict | None = None
+    for moment in share.moments:
+        begun = [p for p, passes in zip(share.stage_params, moment.weight_passes) if passes > 0]
+        summing = [p for p, passes in zip(share.stage_params, moment.weight_passes) if 0 < passes < inputs.accum]
+        head_held = moment.held[-1] if share.head else 0
+        completed = any(passes == inputs.accum for passes in moment.weight_passes)
+        held_where = {**where, "in_flight": sum(n * k for n, k in zip(moment.held, lengths)) / sum(lengths),
+                      "head_in_flight": head_held, "sent_outputs": sum(moment.held) - head_held,
+                      "staging": where["staging"] if completed else (0, 0)}  # fmt: skip
+        terms = {
+            "activations": activation_bytes(m, t.micro_batch, t.seq_len, inputs.act_bytes, mode, **held_where),
+            "zero2_accumulated": zero2_accumulated_bytes(
+                inputs, sum(p.local_dense(stage.tp) + p.expert // stage.ep for p in summing)
+            ),
+            "weight_pass_grads": weight_pass_grad_bytes(
+                cfg, inputs, sum(p.local_dense(stage.tp) for p in begun), sum(p.expert for p in begun)
+            ),
+        }
+        if best is None or sum(terms.values()) > sum(best.values()):
+            best = terms
+    return best
 
 
 def pipeline_buffer_bytes(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare) -> int:
@@ -456,17 +494,22 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict
              "sent_outputs": share.sent_outputs, "attention_bytes": inputs.attention_bytes,
              "dispatcher": inputs.dispatcher, "ep": stage.ep, "head_in_flight": share.head_in_flight}  # fmt: skip
     buffers = pipeline_buffer_bytes(cfg, inputs, share)
-    # held beside the activations to the end of the backward, whatever the checkpointing
-    held = {
-        "zero2_accumulated": zero2_accumulated_bytes(inputs, share),
-        "pipeline_buffers": buffers,
-        "weight_pass_grads": weight_pass_grad_bytes(cfg, inputs, share),
-    }
-    accumulated = sum(held.values())
+
+    def peak_terms(mode: str) -> dict:
+        """The activations at the peak and what is held beside them to the end of the backward."""
+        if share.moments:
+            return {**_zero_bubble_peak(cfg, inputs, share, mode, where), "pipeline_buffers": buffers}
+        return {
+            "activations": activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where),
+            "zero2_accumulated": zero2_accumulated_bytes(inputs, share.per_device(stage.tp, stage.ep)),
+            "pipeline_buffers": buffers,
+            "weight_pass_grads": weight_pass_grad_bytes(cfg, inputs, share.local_dense(stage.tp), share.expert),
+        }
 
     def peak(mode: str) -> int:
-        return activation_bytes(m, t.micro_batch, t.seq_len, a, mode, **where) + accumulated
+        return sum(peak_terms(mode).values())
 
+    held = {k: v for k, v in peak_terms(t.activation_checkpointing).items() if k != "activations"}
     act = {
         "micro_batch": t.micro_batch,
         "no_checkpointing": peak("none"),

@@ -15,6 +15,7 @@ from optimus.model import ParamCounts, Transformer, padded_vocab_size
 from optimus.parallel.flat_buffer import param_groups
 from optimus.parallel.pipeline import (
     PartCounts,
+    ScheduleMoment,
     cut_stage,
     held_forwards,
     last_stage_in_flight,
@@ -23,6 +24,7 @@ from optimus.parallel.pipeline import (
     rank_stage_indices,
     stage_layer_ids,
     stage_sizes,
+    zero_bubble_moments,
 )
 
 
@@ -58,6 +60,23 @@ def tp_split_params(model: Transformer) -> tuple[list[int], int, int]:
     return per_layer, model.embed.weight.numel(), model.lm_head.weight.numel()
 
 
+def local_dense_params(dense: int, tp_split: int, tp: int) -> int:
+    """Dense parameters one tp rank holds of `dense`: 1/tp of the `tp_split` ones, all of the replicated ones."""
+    return dense - tp_split + tp_split // tp
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """The parameters of one of a pipeline rank's stages, counted as RankShare counts the rank's."""
+
+    dense: int
+    expert: int
+    tp_split: int
+
+    def local_dense(self, tp: int) -> int:
+        return local_dense_params(self.dense, self.tp_split, tp)
+
+
 @dataclass
 class RankShare:
     """What one pipeline rank holds (the whole model when pp = 1)."""
@@ -75,13 +94,17 @@ class RankShare:
     sent_outputs: float = 0  # stage outputs held at the peak: torch's schedule keeps each until its backward
     stage_layers: list[list[int]] | None = None  # pp > 1: the layers of each of `stages`
     head_in_flight: float = 1  # micro-batches' worth of the head's activations held at the peak (with `head`)
+    # Zero bubble: each of its stages' parameters, and the rank's state after each action of its order (the peak
+    # is where held activations and the gradient sums begun by weight passes weigh most together: optimus.plan)
+    stage_params: list[StageParams] | None = None
+    moments: list[ScheduleMoment] | None = None
     # With Muon, which plans its step from them: each optimizer group's (name, shape) on one rank, and the
     # tp-split parameters' split dimension (rank_param_shapes)
     param_shapes: tuple[dict[str, list[tuple[str, tuple[int, ...]]]], dict[str, int]] | None = None
 
     def local_dense(self, tp: int) -> int:
         """Dense parameters one tp rank holds: 1/tp of the split ones, all of the replicated ones."""
-        return self.dense - self.tp_split + self.tp_split // tp
+        return local_dense_params(self.dense, self.tp_split, tp)
 
     def per_device(self, tp: int, ep: int) -> int:
         """Parameters one device of this pipeline rank holds: its dense slices, its experts, a tied head's copy."""
@@ -134,11 +157,28 @@ def _pipeline_shares(
         # (on the last rank of an interleaved schedule, every chunk in flight but the one of the last stage).
         sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
         head_in_flight = last_stage_in_flight(p.pp_schedule, accum, p.pp, p.pp_virtual) if last else 0
-        shares.append(
-            RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, in_flight,
-                      head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)
-        )  # fmt: skip
+        share = RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, in_flight,
+                          head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)  # fmt: skip
+        if p.pp_schedule == "interleaved_zb":
+            share.moments = zero_bubble_moments(p.pp, p.pp_virtual, rank, accum)
+            share.stage_params = [
+                _stage_params(stage_layers[i], layers, embed if i == 0 else None, head if i == n_stages - 1 else None,
+                              split_layers, split_embed, split_head, head_copy)
+                for i in stages
+            ]  # fmt: skip
+        shares.append(share)
     return shares
+
+
+def _stage_params(
+    ids: list[int], layers: list[PartCounts], embed: PartCounts | None, head: PartCounts | None,
+    split_layers: list[int], split_embed: int, split_head: int, head_copy: int,
+) -> StageParams:  # fmt: skip
+    """One stage's parameters: its layers', with the embedding's on the first stage and the final norm's and LM
+    head's on the last (less a tied head's copy, which no optimizer group holds)."""
+    total = sum([layers[i] for i in ids] + [part for part in (embed, head) if part is not None], PartCounts())
+    split = sum(split_layers[i] for i in ids) + split_embed * (embed is not None) + split_head * (head is not None)
+    return StageParams(total.dense - head_copy * (head is not None), total.expert, split)
 
 
 def rank_param_shapes(

@@ -32,8 +32,11 @@ ORACLE = {
     "tp2 sp x ep2, world 8": (8, [*STEP, *TP_SP, "parallel.ep=2"]),
     "pp2 x ep2, 1f1b": (4, [*STEP, "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]),
     "pp2 interleaved x tp2": (4, [*STEP, *INTERLEAVED, "parallel.tp=2"]),
-    # in its layout before zero bubble (the plan does not yet follow a zero-bubble peak: docs/MEMORY.md)
+    # in its layout before zero bubble: interleaved 1F1B over PP 8
     "aurora-mula-20b-a2b at 256 nodes, xpu path": (256 * 12, ["experiment=aurora-mula-20b-a2b", *PP8_INTERLEAVED]),
+    # zero bubble over PP 4 x v 2, micro-batches of 2, ZeRO-2: its busiest rank's peak is its first weight pass,
+    # every forward held and one stage's gradient sums begun (optimus.plan._zero_bubble_peak), in 15 s
+    "aurora-mula-7b-a1b at 256 nodes, zero bubble, xpu path": (256 * 12, ["experiment=aurora-mula-7b-a1b"]),
     # dense, tp 2 x pp 4 at 16 nodes; 8 micro-batches per data-parallel rank rather than the recipe's 64: its
     # busiest rank, the first stage's, holds pp = 4 in flight either way (31.14 GiB measured with both), in 10 s
     "frontier-22b at 16 nodes, rocm path": (16 * 8, ["experiment=frontier-22b", "train.global_batch=128"]),
@@ -119,10 +122,8 @@ def test_zero_bubbles_gradients_in_grad_are_planned_as_the_dry_run_holds_them(sc
     """Under zero bubble with ZeRO-1 a weight pass stores its gradients in .grad, where they add up to the end of the
     backward beside the fp32 buffer (no hook runs there to move them): the plan's term is the gradients the dry run
     holds at the last rank's peak, every parameter's in the compute dtype; under interleaved 1F1B the hooks move
-    each into the buffer as it comes, and none is held. (The plan's whole zero-bubble peak is not yet held to 5%:
-    it places the peak at the end of the backwards, where a zero-bubble peak comes at the last forward before any
-    weight pass, so it counts ZeRO-2's sums before they are alive, and it counts what an input pass leaves for its
-    weight pass as the forward's activations; docs/MEMORY.md traces both.)"""
+    each into the buffer as it comes, and none is held. (The tiny model's last rank's whole zero-bubble peak is 7%
+    under its dry run: docs/MEMORY.md.)"""
     cfg = load_config([*STEP, "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.pp_virtual=2"])
     plan = make_plan(cfg, 2)
     assert busiest_rank(plan, layout_of(cfg, 2)) == 1 and cfg.optim.zero == 1

@@ -198,20 +198,36 @@ def held_forwards(
     return heaviest
 
 
-def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
-    """Zero bubble keeps a micro-batch's activations until its weight pass (its input pass keeps the graph for it),
-    which torch's order puts a few actions later on most ranks, and a round later on the last: the heaviest point
-    of that order, counted from torch's own (optimus.kernels.torch_private.zero_bubble_order)."""
-    held, heaviest, most = [0] * pp_virtual, [0] * pp_virtual, -1.0
+@dataclass(frozen=True)
+class ScheduleMoment:
+    """A pipeline rank's state during one action of its schedule, per local stage: the forwards whose activations
+    it holds (a weight pass's still among them), and the weight passes (or full backwards) it has run, this one
+    included: from the first, the stage's weight gradients are being summed."""
+
+    held: tuple[int, ...]
+    weight_passes: tuple[int, ...]
+
+
+def zero_bubble_moments(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int) -> list[ScheduleMoment]:
+    """The state during each action of pipeline rank `pp_rank`'s zero-bubble order, counted from torch's own
+    (optimus.kernels.torch_private.zero_bubble_order): a forward holds its micro-batch's activations until its
+    weight pass, since the input pass keeps the graph for it; torch's order puts that pass a few actions later on
+    most ranks, and a round later on the last."""
+    held, passes, moments = [0] * pp_virtual, [0] * pp_virtual, []
     for kind, stage in zero_bubble_order(pp, pp_virtual, n_micro_batches, pp_rank):
-        if kind == "F":
-            held[stage // pp] += 1
-            weight = sum(n * w for n, w in zip(held, weights))
-            if weight > most:
-                heaviest, most = list(held), weight
-        elif kind in ("W", "B"):
-            held[stage // pp] -= 1
-    return heaviest
+        local = stage // pp
+        held[local] += kind == "F"
+        passes[local] += kind in ("W", "B")
+        moments.append(ScheduleMoment(tuple(held), tuple(passes)))
+        held[local] -= kind in ("W", "B")
+    return moments
+
+
+def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
+    """The held forwards of the zero-bubble moment (zero_bubble_moments) where they weigh most."""
+    moments = zero_bubble_moments(pp, pp_virtual, pp_rank, n_micro_batches)
+    heaviest = max(moments, key=lambda moment: sum(n * w for n, w in zip(moment.held, weights)))
+    return list(heaviest.held)
 
 
 def last_stage_in_flight(schedule: str, n_micro_batches: int, pp: int = 1, pp_virtual: int = 1) -> int:
@@ -222,12 +238,7 @@ def last_stage_in_flight(schedule: str, n_micro_batches: int, pp: int = 1, pp_vi
         return n_micro_batches
     if schedule != "interleaved_zb":
         return 1
-    last, held, most = pp * pp_virtual - 1, 0, 0
-    for kind, stage in zero_bubble_order(pp, pp_virtual, n_micro_batches, pp - 1):
-        if stage == last:
-            held += {"F": 1, "W": -1, "B": -1}.get(kind, 0)
-            most = max(most, held)
-    return most
+    return max(moment.held[-1] for moment in zero_bubble_moments(pp, pp_virtual, pp - 1, n_micro_batches))
 
 
 def rank_stage_indices(pp_rank: int, pp: int, pp_virtual: int) -> list[int]:

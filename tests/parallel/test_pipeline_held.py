@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
-from optimus.parallel.pipeline import held_forwards, last_stage_in_flight
+from optimus.parallel.pipeline import held_forwards, last_stage_in_flight, zero_bubble_moments
 
 SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "interleaved_zb": ScheduleInterleavedZeroBubble}
 
@@ -84,3 +84,19 @@ def test_zero_bubble_holds_a_forward_until_its_weight_pass():
     assert held_forwards("interleaved_zb", 4, 2, 0, 8, [1.0, 1.0]) == [4, 4]
     assert last_stage_in_flight("interleaved_zb", 8, 4, 2) == 4
     assert last_stage_in_flight("interleaved_1f1b", 8, 4, 2) == 1
+
+
+def test_zero_bubble_moments_follow_forwards_and_weight_passes():
+    """pp 2 x v 2, 4 micro-batches, rank 1 (stages 1 and 3), whose order (torch's) is
+    F1 F1 F3 I3 F3 I3 W3 F1 I1 W3 F1 I1 W1 F3 I3 W1 F3 I3 W3 I1 W3 I1 W1 W1. Counted by hand: during each action,
+    the forwards held per stage (a weight pass's own still held) and the weight passes run (its own counted). The
+    dry run of this rank (the tiny model, ZeRO-2) measured the most memory during the 17th action, the last forward
+    of stage 3 (two forwards held per stage, both stages' gradient sums alive), and the 21st, stage 3's last weight
+    pass (its summed gradients handed to the buckets)."""
+    held = [(1, 0), (2, 0), (2, 1), (2, 1), (2, 2), (2, 2), (2, 2), (3, 1), (3, 1), (3, 1), (4, 0), (4, 0),
+            (4, 0), (3, 1), (3, 1), (3, 1), (2, 2), (2, 2), (2, 2), (2, 1), (2, 1), (2, 0), (2, 0), (1, 0)]  # fmt: skip
+    passes = [(0, 0)] * 6 + [(0, 1)] * 3 + [(0, 2)] * 3 + [(1, 2)] * 3 + [(2, 2)] * 3 + [(2, 3)] * 2 \
+        + [(2, 4)] * 2 + [(3, 4), (4, 4)]  # fmt: skip
+    moments = zero_bubble_moments(2, 2, 1, 4)
+    assert [m.held for m in moments] == held
+    assert [m.weight_passes for m in moments] == passes
