@@ -37,13 +37,15 @@ from optimus.model import count_params_of_config
 from optimus.perf.buckets import BucketAdvice, advice_line
 from optimus.perf.machine import MachineModel
 
+MICRO_BATCH = "train.micro_batch"
 # The keys a layout sets, axis by axis, in the order the descent tries them. Values are generated from the layout
-# the axis starts from (optimus.perf.search.axis_values); a generated layout that does not divide is skipped.
+# the axis starts from (optimus.perf.search.axis_values); a generated layout that does not divide is tried with the
+# nearest micro-batch that makes it divide (Search._dividing), else skipped.
 AXES = {
     "pipeline": ("parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual"),
     "tp": ("parallel.tp",),
     "ep": ("parallel.ep",),
-    "micro_batch": ("train.micro_batch",),
+    "micro_batch": (MICRO_BATCH,),
     "sharding": ("optim.sharding",),
     "zero": ("optim.zero",),
     "shard_ranks": ("optim.shard_ranks",),
@@ -116,7 +118,7 @@ def axis_values(axis: str, cfg: OptimusConfig, world: int) -> list[Values]:
             {"parallel.ep": 1}
         ]
     if axis == "micro_batch":
-        return [{"train.micro_batch": mb} for mb in _powers_of_two(8)]
+        return [{MICRO_BATCH: mb} for mb in _powers_of_two(8)]
     if axis == "sharding":
         return [{"optim.sharding": s} for s in (("ep_aware", "standard") if moe else ("standard",))]
     if axis == "zero":
@@ -267,7 +269,7 @@ class Search:
 
     def predicted(self, visits: list[Visit]) -> None:
         """Predict the visits that fit and have no prediction yet, `jobs` at once."""
-        todo = [v for v in visits if v.status == "fits"]
+        todo = list({id(v): v for v in visits if v.status == "fits"}.values())  # a layout reached twice: once
         if not todo:
             return
 
@@ -331,7 +333,10 @@ class Search:
             improved = False
             for axis in AXES:
                 here = {k: v for k, v in best.values.items() if k != CHECKPOINTING}
-                trials = [self.planned({**here, **v}) for v in self._values(axis, here) + self._advised(axis, best)]
+                trials = [
+                    self._dividing(self.planned({**here, **v}))
+                    for v in self._values(axis, here) + self._advised(axis, best)
+                ]
                 self.predicted(trials)
                 fastest = min([best, *trials], key=lambda v: v.step)
                 if fastest.step < best.step:
@@ -339,6 +344,23 @@ class Search:
             if not improved:
                 break
         return best
+
+    def _dividing(self, visit: Visit) -> Visit:
+        """`visit`, or where it does not divide, the same layout with the nearest micro-batch that makes it divide
+        (smaller first, at equal distance); one axis's value may need another micro-batch, as TP 1 halves each
+        data-parallel rank's sequences and with them its micro-batches, fewer than zero bubble needs. Where the
+        micro-batch is fixed, or none divides, `visit` as it is."""
+        if visit.status != "invalid" or MICRO_BATCH in self.fixed:
+            return visit
+        here = {k: v for k, v in visit.values.items() if k != CHECKPOINTING}
+        sizes = [v[MICRO_BATCH] for v in axis_values("micro_batch", self.cfg, self.world)]
+        nearest = sorted((m for m in sizes if m != here[MICRO_BATCH]),
+                         key=lambda m: (abs(math.log2(m / here[MICRO_BATCH])), m))  # fmt: skip
+        for size in nearest:
+            other = self.planned({**here, MICRO_BATCH: size})
+            if other.status != "invalid":
+                return other
+        return visit
 
     def verify_fastest(self, count: int) -> None:
         """Dry runs of the fastest layouts' busiest ranks until `count` of them fit: one whose dry run measures

@@ -235,6 +235,31 @@ def test_a_layout_whose_dry_run_does_not_fit_is_dropped_and_the_next_verified(mo
     assert all(v.verified["fits"] for v in result.ranked()[:2])
 
 
+def test_a_value_that_divides_only_with_another_micro_batch_is_tried_with_the_nearest_one():
+    """PP 2 zero bubble at TP 2 with micro-batches of 4: TP 1 doubles the data-parallel ranks, leaving each rank 4
+    sequences, one micro-batch of 4, fewer than the 2 the schedule needs. The step here is fastest at TP 1 with
+    micro-batches of 2 and slower for every single change from the start, so a descent that skipped TP 1 would stop
+    at the start; it tries TP 1 with micro-batches of 2 (the nearest that divides, smaller first) instead."""
+    four_layers = [arg if not arg.startswith("model.n_layers=") else "model.n_layers=4" for arg in ARGS[:-1]]
+    start = [*four_layers, "parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual=2",
+             "parallel.tp=2", "train.micro_batch=4"]  # fmt: skip
+
+    def predict(cfg):
+        p, t = cfg.parallel, cfg.train
+        step = {(2, 4): 1.0, (1, 2): 0.8}.get((p.tp, t.micro_batch), 1.1)
+        step += 0.0 if (p.pp, p.pp_schedule) == (2, "interleaved_zb") else 0.5
+        return {"step_time_s": step, "mfu": 0.1 / step, "time_split": {"compute": step}, "step_time_s_range": None}
+
+    cfg = load_config(start)
+    search = Search(cfg, WORLD, machine_model(cfg.machine, WORLD), set(), predict_fn=predict)
+    with pytest.raises(ConfigError, match="micro-batches"):
+        validate(with_values(cfg, {"parallel.tp": 1}), WORLD)
+    best = search.run(verify=0).ranked()[0]
+    assert (best.values["parallel.tp"], best.values["train.micro_batch"], best.step) == (1, 2, 0.8)
+    fixed = Search(cfg, WORLD, machine_model(cfg.machine, WORLD), {"train.micro_batch"}, predict_fn=predict)
+    assert fixed.run(verify=0).ranked()[0].step == 1.0  # with the micro-batch fixed, TP 1 does not divide
+
+
 def test_a_prediction_ended_by_the_searchs_stop_is_not_reported_as_failed():
     """A stop reaches the search while two predictions run (here: the first one's thread raises it); the other's
     tracing process then ends with the command (the forkserver reports its exit as "exit code 255"), which is the
