@@ -399,7 +399,7 @@ FRONTIER_EXPERIMENTS = {  # experiment: (nodes, tp, pp, ep)
     "frontier-1t": (384, 8, 64, 1),
     "frontier-mula-20b-a2b": (384, 1, 8, 2),
     "frontier-mula-100b-a7b": (384, 2, 8, 8),
-    "frontier-mula-220b-a10b": (384, 2, 16, 8),
+    "frontier-mula-220b-a10b": (384, 1, 16, 8),
 }
 
 
