@@ -107,6 +107,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from optimus.config import (
+    ACTIVATION_CHECKPOINTING,
     TORCH_DTYPES,
     WEIGHT_PASS_SCHEDULES,
     ConfigError,
@@ -506,16 +507,15 @@ def _rank_plan(cfg: OptimusConfig, share: RankShare, inputs: PlanInputs) -> dict
             "weight_pass_grads": weight_pass_grad_bytes(cfg, inputs, share.local_dense(stage.tp), share.expert),
         }
 
-    def peak(mode: str) -> int:
-        return sum(peak_terms(mode).values())
-
-    held = {k: v for k, v in peak_terms(t.activation_checkpointing).items() if k != "activations"}
+    terms = {mode: peak_terms(mode) for mode in ACTIVATION_CHECKPOINTING}  # the configured mode among them
+    peak = {mode: sum(mode_terms.values()) for mode, mode_terms in terms.items()}
+    held = {k: v for k, v in terms[t.activation_checkpointing].items() if k != "activations"}
     act = {
         "micro_batch": t.micro_batch,
-        "no_checkpointing": peak("none"),
-        "selective": peak("selective"),
-        "checkpointing": peak("full"),
-        "configured": peak(t.activation_checkpointing),
+        "no_checkpointing": peak["none"],
+        "selective": peak["selective"],
+        "checkpointing": peak["full"],
+        "configured": peak[t.activation_checkpointing],
         **held,
         "configured_mode": t.activation_checkpointing,
         "zero2_staging": staging,  # (during the backward, at its end)

@@ -223,11 +223,21 @@ def zero_bubble_moments(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches:
     return moments
 
 
-def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
-    """The held forwards of the zero-bubble moment (zero_bubble_moments) where they weigh most."""
-    moments = zero_bubble_moments(pp, pp_virtual, pp_rank, n_micro_batches)
+def distinct_moments(moments: list[ScheduleMoment]) -> list[ScheduleMoment]:
+    """`moments` without repeats, in order: a state the order passes through twice (a weight pass and the forward
+    after it often leave the same) weighs the same each time, and the planner prices each moment it keeps."""
+    return list(dict.fromkeys(moments))
+
+
+def heaviest_moment(moments: list[ScheduleMoment], weights: list[float]) -> list[int]:
+    """The held forwards of the first of `moments` where they weigh most, stage k's forwards each `weights[k]`."""
     heaviest = max(moments, key=lambda moment: sum(n * w for n, w in zip(moment.held, weights)))
     return list(heaviest.held)
+
+
+def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
+    """The held forwards of the zero-bubble moment (zero_bubble_moments) where they weigh most."""
+    return heaviest_moment(zero_bubble_moments(pp, pp_virtual, pp_rank, n_micro_batches), weights)
 
 
 def last_stage_in_flight(schedule: str, n_micro_batches: int, pp: int = 1, pp_virtual: int = 1) -> int:
