@@ -8,20 +8,23 @@ accumulate in fp32 anyway can instead add its result to the fp32 buffer where it
 gradient-accumulation fusion does.
 
 The optimizer offers a sink (`attach`) where that is safe: fp32 gradients that hooks would otherwise add up (the
-full buffer of ZeRO-1, or ZeRO-2's per-parameter sums of a step's micro-batches, made on a kernel's first use, the
-moment the hook would have made them), a plain (not tensor-parallel) parameter of a group whose gradients need no
-sum over the tensor-parallel ranks first (the routed experts'). Under zero bubble, whose weight pass
-(`torch.autograd.grad` towards the weights) assigns what it gets to .grad, only ZeRO-2 offers them: its hook fires
-in that pass and the placeholders assigned are dropped at the next event; the input pass adds nothing, its kernels
-computing no weight gradient (optimus.kernels.torch_private.needed_input_grads). A backward that uses the sink
-(`sink_of`, asked when the backward runs) adds its gradient there, marks the weight (`mark_added`) and returns an
-uninitialised tensor in the gradient's place (no kernel computes it; autograd's engine wants a defined gradient for
-a weight that requires one, as in Megatron), which the optimizer's hook drops unread (`take_added`); a second use of
-the weight in the same backward returns None, so autograd adds no placeholders together. So a weight that a sink-
-aware kernel takes must reach the loss through such kernels alone (the routed experts' weights do: nothing else
-reads them), or autograd would add a real gradient to a placeholder that the hook drops. A kernel that cannot fuse
-ignores the sink and returns the gradient, which the hook adds as before (every other parameter's). The sink holds
-its owner weakly: a parameter outlives an optimizer that is gone without writing into its freed buffer.
+full buffer of ZeRO-1, or ZeRO-2's per-parameter sums of a step's micro-batches), a plain (not tensor-parallel)
+parameter of a group whose gradients need no sum over the tensor-parallel ranks first (the routed experts'). Under
+zero bubble, whose weight pass (`torch.autograd.grad` towards the weights) assigns what it gets to .grad, only ZeRO-2
+offers them: its hook fires in that pass and the placeholders assigned are dropped at the next event; the input pass
+adds nothing, its kernels computing no weight gradient (optimus.kernels.torch_private.needed_input_grads).
+
+A backward that uses the sink (`sink_of`, asked when the backward runs) adds its gradient into the sum there. Under
+ZeRO-2 the step's first micro-batch finds no sum yet: its kernel writes its fp32 gradient as a new tensor and hands
+it over as the sum (`Sink.adopt`), 4 bytes per element where zeroing a sum and adding into it moved 12 (the experts'
+weight gradients are memory-bound at a few hundred rows per expert). The kernel marks the weight (`mark_added`) and
+returns an uninitialised tensor in the gradient's place (no kernel computes it; autograd's engine wants a defined
+gradient for a weight that requires one, as in Megatron), which the optimizer's hook drops unread (`take_added`); a
+second use of the weight in the same backward returns None, so autograd adds no placeholders together. So a weight
+that a sink-aware kernel takes must reach the loss through such kernels alone (the routed experts' weights do:
+nothing else reads them), or autograd would add a real gradient to a placeholder that the hook drops. A kernel that
+cannot fuse ignores the sink and returns the gradient, which the hook adds as before (every other parameter's). The
+sink holds its owner weakly: a parameter outlives an optimizer that is gone without writing into its freed buffer.
 """
 
 from __future__ import annotations
@@ -36,26 +39,47 @@ _ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of thi
 
 
 @dataclass(frozen=True)
-class _Sink:
+class _Offer:
     owner: weakref.ref  # the optimizer's group: its `sink_for(key)` is the parameter's flat fp32 sum
     key: int
 
 
+@dataclass(frozen=True)
+class Sink:
+    """Where a kernel puts one parameter's fp32 gradient: the owner's sum for it (`sum`), or, where the step has
+    none yet, a new one the kernel hands over (`adopt`)."""
+
+    owner: object  # offers sink_for(key) -> flat fp32 sum or None, and adopt_sink_sum(key, flat fp32 tensor)
+    key: int
+    shape: torch.Size
+
+    def sum(self) -> torch.Tensor | None:
+        """The fp32 tensor of the parameter's shape to add the gradient into; None where nothing was added this step
+        (the kernel then writes its gradient as a new fp32 tensor and hands it to `adopt`)."""
+        total = self.owner.sink_for(self.key)
+        return None if total is None else total.view(self.shape)
+
+    def adopt(self, grad: torch.Tensor) -> None:
+        """Keep `grad` (fp32, the parameter's shape: the step's first gradient) as the sum the next ones add into."""
+        self.owner.adopt_sink_sum(self.key, grad.reshape(-1))
+
+
 def attach(param: torch.Tensor, owner: object | None, key: int = 0) -> None:
-    """Offer `owner.sink_for(key)` (a flat fp32 tensor of `param.numel()` elements, which the owner may make on its
-    first use) as where kernels add `param`'s gradient (None: offer nothing, taking back any earlier offer)."""
+    """Offer `owner.sink_for(key)` (a flat fp32 tensor of `param.numel()` elements, or None where the owner has no
+    sum yet and takes the first gradient as one: `owner.adopt_sink_sum(key, tensor)`) as where kernels add `param`'s
+    gradient (None: offer nothing, taking back any earlier offer)."""
     if owner is None:
         if hasattr(param, _ATTRIBUTE):
             delattr(param, _ATTRIBUTE)
         return
-    setattr(param, _ATTRIBUTE, _Sink(weakref.ref(owner), key))
+    setattr(param, _ATTRIBUTE, _Offer(weakref.ref(owner), key))
 
 
-def sink_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 tensor of `param`'s shape to add its gradient into, or None where none is offered."""
-    sink = getattr(param, _ATTRIBUTE, None)
-    owner = sink.owner() if sink is not None else None
-    return owner.sink_for(sink.key).view(param.shape) if owner is not None else None
+def sink_of(param: torch.Tensor) -> Sink | None:
+    """Where a kernel puts `param`'s gradient, or None where none is offered."""
+    offer = getattr(param, _ATTRIBUTE, None)
+    owner = offer.owner() if offer is not None else None
+    return Sink(owner, offer.key, param.shape) if owner is not None else None
 
 
 def mark_added(param: torch.Tensor) -> bool:

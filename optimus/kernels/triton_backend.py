@@ -84,14 +84,15 @@ def _(dy_AD, w2_EFD, h13_AF2, offsets_E):
 
 
 @torch.library.custom_op("optimus::triton_grouped_wgrad", mutates_args=())
-def _grouped_wgrad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
-    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype`."""
-    return tk.grouped_wgrad(x_AM, g_AN, offsets_E, dtype)
+def _grouped_wgrad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `out_dtype`. Not `dtype`: the products are in the
+    inputs' dtype, whatever the output's (the performance model reads an operator's `dtype` as its compute dtype)."""
+    return tk.grouped_wgrad(x_AM, g_AN, offsets_E, out_dtype)
 
 
 @_grouped_wgrad.register_fake
-def _(x_AM, g_AN, offsets_E, dtype):
-    return x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=dtype)
+def _(x_AM, g_AN, offsets_E, out_dtype):
+    return x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("optimus::triton_grouped_wgrad_into", mutates_args=("sum_EMN",))
@@ -107,12 +108,17 @@ def _(x_AM, g_AN, offsets_E, sum_EMN):
 
 def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor) -> Tensor | None:
     """A grouped weight's gradient, returned in the weight's dtype; or, where the optimizer offers a sink
-    (grad_sink.sink_of), added there, with an uninitialised tensor returned in its place for the optimizer's hook
-    to drop (None from a second use in the same backward: grad_sink.mark_added)."""
+    (grad_sink.sink_of), added into its fp32 sum (or written in fp32 as the sum, where the step has none yet),
+    with an uninitialised tensor returned in its place for the optimizer's hook to drop (None from a second use in
+    the same backward: grad_sink.mark_added)."""
     sink = grad_sink.sink_of(w_EMN)
     if sink is None:
         return _grouped_wgrad(x_AM, g_AN, offsets_E, w_EMN.dtype)
-    _grouped_wgrad_into(x_AM, g_AN, offsets_E, sink)
+    total = sink.sum()
+    if total is None:
+        sink.adopt(_grouped_wgrad(x_AM, g_AN, offsets_E, torch.float32))
+    else:
+        _grouped_wgrad_into(x_AM, g_AN, offsets_E, total)
     return torch.empty_like(w_EMN) if grad_sink.mark_added(w_EMN) else None
 
 

@@ -148,16 +148,23 @@ class ShardGroup:
             plain = not isinstance(s.param, DTensor)
             grad_sink.attach(s.param, self if fusable and plain else None, i)
 
-    def sink_for(self, slot_idx: int) -> torch.Tensor:
+    def sink_for(self, slot_idx: int) -> torch.Tensor | None:
         """The flat fp32 sum of slot `slot_idx`'s gradients of this step, where a kernel adds the next one
-        (grad_sink): its slice of the full buffer (ZeRO-1), or its sum of the step's micro-batches (ZeRO-2), made,
-        zero, on the first use, where the hook of the first gradient would have made it."""
+        (grad_sink): its slice of the full buffer (ZeRO-1), or its sum of the step's micro-batches (ZeRO-2); None
+        before ZeRO-2's first gradient of the step, which the kernel writes as a new sum (`adopt_sink_sum`)."""
         s = self.flat.slots[slot_idx]
         if self.zero == 1:
             return self.full_grad[s.start : s.end]
-        if slot_idx not in self.partial:
-            self.partial[slot_idx] = torch.zeros(s.end - s.start, dtype=self.grad_dtype, device=self.flat.device)
-        return self.partial[slot_idx]
+        return self.partial.get(slot_idx)
+
+    def adopt_sink_sum(self, slot_idx: int, grad: torch.Tensor) -> None:
+        """ZeRO-2: a kernel's fp32 gradient of slot `slot_idx`, flat, the step's first, kept as its sum (where the
+        hook of the first gradient would have made it), so that the kernel neither zeroes a sum nor reads it."""
+        s = self.flat.slots[slot_idx]
+        fits = grad.dtype == self.grad_dtype and grad.numel() == s.end - s.start
+        if self.zero != 2 or slot_idx in self.partial or not fits:
+            raise RuntimeError(f"slot {slot_idx} cannot take a {grad.dtype} gradient of {grad.numel()} elements")
+        self.partial[slot_idx] = grad
 
     def point_grads_at_buffer(self) -> None:
         for s in self.flat.slots:

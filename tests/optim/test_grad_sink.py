@@ -98,29 +98,43 @@ def test_zero1_fp32_gradients_of_low_precision_weights_are_added_by_the_kernels(
 def test_zero2_sums_of_a_steps_micro_batches_are_added_by_the_kernels():
     # ZeRO-2 keeps each weight's sum of the step's micro-batches until the last completes it and it is reduced: the
     # kernels add into that sum, made on their first use, and no hook adds anything of the weights' size.
+    # The first micro-batch's kernels write their fp32 gradients as the sums (no sum is zeroed, none read), the
+    # second's add into them.
     experts = new_experts(torch.float16)
     group = expert_group(experts, zero=2)
     sizes = {tuple(experts.w13.shape), tuple(experts.w2.shape), (experts.w13.numel(),), (experts.w2.numel(),)}
     with _AddedShapes() as added:
         for x, counts, dy in micro_batches(torch.float16):
             experts(x, counts).backward(dy)
-    assert not sizes & added.shapes
+    assert not sizes & added.shapes and not sizes & added.filled
+    wgrads = [name for name, _ in added.calls if name.startswith("optimus.triton_grouped_wgrad")]
+    assert wgrads == ["optimus.triton_grouped_wgrad"] * 2 + ["optimus.triton_grouped_wgrad_into"] * 2
+    assert {dtype for name, dtype in added.calls if name == "optimus.triton_grouped_wgrad"} == {torch.float32}
     assert experts.w13.grad is None and not group.partial  # the last micro-batch packed both sums and freed them
     group.reduce_rest()
     assert_sums(group, group.grad_shard, fp32_sums(experts))
 
 
 class _AddedShapes(TorchDispatchMode):
-    """The output shapes of every `aten.add` that runs while active."""
+    """While active: the output shapes of every `aten.add` (`shapes`) and of every fill with zeros (`filled`), and
+    every operator's `namespace.name` with its output's dtype (None for one that returns none) in order (`calls`)."""
+
+    _FILLS = ("zeros", "zero_", "zeros_like", "new_zeros", "fill_")
 
     def __init__(self):
         super().__init__()
         self.shapes: set[tuple[int, ...]] = set()
+        self.filled: set[tuple[int, ...]] = set()
+        self.calls: list[tuple[str, torch.dtype | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
         if func._overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
             self.shapes.add(tuple(out.shape))
+        if func.namespace == "aten" and name in self._FILLS:
+            self.filled.add(tuple(out.shape))
+        self.calls.append((f"{func.namespace}.{name}", out.dtype if isinstance(out, torch.Tensor) else None))
         return out
 
 
