@@ -221,9 +221,15 @@ def _zero_bubble_peak(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare, 
     first weight pass: ZeRO-2's end with its last, which hands them to the buckets (staged from the first such
     pass to the end of the backward); ZeRO-1's .grad lives to the end of the step. Each moment's activations:
     its held forwards weighted by their stages' layers, the last stage's head as many times as it holds
-    forwards, every other held forward's output kept to be sent."""
+    forwards, every other held forward's output kept to be sent, and what each input pass whose weight pass has
+    not ended left for it (the Triton experts' inner gradients)."""
     m, t, stage = cfg.model, cfg.train, inputs.stage
     lengths = [len(layers) for layers in share.stage_layers]
+    moe_ids = set(moe_layer_ids(m))
+    inner_grad = _layer_activations(m, inputs.act_bytes, stage.tp, stage.sp, inputs.kernels)["expert_inner_grad"]
+    # bytes an input pass of each stage leaves for its weight pass: its MoE layers' inner gradients
+    tokens = t.micro_batch * t.seq_len
+    left_for_weights = [round(tokens * inner_grad * sum(i in moe_ids for i in ids)) for ids in share.stage_layers]
     best: dict | None = None
     for moment in share.moments:
         begun = [p for p, passes in zip(share.stage_params, moment.weight_passes) if passes > 0]
@@ -233,8 +239,10 @@ def _zero_bubble_peak(cfg: OptimusConfig, inputs: PlanInputs, share: RankShare, 
         held_where = {**where, "in_flight": sum(n * k for n, k in zip(moment.held, lengths)) / sum(lengths),
                       "head_in_flight": head_held, "sent_outputs": sum(moment.held) - head_held,
                       "staging": where["staging"] if completed else (0, 0)}  # fmt: skip
+        awaiting = sum(n * size for n, size in zip(moment.awaiting_weight, left_for_weights))
         terms = {
-            "activations": activation_bytes(m, t.micro_batch, t.seq_len, inputs.act_bytes, mode, **held_where),
+            "activations": activation_bytes(m, t.micro_batch, t.seq_len, inputs.act_bytes, mode, **held_where)
+            + awaiting,
             "zero2_accumulated": zero2_accumulated_bytes(
                 inputs, sum(p.local_dense(stage.tp) + p.expert // stage.ep for p in summing)
             ),
@@ -301,6 +309,9 @@ def _layer_activations(
         "router": (router_input + 8 * moe.n_experts + 8 * k + 20 * k) / tp,  # fp32 logits/probs, ids, row ids
         "expert_rows": 2 * k * d * a / tp,  # the exchanged rows: expert inputs and expert outputs
         "expert_mlp": SAVED_FFN_WIDTHS[kernels] * k * f * a / tp,
+        # the Triton kernels under zero bubble: the experts' inner gradient [rows, 2F], which an input pass keeps
+        # for its weight pass (optimus.kernels.triton_backend), alive between the two
+        "expert_inner_grad": 2 * k * f * a / tp if kernels == "triton" else 0,
         "shared": 4 * moe.n_shared_experts * f * a / tp,
         "block_input": d * a * residual,
         "head_input": d * a * residual + norm_output + gathered,  # the final norm's, and the head's input

@@ -201,11 +201,13 @@ def held_forwards(
 @dataclass(frozen=True)
 class ScheduleMoment:
     """A pipeline rank's state during one action of its schedule, per local stage: the forwards whose activations
-    it holds (a weight pass's still among them), and the weight passes (or full backwards) it has run, this one
-    included: from the first, the stage's weight gradients are being summed."""
+    it holds (a weight pass's still among them), the weight passes (or full backwards) it has run, this one
+    included (from the first, the stage's weight gradients are being summed), and the micro-batches whose input
+    pass has run and weight pass has not ended (what an input pass leaves for its weight pass is alive)."""
 
     held: tuple[int, ...]
     weight_passes: tuple[int, ...]
+    awaiting_weight: tuple[int, ...]
 
 
 def zero_bubble_moments(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int) -> list[ScheduleMoment]:
@@ -213,13 +215,15 @@ def zero_bubble_moments(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches:
     (optimus.kernels.torch_private.zero_bubble_order): a forward holds its micro-batch's activations until its
     weight pass, since the input pass keeps the graph for it; torch's order puts that pass a few actions later on
     most ranks, and a round later on the last."""
-    held, passes, moments = [0] * pp_virtual, [0] * pp_virtual, []
+    held, passes, awaiting, moments = [0] * pp_virtual, [0] * pp_virtual, [0] * pp_virtual, []
     for kind, stage in zero_bubble_order(pp, pp_virtual, n_micro_batches, pp_rank):
         local = stage // pp
         held[local] += kind == "F"
         passes[local] += kind in ("W", "B")
-        moments.append(ScheduleMoment(tuple(held), tuple(passes)))
+        awaiting[local] += kind == "I"
+        moments.append(ScheduleMoment(tuple(held), tuple(passes), tuple(awaiting)))
         held[local] -= kind in ("W", "B")
+        awaiting[local] -= kind == "W"
     return moments
 
 

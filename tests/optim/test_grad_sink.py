@@ -194,7 +194,8 @@ def test_zero2_sums_under_zero_bubbles_input_and_weight_passes_are_added_once_by
     # stage's input) and, later, its weight pass (towards the weights), which assigns what it gets to .grad. The
     # input pass adds nothing to the sums (its kernels compute no weight gradient), the weight pass adds each
     # micro-batch's once; the placeholders it assigns are dropped at the next event, and nothing of the
-    # weights' size is added by torch or by a hook.
+    # weights' size is added by torch or by a hook. The inner gradient (dh13) is computed once per micro-batch, by
+    # the input pass, which keeps it for the weight pass.
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     experts = new_experts(torch.float16)
@@ -211,6 +212,8 @@ def test_zero2_sums_under_zero_bubbles_input_and_weight_passes_are_added_once_by
             assert all(torch.equal(group.partial[slot], held) for slot, held in before.items())
             stage_backward_weight(iter(weights), param_groups)
     assert not sizes & added.shapes
+    inner = [name for name, _ in added.calls if name == "optimus.triton_swiglu_backward"]
+    assert len(inner) == len(micro_batches(torch.float16))
     group.collect()  # after the backwards: the last weight pass's placeholders dropped
     assert experts.w13.grad is None and experts.w2.grad is None
     group.reduce_rest()

@@ -97,6 +97,11 @@ def test_zero_bubble_moments_follow_forwards_and_weight_passes():
             (4, 0), (3, 1), (3, 1), (3, 1), (2, 2), (2, 2), (2, 2), (2, 1), (2, 1), (2, 0), (2, 0), (1, 0)]  # fmt: skip
     passes = [(0, 0)] * 6 + [(0, 1)] * 3 + [(0, 2)] * 3 + [(1, 2)] * 3 + [(2, 2)] * 3 + [(2, 3)] * 2 \
         + [(2, 4)] * 2 + [(3, 4), (4, 4)]  # fmt: skip
+    # input passes run whose weight pass has not ended (an I counted from its own action, a W to the end of its own)
+    awaiting = [(0, 0), (0, 0), (0, 0), (0, 1), (0, 1), (0, 2), (0, 2), (0, 1), (1, 1), (1, 1), (1, 0), (2, 0),
+                (2, 0), (1, 0), (1, 1), (1, 1), (0, 1), (0, 2), (0, 2), (1, 1), (1, 1), (2, 0), (2, 0),
+                (1, 0)]  # fmt: skip
     moments = zero_bubble_moments(2, 2, 1, 4)
     assert [m.held for m in moments] == held
     assert [m.weight_passes for m in moments] == passes
+    assert [m.awaiting_weight for m in moments] == awaiting
