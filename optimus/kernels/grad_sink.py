@@ -40,7 +40,7 @@ _ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of thi
 
 @dataclass(frozen=True)
 class _Offer:
-    owner: weakref.ref  # the optimizer's group: its `sink_for(key)` is the parameter's flat fp32 sum
+    owner: weakref.ref  # the optimizer's group: its `sink_for(key)` is the parameter's flat fp32 sum (None: not yet)
     key: int
 
 

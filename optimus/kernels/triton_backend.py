@@ -203,7 +203,7 @@ def _swiglu_mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x_AD, w13_EDF2, w2_EFD, offsets_E, h13_AF2, h_AF)
     ctx.dtype = dtype
     ctx.weights = (w13_EDF2, w2_EFD)  # the parameter objects, whose sinks the backward asks for and marks
-    ctx.dh13_AF2 = None  # zero bubble: the input pass's inner gradient, kept for the weight pass
+    ctx.kept_dh13 = None  # zero bubble: (dy, the input pass's inner gradient from it), kept for the weight pass
 
 
 def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
@@ -213,12 +213,14 @@ def _swiglu_mlp_backward(ctx, dy_AD, _dh13, _dh):
     needs_x, needs_w13, needs_w2 = needed_input_grads(ctx)[:3]  # under zero bubble, one pass's
     # The inner gradient [A, 2F] (a GEMM with w2 and SwiGLU's derivative), which dx and w13's gradient need: zero
     # bubble's input pass keeps it on ctx for the weight pass, which would otherwise compute it again (w2's gradient
-    # needs only h and dy). Kept until then: optimus.plan counts it per input pass whose weight pass is pending.
-    dh13_AF2, ctx.dh13_AF2 = ctx.dh13_AF2, None
+    # needs only h and dy); used only by a backward of weights alone with the same dy (torch's weight pass sends the
+    # dy its input pass got). Kept until then: optimus.plan counts it per input pass whose weight pass is pending.
+    kept, ctx.kept_dh13 = ctx.kept_dh13, None
+    dh13_AF2 = kept[1] if kept is not None and not needs_x and kept[0] is dy_AD else None
     if dh13_AF2 is None and (needs_x or needs_w13):
         dh13_AF2 = _swiglu_backward(dy_c, w2_EFD, h13_AF2, offsets_E)  # [A, 2F]
     if needs_x and not (needs_w13 or needs_w2) and ctx.needs_input_grad[1]:  # a weight pass follows
-        ctx.dh13_AF2 = dh13_AF2
+        ctx.kept_dh13 = (dy_AD, dh13_AF2)
     if needs_x:
         dx_AD = _grouped_mm(dh13_AF2, w13_EDF2.transpose(1, 2), offsets_E, ctx.dtype).to(x_AD.dtype)
     if needs_w13:

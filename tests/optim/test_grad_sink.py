@@ -218,3 +218,25 @@ def test_zero2_sums_under_zero_bubbles_input_and_weight_passes_are_added_once_by
     assert experts.w13.grad is None and experts.w2.grad is None
     group.reduce_rest()
     assert_sums(group, group.grad_shard, fp32_sums(experts))
+
+
+@pytest.mark.parametrize("wanted", ["weights", "all"])
+def test_a_later_backward_with_another_gradient_does_not_reuse_the_input_passs_inner_gradient(wanted):
+    # An input-only backward keeps the experts' inner gradient for zero bubble's weight pass, which sends the same
+    # dy; a later backward of the same graph with another dy (retain_graph) must compute its own.
+    experts = new_experts(torch.float16)
+    x, counts, dy1 = micro_batches(torch.float16)[0]
+    dy2 = micro_batches(torch.float16)[1][2]
+    x = x.clone().requires_grad_()
+    y = experts(x, counts)
+    torch.autograd.grad(y, x, dy1, retain_graph=True)
+    inputs = (experts.w13, experts.w2) if wanted == "weights" else (x, experts.w13, experts.w2)
+    got = torch.autograd.grad(y, inputs, dy2)
+    leaves32 = [t.detach().float().requires_grad_() for t in inputs]
+    x32 = leaves32[0] if wanted == "all" else x.detach().float()
+    w13_32, w2_32 = leaves32[-2:]
+    want = torch.autograd.grad(
+        reference.expert_swiglu_mlp(x32, w13_32, w2_32, torch.cumsum(counts, 0)), leaves32, dy2.float()
+    )
+    for g, w in zip(got, want):
+        assert (g.float() - w).abs().max() / w.abs().max() < 2e-2
