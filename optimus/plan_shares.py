@@ -18,7 +18,6 @@ from optimus.parallel.pipeline import (
     ScheduleMoment,
     cut_stage,
     distinct_moments,
-    heaviest_moment,
     held_forwards,
     last_stage_in_flight,
     merge_stages,
@@ -152,16 +151,12 @@ def _pipeline_shares(
         # Each stage's forwards weighted by its layers: what a forward keeps, where every layer keeps the same (all
         # the recipes' models; a first_k_dense layer keeps less than an MoE one)
         sizes = [len(stage_layers[stage]) for stage in stages]
-        zero_bubble = p.pp_schedule == "interleaved_zb"
         # Zero bubble's order is walked once per rank: its moments give the planner's peak (optimus.plan) and the
         # summary figures below; the other schedules' peaks have closed forms.
+        zero_bubble = p.pp_schedule == "interleaved_zb"
         moments = distinct_moments(zero_bubble_moments(p.pp, p.pp_virtual, rank, accum)) if zero_bubble else None
-        if zero_bubble:
-            held = heaviest_moment(moments, sizes)
-            head_in_flight = max(moment.held[-1] for moment in moments) if last else 0
-        else:
-            held = held_forwards(p.pp_schedule, p.pp, p.pp_virtual, rank, accum, sizes)
-            head_in_flight = last_stage_in_flight(p.pp_schedule, accum, p.pp, p.pp_virtual) if last else 0
+        held = held_forwards(p.pp_schedule, p.pp, p.pp_virtual, rank, accum, sizes, moments)
+        head_in_flight = last_stage_in_flight(p.pp_schedule, accum, p.pp, p.pp_virtual, moments) if last else 0
         in_flight = sum(n * size for n, size in zip(held, sizes)) / sum(sizes)
         chunks = sum(held)
         # Outputs held: one per chunk in flight, but the last stage's, whose backward follows its forward at once
@@ -169,7 +164,7 @@ def _pipeline_shares(
         sent = chunks if not last else (chunks - 1 if p.pp_virtual > 1 else 0)
         share = RankShare(rank, stages, ids, first, last, total.dense - head_copy, total.expert, in_flight,
                           head_copy, split, sent, [stage_layers[i] for i in stages], head_in_flight)  # fmt: skip
-        if zero_bubble:
+        if moments is not None:
             share.moments = moments
             share.stage_params = [
                 _stage_params(stage_layers[i], layers, embed if i == 0 else None, head if i == n_stages - 1 else None,

@@ -164,8 +164,9 @@ def stage_sizes(cfg: ModelConfig, n_stages: int, pp_layers: list[int] | None = N
 
 
 def held_forwards(
-    schedule: str, pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]
-) -> list[int]:
+    schedule: str, pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float],
+    moments: list[ScheduleMoment] | None = None,
+) -> list[int]:  # fmt: skip
     """Forwards of each of pipeline rank `pp_rank`'s local stages whose activations it holds at once, at the point
     of the schedule where they weigh most, stage k's forwards each weighing `weights[k]` (what one keeps).
 
@@ -173,7 +174,8 @@ def held_forwards(
     order (ScheduleInterleaved1F1B): a warm-up of (v - 1) rounds of micro-batches and two forwards more per hop
     from the last rank, the local stage of the i-th forward (i // per round) % v; then a forward and a backward in
     turn, the backwards taking the stages last first. Zero bubble holds each forward until its weight pass, counted
-    along torch's order of its actions (`_heaviest_until_weight_pass`). Where a rank's stages
+    along torch's order of its actions (`zero_bubble_moments`; `moments`: the rank's, when the caller has walked
+    them already). Where a rank's stages
     differ in size the peak is not where the most forwards are held but where the heaviest are: on rank 1 of a
     pp 8 x v 2 pipeline with two rounds of micro-batches, 16 forwards of its first stage and 5 of its second."""
     if schedule == "gpipe":
@@ -181,7 +183,7 @@ def held_forwards(
     if schedule == "1f1b":
         return [min(n_micro_batches, pp - pp_rank)]
     if schedule == "interleaved_zb":
-        return _heaviest_until_weight_pass(pp, pp_virtual, pp_rank, n_micro_batches, weights)
+        return heaviest_moment(moments or zero_bubble_moments(pp, pp_virtual, pp_rank, n_micro_batches), weights)
     per_round = n_micro_batches // max(1, n_micro_batches // pp)
     total = n_micro_batches * pp_virtual
     warmup = min((pp_virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
@@ -239,20 +241,19 @@ def heaviest_moment(moments: list[ScheduleMoment], weights: list[float]) -> list
     return list(heaviest.held)
 
 
-def _heaviest_until_weight_pass(pp: int, pp_virtual: int, pp_rank: int, n_micro_batches: int, weights: list[float]):
-    """The held forwards of the zero-bubble moment (zero_bubble_moments) where they weigh most."""
-    return heaviest_moment(zero_bubble_moments(pp, pp_virtual, pp_rank, n_micro_batches), weights)
-
-
-def last_stage_in_flight(schedule: str, n_micro_batches: int, pp: int = 1, pp_virtual: int = 1) -> int:
+def last_stage_in_flight(
+    schedule: str, n_micro_batches: int, pp: int = 1, pp_virtual: int = 1, moments: list[ScheduleMoment] | None = None
+) -> int:
     """Most forwards of the last stage whose activations are held at once: under GPipe every micro-batch's, under
     the 1F1B family one, since a last stage's backward follows its forward at once; under zero bubble every one
-    whose weight pass has not run yet (torch's order runs the last stage's input passes first)."""
+    whose weight pass has not run yet (torch's order runs the last stage's input passes first; `moments`: the last
+    pipeline rank's zero_bubble_moments, when the caller has walked them already)."""
     if schedule == "gpipe":
         return n_micro_batches
     if schedule != "interleaved_zb":
         return 1
-    return max(moment.held[-1] for moment in zero_bubble_moments(pp, pp_virtual, pp - 1, n_micro_batches))
+    moments = moments or zero_bubble_moments(pp, pp_virtual, pp - 1, n_micro_batches)
+    return max(moment.held[-1] for moment in moments)
 
 
 def rank_stage_indices(pp_rank: int, pp: int, pp_virtual: int) -> list[int]:
