@@ -25,17 +25,23 @@ that a sink-aware kernel takes must reach the loss through such kernels alone (t
 nothing else reads them), or autograd would add a real gradient to a placeholder that the hook drops. A kernel that
 cannot fuse ignores the sink and returns the gradient, which the hook adds as before (every other parameter's). The
 sink holds its owner weakly: a parameter outlives an optimizer that is gone without writing into its freed buffer.
+
+A kernel may hold a use's product back (`defer`) to add it with the weight's next use in the same backward, in one
+pass over the sum (`take_deferred`): the hook, which runs once every use of the backward has made its gradient,
+adds one still held (`take_added`); a step dropped midway forgets it (`forget`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 _ATTRIBUTE = "_optimus_grad_sink"
 _ADDED = "_optimus_grad_added"  # set by a kernel that added the gradient of this backward into the sink
+_DEFERRED = "_optimus_grad_deferred"  # a use's product that a kernel holds back for the next use (defer)
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,42 @@ def mark_added(param: torch.Tensor) -> bool:
     return first
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    part: tuple  # what the kernel computes the product from
+    add: Callable[[], None]  # adds that product alone into the sink
+
+
+def defer(param: torch.Tensor, part: tuple, add: Callable[[], None]) -> None:
+    """Hold back the product of one use of `param` (computed from `part`, which the weight's next use in this
+    backward takes with `take_deferred`); `add()` adds it into the sink alone, as `take_added` does if none does."""
+    setattr(param, _DEFERRED, _Deferred(part, add))
+
+
+def take_deferred(param: torch.Tensor) -> tuple | None:
+    """The `part` a use of `param` held back in this backward (no longer held), or None."""
+    deferred = getattr(param, _DEFERRED, None)
+    if deferred is None:
+        return None
+    delattr(param, _DEFERRED)
+    return deferred.part
+
+
 def take_added(param: torch.Tensor) -> bool:
     """Whether a kernel added `param`'s gradient into its sink since the last call (the gradient autograd stored
-    then holds nothing to add); clears the mark."""
+    then holds nothing to add), after adding a product still held back (`defer`); clears the mark."""
+    deferred = getattr(param, _DEFERRED, None)
+    if deferred is not None:
+        delattr(param, _DEFERRED)
+        deferred.add()
     added = getattr(param, _ADDED, False)
     if added:
         setattr(param, _ADDED, False)
     return added
+
+
+def forget(param: torch.Tensor) -> None:
+    """A new step: drop the mark and any product held back, adding nothing (a backward stopped before its hook)."""
+    for name in (_ADDED, _DEFERRED):
+        if hasattr(param, name):
+            delattr(param, name)

@@ -84,42 +84,72 @@ def _(dy_AD, w2_EFD, h13_AF2, offsets_E):
 
 
 @torch.library.custom_op("optimus::triton_grouped_wgrad", mutates_args=())
-def _grouped_wgrad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `out_dtype`. Not `dtype`: the products are in the
-    inputs' dtype, whatever the output's (the performance model reads an operator's `dtype` as its compute dtype)."""
-    return tk.grouped_wgrad(x_AM, g_AN, offsets_E, out_dtype)
+def _grouped_wgrad(
+    x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, out_dtype: torch.dtype,
+    x2_AM: Tensor | None = None, g2_AN: Tensor | None = None, offsets2_E: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `out_dtype`, plus the same over a second part's rows
+    (x2, g2, offsets2) where given. Not `dtype`: the products are in the inputs' dtype, whatever the output's (the
+    performance model reads an operator's `dtype` as its compute dtype)."""
+    return tk.grouped_wgrad(x_AM, g_AN, offsets_E, out_dtype, _second_part(x2_AM, g2_AN, offsets2_E))
 
 
 @_grouped_wgrad.register_fake
-def _(x_AM, g_AN, offsets_E, out_dtype):
+def _(x_AM, g_AN, offsets_E, out_dtype, x2_AM=None, g2_AN=None, offsets2_E=None):
     return x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("optimus::triton_grouped_wgrad_into", mutates_args=("sum_EMN",))
-def _grouped_wgrad_into(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, sum_EMN: Tensor) -> None:
-    """sum[e] += x[rows of e]^T @ g[rows of e] in fp32, in place (a weight's gradient sink: grad_sink)."""
-    tk.grouped_wgrad_into(x_AM, g_AN, offsets_E, sum_EMN)
+def _grouped_wgrad_into(
+    x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, sum_EMN: Tensor,
+    x2_AM: Tensor | None = None, g2_AN: Tensor | None = None, offsets2_E: Tensor | None = None,
+) -> None:  # fmt: skip
+    """sum[e] += x[rows of e]^T @ g[rows of e] (and the same over a second part's rows where given) in fp32, in
+    place (a weight's gradient sink: grad_sink), the sum read and written once."""
+    tk.grouped_wgrad_into(x_AM, g_AN, offsets_E, sum_EMN, _second_part(x2_AM, g2_AN, offsets2_E))
 
 
 @_grouped_wgrad_into.register_fake
-def _(x_AM, g_AN, offsets_E, sum_EMN):
+def _(x_AM, g_AN, offsets_E, sum_EMN, x2_AM=None, g2_AN=None, offsets2_E=None):
     return None
+
+
+def _second_part(x2_AM: Tensor | None, g2_AN: Tensor | None, offsets2_E: Tensor | None) -> tk.WgradPart | None:
+    return None if x2_AM is None else (x2_AM, g2_AN, offsets2_E)
 
 
 def _weight_grad(x_AM: Tensor, g_AN: Tensor, offsets_E: Tensor, w_EMN: Tensor) -> Tensor | None:
     """A grouped weight's gradient, returned in the weight's dtype; or, where the optimizer offers a sink
     (grad_sink.sink_of), added into its fp32 sum (or written in fp32 as the sum, where the step has none yet),
     with an uninitialised tensor returned in its place for the optimizer's hook to drop (None from a second use in
-    the same backward: grad_sink.mark_added)."""
+    the same backward: grad_sink.mark_added).
+
+    Into a sink, a use's product waits for the weight's next use in the same backward (parallel.ep_overlap_chunks
+    runs the experts on each chunk of a micro-batch's rows) and the two are added in one pass over the fp32 sum,
+    which is memory-bound at a few hundred rows per expert: the sum is read and written once per pair of uses, not
+    once per use. A use that finds no partner is added alone by the optimizer's hook, which runs once the
+    backward has made every use's gradient (grad_sink.defer)."""
     sink = grad_sink.sink_of(w_EMN)
     if sink is None:
         return _grouped_wgrad(x_AM, g_AN, offsets_E, w_EMN.dtype)
+    first_use = grad_sink.mark_added(w_EMN)
+    part = (x_AM, g_AN, offsets_E)
+    waiting = grad_sink.take_deferred(w_EMN)
+    if waiting is None:
+        grad_sink.defer(w_EMN, part, lambda: _add_to_sink(sink, part, None))
+    else:
+        _add_to_sink(sink, waiting, part)
+    return torch.empty_like(w_EMN) if first_use else None
+
+
+def _add_to_sink(sink: grad_sink.Sink, part: tk.WgradPart, second: tk.WgradPart | None) -> None:
+    """Add one or two parts' products to the sink's fp32 sum, or write them as the sum where the step has none."""
+    extra = second if second is not None else (None, None, None)
     total = sink.sum()
     if total is None:
-        sink.adopt(_grouped_wgrad(x_AM, g_AN, offsets_E, torch.float32))
+        sink.adopt(_grouped_wgrad(*part, torch.float32, *extra))
     else:
-        _grouped_wgrad_into(x_AM, g_AN, offsets_E, total)
-    return torch.empty_like(w_EMN) if grad_sink.mark_added(w_EMN) else None
+        _grouped_wgrad_into(*part, total, *extra)
 
 
 # ---- the differentiable operators ----
@@ -386,5 +416,8 @@ def _grouped_mm_flops(x_shape, w_shape, offsets_shape, dtype, out_shape=None) ->
 
 
 @register_flop_formula([torch.ops.optimus.triton_grouped_wgrad, torch.ops.optimus.triton_grouped_wgrad_into])
-def _grouped_wgrad_flops(x_shape, g_shape, offsets_shape, *_, out_shape=None) -> int:
-    return 2 * x_shape[0] * x_shape[1] * g_shape[1]
+def _grouped_wgrad_flops(
+    x_shape, g_shape, offsets_shape, out, x2_shape=None, g2_shape=None, offsets2_shape=None, out_shape=None
+) -> int:
+    rows = x_shape[0] + (x2_shape[0] if x2_shape is not None else 0)  # both parts' rows meet the same weights
+    return 2 * rows * x_shape[1] * g_shape[1]

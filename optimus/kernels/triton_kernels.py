@@ -203,34 +203,49 @@ def _swiglu_bwd_kernel(
 
 # restore_value: the autotuner runs each config on the real arguments; an accumulating call must not add once per
 # config tried.
-@triton.autotune(configs=gemm_configs(), key=["M", "N", "ACCUMULATE"], restore_value=["dw_ptr"])
+@triton.autotune(configs=gemm_configs(), key=["M", "N", "ACCUMULATE", "TWO_PARTS"], restore_value=["dw_ptr"])
 @triton.jit
 def _grouped_wgrad_kernel(
-    x_ptr, g_ptr, dw_ptr, offsets_ptr, M, N,
-    sxa, sxm, sga, sgn, sde, sdm, sdn,
-    PREC: tl.constexpr, ACCUMULATE: tl.constexpr,
+    x_ptr, g_ptr, offsets_ptr, x2_ptr, g2_ptr, offsets2_ptr, dw_ptr, M, N,
+    sxa, sxm, sga, sgn, sx2a, sx2m, sg2a, sg2n, sde, sdm, sdn,
+    PREC: tl.constexpr, ACCUMULATE: tl.constexpr, TWO_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # dw[e][M, N] = x[rows of e][:, M]^T @ g[rows of e][:, N]; BLOCK_K walks the expert's rows. ACCUMULATE: dw[e]
-    # (fp32) += the same, the sum taken in fp32 before any rounding.
+    # dw[e][M, N] = x[rows of e][:, M]^T @ g[rows of e][:, N]; BLOCK_K walks the expert's rows. TWO_PARTS: plus the
+    # same over the second part's rows (x2, g2, offsets2: another batch of rows for the same weights), summed in the
+    # same fp32 tile. ACCUMULATE: dw[e] (fp32) += the sum, taken in fp32 before any rounding.
     expert = tl.program_id(0)
     n_col_tiles = tl.cdiv(N, BLOCK_N)
     ms = (tl.program_id(1) // n_col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = (tl.program_id(1) % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = ms < M, ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _wgrad_rows(acc, x_ptr, g_ptr, offsets_ptr, expert, ms, ns, m_mask, n_mask, sxa, sxm, sga, sgn, PREC, BLOCK_K)
+    if TWO_PARTS:
+        acc = _wgrad_rows(
+            acc, x2_ptr, g2_ptr, offsets2_ptr, expert, ms, ns, m_mask, n_mask, sx2a, sx2m, sg2a, sg2n, PREC, BLOCK_K
+        )
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * sde + ms[:, None] * sdm + ns[None, :] * sdn
+    if ACCUMULATE:
+        acc += tl.load(dw_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _wgrad_rows(
+    acc, x_ptr, g_ptr, offsets_ptr, expert, ms, ns, m_mask, n_mask, sxa, sxm, sga, sgn,
+    PREC: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # acc [BLOCK_M, BLOCK_N] += x[rows of expert][:, ms]^T @ g[rows of expert][:, ns]
     start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
     end = tl.load(offsets_ptr + expert)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
         rs = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         r_mask = rs < end
         a = tl.load(x_ptr + rs[None, :] * sxa + ms[:, None] * sxm, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         b = tl.load(g_ptr + rs[:, None] * sga + ns[None, :] * sgn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    dw_ptrs = dw_ptr + expert.to(tl.int64) * sde + ms[:, None] * sdm + ns[None, :] * sdn
-    if ACCUMULATE:
-        acc += tl.load(dw_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    return acc
 
 
 @triton.jit
@@ -448,26 +463,42 @@ def swiglu_backward(dy_AD: torch.Tensor, w2_EFD: torch.Tensor, h13_AF2: torch.Te
     return dh13_AF2
 
 
-def grouped_wgrad(x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype):
-    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype` (zero for experts without rows)."""
+# (x [A, M], g [A, N], offsets [E]): a batch of expert-sorted rows and the end of each expert's
+WgradPart = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def grouped_wgrad(
+    x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype, second: WgradPart | None = None
+) -> torch.Tensor:
+    """dw[e] = x[rows of e]^T @ g[rows of e] -> [E, M, N] in `dtype` (zero for experts without rows); with `second`
+    (a WgradPart of other rows for the same weights), the sum of both parts' products, rounded once."""
     dw_EMN = x_AM.new_empty(offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1], dtype=dtype)
-    _launch_wgrad(x_AM, g_AN, offsets_E, dw_EMN, accumulate=False)
+    _launch_wgrad((x_AM, g_AN, offsets_E), second, dw_EMN, accumulate=False)
     return dw_EMN
 
 
-def grouped_wgrad_into(x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, sum_EMN: torch.Tensor):
-    """sum[e] += x[rows of e]^T @ g[rows of e] in place; `sum_EMN` fp32 [E, M, N] (gradient-accumulation fusion)."""
+def grouped_wgrad_into(
+    x_AM: torch.Tensor, g_AN: torch.Tensor, offsets_E: torch.Tensor, sum_EMN: torch.Tensor,
+    second: WgradPart | None = None,
+) -> None:  # fmt: skip
+    """sum[e] += x[rows of e]^T @ g[rows of e] (plus the same of `second`'s rows) in place; `sum_EMN` fp32 [E, M, N]
+    (gradient-accumulation fusion), read and written once whether one part is added or two."""
     if sum_EMN.dtype != torch.float32 or sum_EMN.shape != (offsets_E.shape[0], x_AM.shape[1], g_AN.shape[1]):
         raise ValueError(f"grouped_wgrad_into adds into an fp32 [E, M, N] tensor, not {sum_EMN.dtype} {sum_EMN.shape}")
-    _launch_wgrad(x_AM, g_AN, offsets_E, sum_EMN, accumulate=True)
+    _launch_wgrad((x_AM, g_AN, offsets_E), second, sum_EMN, accumulate=True)
 
 
-def _launch_wgrad(x_AM, g_AN, offsets_E, dw_EMN, accumulate: bool) -> None:
+def _launch_wgrad(first: WgradPart, second: WgradPart | None, dw_EMN: torch.Tensor, accumulate: bool) -> None:
+    x_AM, g_AN, offsets_E = first
+    x2_AM, g2_AN, offsets2_E = second if second is not None else first  # unread without TWO_PARTS
+    if x2_AM.shape[1:] != x_AM.shape[1:] or g2_AN.shape[1:] != g_AN.shape[1:] or offsets2_E.shape != offsets_E.shape:
+        raise ValueError("the two parts of a grouped weight gradient must be rows for the same weights")
     M, N = x_AM.shape[1], g_AN.shape[1]
     grid = lambda meta: (offsets_E.shape[0], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
     _grouped_wgrad_kernel[grid](
-        x_AM, g_AN, dw_EMN, offsets_E, M, N,
-        *x_AM.stride(), *g_AN.stride(), *dw_EMN.stride(), PREC=_prec(x_AM.dtype), ACCUMULATE=accumulate,
+        x_AM, g_AN, offsets_E, x2_AM, g2_AN, offsets2_E, dw_EMN, M, N,
+        *x_AM.stride(), *g_AN.stride(), *x2_AM.stride(), *g2_AN.stride(), *dw_EMN.stride(),
+        PREC=_prec(x_AM.dtype), ACCUMULATE=accumulate, TWO_PARTS=second is not None,
     )  # fmt: skip
 
 

@@ -289,7 +289,7 @@ class ShardGroup:
             if bi < self.next_launch:
                 raise RuntimeError(f"the gradient of {s.name} arrived after its bucket was reduced.")
             if bi not in self.staging:
-                self.staging[bi] = torch.zeros(b.end - b.start, dtype=self.grad_dtype, device=self.flat.device)
+                self.staging[bi] = self.new_staging(bi)
             lo, hi = max(s.start, b.start), min(s.end, b.end)
             dst = self.staging[bi][lo - b.start : hi - b.start]
             if grad is not None:
@@ -298,9 +298,27 @@ class ShardGroup:
                 dst.add_(earlier.reshape(-1)[lo - s.start : hi - s.start])
             elif earlier is not None:  # the whole sum (a kernel added this micro-batch's gradient to it)
                 dst.copy_(earlier.reshape(-1)[lo - s.start : hi - s.start])
+            elif grad is None:  # no gradient this step (a parameter the loss did not reach)
+                dst.zero_()
             self.left[bi] -= 1
             if self.left[bi] == 0:  # reduce it before staging the next: a large parameter spans many buckets
                 self.launch_ready()
+
+    def new_staging(self, bucket_idx: int) -> torch.Tensor:
+        """ZeRO-2: an uninitialised staging copy of one bucket [numel] with the elements no slot covers (the padding
+        after the last, or between slots) zeroed; pack writes every slot's part. Zeroing the whole bucket first would
+        write it twice: on a 220B rank, nine 1 GiB buckets a step."""
+        b = self.flat.buckets[bucket_idx]
+        staged = torch.empty(b.end - b.start, dtype=self.grad_dtype, device=self.flat.device)  # [numel]
+        covered = b.start
+        for i in self.bucket_slots[bucket_idx]:  # in flat order
+            s = self.flat.slots[i]
+            if s.start > covered:
+                staged[covered - b.start : s.start - b.start].zero_()
+            covered = max(covered, min(s.end, b.end))
+        if covered < b.end:
+            staged[covered - b.start :].zero_()
+        return staged
 
     def sum_over_tp(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> torch.Tensor:
         """ZeRO-2: a partial slot's gradient of the step (this micro-batch's + earlier ones'), summed over tp."""
@@ -415,7 +433,7 @@ class ShardGroup:
         if self.zero == 2 or self.grads_by_hook:
             for s in self.flat.slots:
                 s.param.grad = None
-                grad_sink.take_added(s.param)  # a backward stopped before its hook leaves no mark behind
+                grad_sink.forget(s.param)  # a backward stopped before its hook leaves nothing behind
         self.reset()
 
     # ---- after the reduction --------------------------------------------------

@@ -36,7 +36,8 @@ _DEVICE_CALLS = 5  # calls per sample on an accelerator, between two synchroniza
 _REGISTERED_BY = {"optimus": "optimus.kernels.triton_backend"}
 # Integer arguments, by name, whose values are the cumulative ends of groups of the rows of the call's first
 # tensor (the experts' offsets of a grouped GEMM, the tokens' segments of a segment sum).
-_GROUP_ENDS = ("offs", "offsets_E", "seg_end_T")
+_GROUP_ENDS = ("offs", "offsets_E", "seg_end_T", "offsets2_E")
+_SECOND_PART_ROWS = {"offsets2_E": "x2_AM"}  # group ends of a second batch of rows: they split that batch's rows
 
 
 def _span(shape: list[int], stride: list[int]) -> int:
@@ -86,9 +87,10 @@ def _operator(name: str):
 def _spread_values(func, args: list, kwargs: dict) -> None:
     """Give the integer arguments whose values decide an operator's work those of a balanced routing, in place:
     zeros would leave every group of a grouped GEMM empty but the last, and send every row of a scatter to one
-    place. Group ends (_GROUP_ENDS) split the grouped rows evenly; the index of a gather, scatter or index_*
-    operator (arguments `self`, `dim`, `index`), the indices of `index` and `index_put`, and the expert path's
-    token indices spread over what they index; its orders (`order_A`) are the identity."""
+    place. Group ends (_GROUP_ENDS) split the grouped rows evenly (a second batch's ends, its own rows); the index
+    of a gather, scatter or index_* operator (arguments `self`, `dim`, `index`), the indices of `index` and
+    `index_put`, and the expert path's token indices spread over what they index; its orders (`order_A`) are the
+    identity."""
     named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     first = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
@@ -98,6 +100,8 @@ def _spread_values(func, args: list, kwargs: dict) -> None:
         ends = named.get(name)
         if isinstance(ends, torch.Tensor) and not ends.is_floating_point() and ends.dim() == 1:
             rows, groups = (tensors[1].shape[0] if both_matrices else first), ends.numel()
+            if name in _SECOND_PART_ROWS:
+                rows = named[_SECOND_PART_ROWS[name]].shape[0]
             ends.copy_(torch.arange(1, groups + 1, device=ends.device) * rows // max(groups, 1))
     target, index, indices = named.get("self"), named.get("index"), named.get("indices")
     if isinstance(target, torch.Tensor) and isinstance(index, torch.Tensor) and isinstance(named.get("dim"), int):

@@ -73,6 +73,29 @@ def test_grouped_mm_forward_input_and_weight_grads():
     assert got[2][1].abs().max() == 0
 
 
+def test_grouped_weight_gradient_of_two_parts_sums_both():
+    # Two batches of rows for the same experts (two chunks of a micro-batch), their products summed in one pass:
+    # written (the step's first), then added into an fp32 sum; ragged rows, an expert empty in one part only, and
+    # the parts of different lengths. Against each expert's rows' x^T @ g, by part, added in fp32.
+    from optimus.kernels import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(7)
+    parts, want = [], torch.zeros(4, 20, 24)
+    for offsets in ([9, 9, 15, 21], [4, 10, 10, 30]):
+        x = torch.randn(offsets[-1], 20, generator=gen)
+        g = torch.randn(offsets[-1], 24, generator=gen)
+        bounds = torch.tensor(offsets, dtype=torch.int32)
+        for e, (lo, hi) in enumerate(zip([0, *offsets[:-1]], offsets)):
+            want[e] += x[lo:hi].T @ g[lo:hi]
+        parts.append(tuple(t.to(DEVICE) for t in (x, g, bounds)))
+    written = tk.grouped_wgrad(*parts[0], torch.float32, second=parts[1])
+    assert_close_rel(written.cpu(), want, 1e-5, "two parts, written")
+    total = torch.randn(4, 20, 24, generator=gen)
+    added = total.to(DEVICE).clone()
+    tk.grouped_wgrad_into(*parts[0], added, second=parts[1])
+    assert_close_rel(added.cpu(), total + want, 1e-5, "two parts, added")
+
+
 class _FlatBuffer:
     """An optimizer's stand-in for grad_sink: one flat buffer, the weight of key k at elements spans[k]."""
 

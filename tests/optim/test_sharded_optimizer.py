@@ -485,3 +485,33 @@ def test_zero2_stages_at_most_what_the_plan_counts():
     while reducing stays within zero2_staging_bytes (what optimus plan adds), far below the whole gradient."""
     for kind, (peak, planned, whole) in run_distributed(staged_peaks, 2, 0.002)[0].items():
         assert 0 < peak <= planned < whole / 2, (kind, peak, planned, whole)
+
+
+def test_zero2_staging_is_written_whole_without_zeroing_it(monkeypatch):
+    """ZeRO-2 stages each bucket in an uninitialised buffer that its parameters' gradients overwrite: a parameter
+    the loss never reached and the padding after the last parameter must still reduce to zeros. Here every
+    torch.empty returns NaNs, so any element left unwritten shows."""
+    from optimus.optim.shard_group import GroupComm, ShardGroup
+    from optimus.optim.sharder import _arrival, _storing
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    used, unused = torch.nn.Parameter(torch.randn(40, 3)), torch.nn.Parameter(torch.randn(50))
+    group = ShardGroup([("used", used), ("unused", unused)], GroupComm(None, 1, 0), 32, 2, torch.float32, None, 2)
+    assert group.flat.padding > 0 and len(group.flat.buckets) > 2  # 170 elements, padded, in buckets of 32
+    for i, s in enumerate(group.flat.slots):
+        s.param.register_hook(_arrival(group, i))
+        s.param.register_post_accumulate_grad_hook(_storing(group, i))
+    weights = torch.randn(40, 3)
+    for _ in range(2):
+        (used * weights).sum().backward()
+    group.reduce_rest()
+    want = torch.zeros(group.flat.padded_numel)
+    (where,) = [s for s in group.flat.slots if s.name == "used"]
+    want[where.start : where.end] = 2 * weights.reshape(-1)
+    torch.testing.assert_close(group.grad_shard, want)

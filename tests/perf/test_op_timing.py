@@ -175,6 +175,11 @@ def test_the_expert_paths_token_indices_spread_over_the_tokens():
     order, seg_end = torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)
     args, _ = _made(torch.ops.optimus.triton_segment_sum.default, (torch.randn(6, 4), order, seg_end, torch.float32))
     assert args[1].tolist() == list(range(6)) and args[2].tolist() == [2, 4, 6]
+    # A weight gradient of two batches of rows: each batch's group ends split its own rows.
+    wgrad = (torch.randn(6, 4), torch.randn(6, 5), seg_end, torch.float32, torch.randn(9, 4), torch.randn(9, 5),
+             torch.zeros(3, dtype=torch.int32))  # fmt: skip
+    args, _ = _made(torch.ops.optimus.triton_grouped_wgrad.default, wgrad)
+    assert args[2].tolist() == [2, 4, 6] and args[6].tolist() == [3, 6, 9]
 
 
 # ---- the file a calibration writes
