@@ -109,21 +109,24 @@ def defer(param: torch.Tensor, part: tuple, add: Callable[[], None]) -> None:
     setattr(param, _DEFERRED, _Deferred(part, add))
 
 
+def _take_deferred(param: torch.Tensor) -> _Deferred | None:
+    deferred = getattr(param, _DEFERRED, None)
+    if deferred is not None:
+        delattr(param, _DEFERRED)
+    return deferred
+
+
 def take_deferred(param: torch.Tensor) -> tuple | None:
     """The `part` a use of `param` held back in this backward (no longer held), or None."""
-    deferred = getattr(param, _DEFERRED, None)
-    if deferred is None:
-        return None
-    delattr(param, _DEFERRED)
-    return deferred.part
+    deferred = _take_deferred(param)
+    return None if deferred is None else deferred.part
 
 
 def take_added(param: torch.Tensor) -> bool:
     """Whether a kernel added `param`'s gradient into its sink since the last call (the gradient autograd stored
     then holds nothing to add), after adding a product still held back (`defer`); clears the mark."""
-    deferred = getattr(param, _DEFERRED, None)
+    deferred = _take_deferred(param)
     if deferred is not None:
-        delattr(param, _DEFERRED)
         deferred.add()
     added = getattr(param, _ADDED, False)
     if added:
@@ -133,6 +136,5 @@ def take_added(param: torch.Tensor) -> bool:
 
 def forget(param: torch.Tensor) -> None:
     """A new step: drop the mark and any product held back, adding nothing (a backward stopped before its hook)."""
-    for name in (_ADDED, _DEFERRED):
-        if hasattr(param, name):
-            delattr(param, name)
+    _take_deferred(param)
+    setattr(param, _ADDED, False)

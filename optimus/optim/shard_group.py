@@ -305,19 +305,12 @@ class ShardGroup:
                 self.launch_ready()
 
     def new_staging(self, bucket_idx: int) -> torch.Tensor:
-        """ZeRO-2: an uninitialised staging copy of one bucket [numel] with the elements no slot covers (the padding
-        after the last, or between slots) zeroed; pack writes every slot's part. Zeroing the whole bucket first would
-        write it twice: on a 220B rank, nine 1 GiB buckets a step."""
+        """ZeRO-2: an uninitialised staging copy of one bucket [numel] with its padding (the elements after the last
+        slot: slots tile the flat buffer from its start) zeroed; pack writes every slot's part. Zeroing the whole
+        bucket first would write it twice: on a 220B rank, nine 1 GiB buckets a step."""
         b = self.flat.buckets[bucket_idx]
         staged = torch.empty(b.end - b.start, dtype=self.grad_dtype, device=self.flat.device)  # [numel]
-        covered = b.start
-        for i in self.bucket_slots[bucket_idx]:  # in flat order
-            s = self.flat.slots[i]
-            if s.start > covered:
-                staged[covered - b.start : s.start - b.start].zero_()
-            covered = max(covered, min(s.end, b.end))
-        if covered < b.end:
-            staged[covered - b.start :].zero_()
+        staged[max(self.flat.numel, b.start) - b.start :].zero_()
         return staged
 
     def sum_over_tp(self, slot_idx: int, grad: torch.Tensor | None, earlier: torch.Tensor | None) -> torch.Tensor:
